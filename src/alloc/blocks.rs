@@ -1,0 +1,143 @@
+//! Blocks (pieces of a device segment), the arena that owns them, and the free lists that
+//! find the best cached fit per (stream, size).
+
+use super::sizing::PoolKind;
+use crate::driver::{DevicePtr, StreamId};
+use std::collections::BTreeMap;
+
+pub type BlockId = u32;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockState {
+    /// Handed to a caller.
+    Allocated,
+    /// Freed by the caller, but other streams it was recorded on may still use it.
+    AwaitingEvents,
+    /// Cached in its pool's free list.
+    Free,
+}
+
+#[derive(Clone, Debug)]
+pub struct Block {
+    pub addr: DevicePtr,
+    pub size: u64,
+    /// Bytes the caller asked for (before rounding); 0 while free.
+    pub requested: u64,
+    /// The stream the segment was allocated for; the block is reused only there.
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    /// Neighbours inside the same segment, by address.
+    pub prev: Option<BlockId>,
+    pub next: Option<BlockId>,
+    pub state: BlockState,
+    /// Other streams that used the block (`record_stream`); they are waited for on free.
+    pub stream_uses: Vec<StreamId>,
+    /// The pool's lookup count when the block was cached; its age for garbage collection.
+    pub cached_at: u64,
+}
+
+impl Block {
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+
+    pub fn end(&self) -> DevicePtr {
+        self.addr + self.size
+    }
+}
+
+/// Owns every block; ids stay valid until `remove`, and freed slots are reused.
+#[derive(Default)]
+pub struct BlockArena {
+    slots: Vec<Option<Block>>,
+    vacant: Vec<BlockId>,
+}
+
+impl BlockArena {
+    pub fn insert(&mut self, block: Block) -> BlockId {
+        match self.vacant.pop() {
+            Some(id) => {
+                self.slots[id as usize] = Some(block);
+                id
+            }
+            None => {
+                self.slots.push(Some(block));
+                (self.slots.len() - 1) as BlockId
+            }
+        }
+    }
+
+    pub fn remove(&mut self, id: BlockId) -> Block {
+        let block = self.slots[id as usize].take().expect("block id is live");
+        self.vacant.push(id);
+        block
+    }
+
+    pub fn get(&self, id: BlockId) -> &Block {
+        self.slots[id as usize].as_ref().expect("block id is live")
+    }
+
+    pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
+        self.slots[id as usize].as_mut().expect("block id is live")
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len() - self.vacant.len()
+    }
+}
+
+type FreeKey = (StreamId, u64, DevicePtr);
+
+/// The cached free blocks of one pool, ordered by (stream, size, address) for best fit.
+#[derive(Default)]
+pub struct FreeList {
+    blocks: BTreeMap<FreeKey, BlockId>,
+    /// Counts lookups; a cached block's age is `lookups - block.cached_at`.
+    pub lookups: u64,
+}
+
+impl FreeList {
+    fn key(block: &Block) -> FreeKey {
+        (block.stream, block.size, block.addr)
+    }
+
+    pub fn insert(&mut self, block: &Block, id: BlockId) {
+        let previous = self.blocks.insert(Self::key(block), id);
+        debug_assert!(previous.is_none(), "block cached twice");
+    }
+
+    pub fn remove(&mut self, block: &Block) {
+        let removed = self.blocks.remove(&Self::key(block));
+        debug_assert!(removed.is_some(), "removed a block that was not cached");
+    }
+
+    /// The smallest cached block on `stream` of at least `size` bytes.
+    pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
+        self.blocks
+            .range((stream, size, 0)..)
+            .next()
+            .filter(|((s, _, _), _)| *s == stream)
+            .map(|((_, size, _), &id)| (*size, id))
+    }
+
+    /// Cached blocks on `stream` of at least `min_size`, largest first.
+    pub fn largest_first(&self, stream: StreamId, min_size: u64) -> Vec<BlockId> {
+        self.blocks
+            .range((stream, min_size, 0)..(stream, u64::MAX, DevicePtr::MAX))
+            .rev()
+            .map(|(_, &id)| id)
+            .collect()
+    }
+
+    pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.blocks.values().copied()
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}

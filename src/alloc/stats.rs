@@ -1,0 +1,217 @@
+//! Memory statistics with `torch.cuda.memory_stats()`'s names and meanings.
+
+use super::sizing::PoolKind;
+
+/// One counter: its current value, high-water mark, and the totals ever added and removed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    pub current: i64,
+    pub peak: i64,
+    pub allocated: i64,
+    pub freed: i64,
+}
+
+impl Stat {
+    pub fn increase(&mut self, amount: u64) {
+        let amount = amount as i64;
+        self.current += amount;
+        self.allocated += amount;
+        self.peak = self.peak.max(self.current);
+    }
+
+    pub fn decrease(&mut self, amount: u64) {
+        let amount = amount as i64;
+        self.current -= amount;
+        self.freed += amount;
+    }
+
+    /// Adds a signed change (used for net changes in inactive splits).
+    pub fn adjust(&mut self, delta: i64) {
+        if delta >= 0 {
+            self.increase(delta as u64);
+        } else {
+            self.decrease(delta.unsigned_abs());
+        }
+    }
+
+    fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A stat kept for all blocks and for each pool: index 0 = all, 1 = small pool, 2 = large pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatArray(pub [Stat; 3]);
+
+pub const STAT_TYPE_NAMES: [&str; 3] = ["all", "small_pool", "large_pool"];
+
+impl StatArray {
+    pub fn increase(&mut self, pool: PoolKind, amount: u64) {
+        self.0[0].increase(amount);
+        self.0[1 + pool as usize].increase(amount);
+    }
+
+    pub fn decrease(&mut self, pool: PoolKind, amount: u64) {
+        self.0[0].decrease(amount);
+        self.0[1 + pool as usize].decrease(amount);
+    }
+
+    pub fn adjust(&mut self, pool: PoolKind, delta: i64) {
+        self.0[0].adjust(delta);
+        self.0[1 + pool as usize].adjust(delta);
+    }
+
+    pub fn all(&self) -> Stat {
+        self.0[0]
+    }
+
+    fn for_each(&mut self, f: impl Fn(&mut Stat)) {
+        self.0.iter_mut().for_each(f);
+    }
+}
+
+/// Everything PyTorch's `memory_stats()` reports for one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceStats {
+    /// Blocks handed to callers and not yet freed.
+    pub allocation: StatArray,
+    /// Device allocations (segments) held.
+    pub segment: StatArray,
+    /// Blocks in use: allocated, or freed but awaiting other streams' events.
+    pub active: StatArray,
+    /// Free blocks that are pieces of a split segment.
+    pub inactive_split: StatArray,
+    pub allocated_bytes: StatArray,
+    pub reserved_bytes: StatArray,
+    pub active_bytes: StatArray,
+    pub inactive_split_bytes: StatArray,
+    /// Bytes callers asked for, before rounding.
+    pub requested_bytes: StatArray,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_sync_all_streams: u64,
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+    /// Allocations and segments of at least `max_split_size`.
+    pub oversize_allocations: Stat,
+    pub oversize_segments: Stat,
+}
+
+impl DeviceStats {
+    pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// Zeroes every `allocated`/`freed` total and the event counters, as PyTorch does.
+    pub fn reset_accumulated(&mut self) {
+        for array in self.arrays_mut() {
+            array.for_each(Stat::reset_accumulated);
+        }
+        self.oversize_allocations.reset_accumulated();
+        self.oversize_segments.reset_accumulated();
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_sync_all_streams = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for array in self.arrays_mut() {
+            array.for_each(Stat::reset_peak);
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// The flat `name.type.metric` → value pairs of `torch.cuda.memory_stats()`.
+    pub fn flat(&self) -> Vec<(String, i64)> {
+        let mut out = Vec::with_capacity(128);
+        for (name, array) in self.arrays() {
+            for (type_name, stat) in STAT_TYPE_NAMES.iter().zip(array.0.iter()) {
+                push_stat(&mut out, &format!("{name}.{type_name}"), stat);
+            }
+        }
+        push_stat(&mut out, "oversize_allocations", &self.oversize_allocations);
+        push_stat(&mut out, "oversize_segments", &self.oversize_segments);
+        for (name, value) in [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_sync_all_streams", self.num_sync_all_streams),
+            ("num_device_alloc", self.num_device_alloc),
+            ("num_device_free", self.num_device_free),
+        ] {
+            out.push((name.to_string(), value as i64));
+        }
+        out.sort();
+        out
+    }
+}
+
+fn push_stat(out: &mut Vec<(String, i64)>, prefix: &str, stat: &Stat) {
+    out.push((format!("{prefix}.current"), stat.current));
+    out.push((format!("{prefix}.peak"), stat.peak));
+    out.push((format!("{prefix}.allocated"), stat.allocated));
+    out.push((format!("{prefix}.freed"), stat.freed));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.increase(10);
+        s.decrease(4);
+        s.adjust(-2);
+        s.adjust(3);
+        assert_eq!(s, Stat { current: 7, peak: 10, allocated: 13, freed: 6 });
+        s.reset_peak();
+        s.reset_accumulated();
+        assert_eq!(s, Stat { current: 7, peak: 7, allocated: 0, freed: 0 });
+    }
+
+    #[test]
+    fn flat_keys_follow_pytorch_naming() {
+        let mut stats = DeviceStats::default();
+        stats.allocated_bytes.increase(PoolKind::Large, 4096);
+        let flat: std::collections::HashMap<_, _> = stats.flat().into_iter().collect();
+        assert_eq!(flat["allocated_bytes.all.current"], 4096);
+        assert_eq!(flat["allocated_bytes.large_pool.peak"], 4096);
+        assert_eq!(flat["allocated_bytes.small_pool.current"], 0);
+        assert!(flat.contains_key("num_device_free"));
+        assert!(flat.contains_key("oversize_segments.peak"));
+        assert_eq!(flat.len(), 9 * 3 * 4 + 2 * 4 + 5);
+    }
+}

@@ -1,0 +1,275 @@
+//! Allocator settings with PyTorch's key names and meanings, parsed from `key:value,key:value`
+//! (the `CCALLOC_CONF` environment variable, or at run time through the C API).
+#![forbid(unsafe_code)]
+
+use crate::error::{Error, ErrorKind, Result};
+
+const MB: u64 = 1 << 20;
+/// Power-of-two intervals from 1 MiB to 64 GiB, each with its own number of divisions.
+pub const ROUNDUP_INTERVALS: usize = 16;
+const FIRST_INTERVAL_LOG2: u32 = 20;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Blocks at least this large are never split; `u64::MAX` = no limit.
+    pub max_split_size: u64,
+    /// An oversize request may take a cached block at most this much larger than itself.
+    pub max_non_split_rounding: u64,
+    /// Divisions per power-of-two interval (index 0 covers sizes below 2 MiB); 0 or 1 = off.
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// Fraction (0, 1) of the memory limit above which old cached blocks are released; 0 = off.
+    pub garbage_collection_threshold: f64,
+    /// Fraction [0, 1] of device memory this process may reserve; `None` = all of it.
+    pub per_process_memory_fraction: Option<f64>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_split_size: u64::MAX,
+            max_non_split_rounding: crate::alloc::sizing::LARGE_BUFFER,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            garbage_collection_threshold: 0.0,
+            per_process_memory_fraction: None,
+        }
+    }
+}
+
+/// The keys `apply` accepts, for messages and documentation.
+pub const KEYS: [&str; 5] = [
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+    "per_process_memory_fraction",
+];
+
+fn config_error(message: String) -> Error {
+    Error::new(ErrorKind::Config, message)
+}
+
+impl Config {
+    /// Divisions that apply to a request of `size` bytes.
+    pub fn roundup_power2_divisions_for(&self, size: u64) -> u64 {
+        let log2 = 63 - size.max(1).leading_zeros();
+        let index = log2.saturating_sub(FIRST_INTERVAL_LOG2) as usize;
+        self.roundup_power2_divisions[index.min(ROUNDUP_INTERVALS - 1)]
+    }
+
+    /// Reads `CCALLOC_CONF` on top of the defaults.
+    pub fn from_env() -> Result<Self> {
+        let mut config = Self::default();
+        if let Ok(text) = std::env::var("CCALLOC_CONF") {
+            config
+                .apply(&text)
+                .map_err(|e| config_error(format!("CCALLOC_CONF: {}", e.message)))?;
+        }
+        Ok(config)
+    }
+
+    /// Applies `key:value,key:value`; on any error nothing is changed.
+    pub fn apply(&mut self, text: &str) -> Result<()> {
+        let mut next = self.clone();
+        for item in split_items(text)? {
+            let (key, value) = item.split_once(':').ok_or_else(|| {
+                config_error(format!("{item:?} is not key:value (keys: {})", KEYS.join(", ")))
+            })?;
+            next.set(key.trim(), value.trim())?;
+        }
+        *self = next;
+        Ok(())
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        match key {
+            "max_split_size_mb" => {
+                self.max_split_size = parse_megabytes_at_least_large_buffer(key, value)?;
+            }
+            "max_non_split_rounding_mb" => {
+                self.max_non_split_rounding = parse_megabytes_at_least_large_buffer(key, value)?;
+            }
+            "garbage_collection_threshold" => {
+                let t = parse_number::<f64>(key, value)?;
+                if !(t > 0.0 && t < 1.0) {
+                    return Err(config_error(format!(
+                        "garbage_collection_threshold must be between 0 and 1, exclusive (got {value})"
+                    )));
+                }
+                self.garbage_collection_threshold = t;
+            }
+            "per_process_memory_fraction" => {
+                let f = parse_number::<f64>(key, value)?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(config_error(format!(
+                        "per_process_memory_fraction must be within [0, 1] (got {value})"
+                    )));
+                }
+                self.per_process_memory_fraction = Some(f);
+            }
+            "roundup_power2_divisions" => self.set_roundup(value)?,
+            _ => {
+                return Err(config_error(format!(
+                    "unknown config key {key:?} (known keys: {})",
+                    KEYS.join(", ")
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// `4` (every interval) or `[256:1,512:2,>:8]`: a key is a size in MiB (a power of two)
+    /// naming its interval; earlier intervals take the first value; `>` covers all after the last.
+    fn set_roundup(&mut self, value: &str) -> Result<()> {
+        let Some(list) = value.strip_prefix('[') else {
+            let d = parse_divisions(value)?;
+            if d == 0 {
+                return Err(config_error(
+                    "roundup_power2_divisions: a single value must be a power of two (0 only inside [...])".into(),
+                ));
+            }
+            self.roundup_power2_divisions = [d; ROUNDUP_INTERVALS];
+            return Ok(());
+        };
+        let list = list.strip_suffix(']').ok_or_else(|| {
+            config_error(format!("roundup_power2_divisions: missing ']' in {value:?}"))
+        })?;
+        let mut table = [0u64; ROUNDUP_INTERVALS];
+        let mut last: Option<usize> = None;
+        for entry in list.split(',') {
+            let (size, divisions) = entry.split_once(':').ok_or_else(|| {
+                config_error(format!(
+                    "roundup_power2_divisions: {entry:?} is not SIZE_MB:DIVISIONS or >:DIVISIONS"
+                ))
+            })?;
+            let divisions = parse_divisions(divisions.trim())?;
+            let size = size.trim();
+            if size == ">" {
+                let from = last.map_or(0, |i| i + 1);
+                table[from..].fill(divisions);
+                continue;
+            }
+            let mb = parse_number::<u64>("roundup_power2_divisions", size)?;
+            if !mb.is_power_of_two() {
+                return Err(config_error(format!(
+                    "roundup_power2_divisions: interval key {mb} must be a power of two (MiB)"
+                )));
+            }
+            let index = (mb.trailing_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+            if last.is_some_and(|l| index <= l) {
+                return Err(config_error(format!(
+                    "roundup_power2_divisions: interval keys must increase ({mb} MiB after a larger one)"
+                )));
+            }
+            if last.is_none() {
+                table[..index].fill(divisions);
+            }
+            table[index] = divisions;
+            last = Some(index);
+        }
+        self.roundup_power2_divisions = table;
+        Ok(())
+    }
+}
+
+/// PyTorch (2.9+) refuses sizes under its 20 MiB large-segment size for both MiB keys.
+fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> {
+    let mb = parse_number::<u64>(key, value)?;
+    let floor = crate::alloc::sizing::LARGE_BUFFER / MB;
+    if mb < floor {
+        return Err(config_error(format!("{key} must be >= {floor} (got {mb})")));
+    }
+    Ok(mb.saturating_mul(MB))
+}
+
+fn parse_divisions(text: &str) -> Result<u64> {
+    let d = parse_number::<u64>("roundup_power2_divisions", text)?;
+    if d != 0 && !d.is_power_of_two() {
+        return Err(config_error(format!(
+            "roundup_power2_divisions: divisions must be a power of two or 0 (got {d})"
+        )));
+    }
+    Ok(d)
+}
+
+fn parse_number<T: std::str::FromStr>(key: &str, text: &str) -> Result<T> {
+    text.parse::<T>()
+        .map_err(|_| config_error(format!("{key}: {text:?} is not a valid number")))
+}
+
+/// Splits on commas outside brackets.
+fn split_items(text: &str) -> Result<Vec<&str>> {
+    let mut items = Vec::new();
+    let (mut depth, mut start) = (0i32, 0usize);
+    for (i, c) in text.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                items.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+        if depth < 0 {
+            return Err(config_error(format!("unbalanced ']' in {text:?}")));
+        }
+    }
+    if depth != 0 {
+        return Err(config_error(format!("unbalanced '[' in {text:?}")));
+    }
+    items.push(&text[start..]);
+    Ok(items.into_iter().map(str::trim).filter(|s| !s.is_empty()).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_key() {
+        let mut c = Config::default();
+        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4")
+            .unwrap();
+        assert_eq!(c.max_split_size, 256 * MB);
+        assert_eq!(c.max_non_split_rounding, 64 * MB);
+        assert_eq!(c.garbage_collection_threshold, 0.6);
+        assert_eq!(c.per_process_memory_fraction, Some(0.5));
+        assert_eq!(c.roundup_power2_divisions, [4; ROUNDUP_INTERVALS]);
+    }
+
+    #[test]
+    fn bracket_form_fills_intervals() {
+        let mut c = Config::default();
+        c.apply("roundup_power2_divisions:[256:1,512:2,>:8],max_split_size_mb:100").unwrap();
+        assert_eq!(c.roundup_power2_divisions_for(1 << 20), 1);
+        assert_eq!(c.roundup_power2_divisions_for(300 << 20), 1);
+        assert_eq!(c.roundup_power2_divisions_for(600 << 20), 2);
+        assert_eq!(c.roundup_power2_divisions_for(2 << 30), 8);
+        assert_eq!(c.roundup_power2_divisions_for(1 << 40), 8);
+        assert_eq!(c.max_split_size, 100 * MB);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_change_nothing() {
+        let mut c = Config::default();
+        for (bad, needle) in [
+            ("max_split_size_mb:10", "max_split_size_mb"),
+            ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb"),
+            ("roundup_power2_divisions:0", "single value"),
+            ("max_split_size_mb:ten", "max_split_size_mb"),
+            ("garbage_collection_threshold:1.5", "garbage_collection_threshold"),
+            ("per_process_memory_fraction:-0.1", "per_process_memory_fraction"),
+            ("roundup_power2_divisions:3", "power of two"),
+            ("roundup_power2_divisions:[300:2]", "power of two"),
+            ("roundup_power2_divisions:[512:2,256:1]", "increase"),
+            ("roundup_power2_divisions:[256:1", "'['"),
+            ("expandable_segments_typo:True", "expandable_segments_typo"),
+            ("max_split_size_mb", "key:value"),
+        ] {
+            let err = c.apply(&format!("max_non_split_rounding_mb:70,{bad}")).unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config);
+            assert!(err.message.contains(needle), "{bad}: {}", err.message);
+            assert_eq!(c, Config::default(), "{bad} changed the config");
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The real device: CUDA's driver API through cudarc's `sys` layer, loaded at run time.
+//!
+//! cudarc panics when libcuda or one of its symbols is missing, so `CudaDriver::new` first
+//! opens the library itself and checks every symbol used here; only then does it call cudarc.
+//! Allocations go to each device's *primary context*, the one the CUDA runtime and PyTorch use.
+
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, StreamId};
+use cudarc::driver::sys;
+use std::ffi::CStr;
+use std::sync::{Mutex, OnceLock};
+
+/// Every driver entry point this backend calls, by the names cudarc loads.
+const REQUIRED_SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuGetErrorString",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceTotalMem_v2",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxSynchronize",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+];
+
+/// Opens libcuda the way cudarc will, and checks the symbols we need are there.
+fn check_library() -> Result<(), String> {
+    let mut tried = Vec::new();
+    for name in ["cuda", "nvcuda"]
+        .iter()
+        .flat_map(|l| cudarc::get_lib_name_candidates(l))
+    {
+        // SAFETY: loading the system CUDA driver library runs its initialisers, as cudarc would.
+        let Ok(lib) = (unsafe { libloading::Library::new(&name) }) else {
+            tried.push(name);
+            continue;
+        };
+        for symbol in REQUIRED_SYMBOLS {
+            // SAFETY: only the symbol's presence is checked; it is not called here.
+            let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) };
+            if found.is_err() {
+                return Err(format!("{name} lacks {symbol}: the NVIDIA driver is too old"));
+            }
+        }
+        // Keep it loaded: cudarc opens the same file and gets this handle's copy.
+        std::mem::forget(lib);
+        return Ok(());
+    }
+    Err(format!(
+        "the CUDA driver library was not found (tried {}); is the NVIDIA driver installed?",
+        tried.join(", ")
+    ))
+}
+
+fn error_text(code: sys::CUresult) -> String {
+    let mut text: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string or leaves it null.
+    unsafe { sys::cuGetErrorString(code, &mut text) };
+    if text.is_null() {
+        format!("{code:?}")
+    } else {
+        // SAFETY: non-null results point at NUL-terminated static strings.
+        let s = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+        format!("{s} ({code:?})")
+    }
+}
+
+fn check(call: &'static str, code: sys::CUresult) -> DriverResult<()> {
+    match code {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(DriverError::OutOfMemory),
+        other => Err(DriverError::Failed {
+            call,
+            detail: error_text(other),
+        }),
+    }
+}
+
+/// A driver handle that is safe to share: the driver API is thread-safe.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Handle<T>(T);
+// SAFETY: CUDA driver handles may be used from any thread.
+unsafe impl<T> Send for Handle<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for Handle<T> {}
+
+struct CudaDevice {
+    device: sys::CUdevice,
+    context: OnceLock<Result<Handle<sys::CUcontext>, DriverError>>,
+    /// Events are reused: creating one costs a driver call.
+    spare_events: Mutex<Vec<Handle<sys::CUevent>>>,
+}
+
+pub struct CudaDriver {
+    devices: Vec<CudaDevice>,
+}
+
+/// Makes a device's primary context current for the duration of a call. A thread with no
+/// context keeps ours afterwards (as the CUDA runtime would); one with another gets it back.
+struct ContextGuard {
+    restore: Option<sys::CUcontext>,
+}
+
+impl ContextGuard {
+    fn enter(context: sys::CUcontext) -> DriverResult<Self> {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the calling thread's current context into `current`.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+        if current == context {
+            return Ok(Self { restore: None });
+        }
+        // SAFETY: `context` is a retained primary context.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })?;
+        Ok(Self {
+            restore: (!current.is_null()).then_some(current),
+        })
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.restore {
+            // SAFETY: `previous` was current on this thread a moment ago.
+            unsafe { sys::cuCtxSetCurrent(previous) };
+        }
+    }
+}
+
+impl CudaDriver {
+    pub fn new() -> DriverResult<Self> {
+        check_library().map_err(DriverError::Unavailable)?;
+        // SAFETY: the library and its symbols were checked above.
+        check("cuInit", unsafe { sys::cuInit(0) })
+            .map_err(|e| DriverError::Unavailable(format!("cuInit failed: {e}")))?;
+        let mut count = 0;
+        // SAFETY: writes the device count.
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
+        let mut devices = Vec::new();
+        for ordinal in 0..count {
+            let mut device = 0;
+            // SAFETY: `ordinal` is below the count the driver reported.
+            check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
+            devices.push(CudaDevice {
+                device,
+                context: OnceLock::new(),
+                spare_events: Mutex::new(Vec::new()),
+            });
+        }
+        Ok(Self { devices })
+    }
+
+    fn dev(&self, device: usize) -> DriverResult<&CudaDevice> {
+        self.devices.get(device).ok_or_else(|| DriverError::Failed {
+            call: "device lookup",
+            detail: format!("no CUDA device {device} (this machine has {})", self.devices.len()),
+        })
+    }
+
+    /// Enters `device`'s primary context, retaining it on first use.
+    fn enter(&self, device: usize) -> DriverResult<ContextGuard> {
+        let d = self.dev(device)?;
+        let context = d
+            .context
+            .get_or_init(|| {
+                let mut context = std::ptr::null_mut();
+                // SAFETY: retains (creating if needed) the primary context shared with the runtime.
+                check("cuDevicePrimaryCtxRetain", unsafe {
+                    sys::cuDevicePrimaryCtxRetain(&mut context, d.device)
+                })?;
+                Ok(Handle(context))
+            })
+            .clone()?;
+        ContextGuard::enter(context.0)
+    }
+}
+
+impl Driver for CudaDriver {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn total_memory(&self, device: usize) -> DriverResult<u64> {
+        let d = self.dev(device)?;
+        let mut bytes = 0usize;
+        // SAFETY: writes the device's memory size.
+        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, d.device) })?;
+        Ok(bytes as u64)
+    }
+
+    fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        let _ctx = self.enter(device)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: allocates in the current (primary) context.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, size as usize) })?;
+        Ok(ptr)
+    }
+
+    fn release(&self, device: usize, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: `ptr` came from cuMemAlloc on this device and is no longer used.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) })
+    }
+
+    fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
+        let _ctx = self.enter(device)?;
+        let d = self.dev(device)?;
+        let spare = d.spare_events.lock().unwrap().pop();
+        let event = match spare {
+            Some(e) => e.0,
+            None => {
+                let mut e = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+                // SAFETY: creates an event in the current context.
+                check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+                e
+            }
+        };
+        // SAFETY: `stream` is the caller's stream handle on this device (0 = default stream).
+        let recorded = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(event, stream.0 as sys::CUstream)
+        });
+        if let Err(e) = recorded {
+            d.spare_events.lock().unwrap().push(Handle(event));
+            return Err(e);
+        }
+        Ok(EventId(event as u64))
+    }
+
+    fn event_done(&self, _device: usize, event: EventId) -> DriverResult<bool> {
+        // SAFETY: `event` was created by `record_event` and not yet destroyed.
+        match unsafe { sys::cuEventQuery(event.0 as sys::CUevent) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            other => check("cuEventQuery", other).map(|_| false),
+        }
+    }
+
+    fn wait_event(&self, _device: usize, event: EventId) -> DriverResult<()> {
+        // SAFETY: as in `event_done`.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
+    }
+
+    fn destroy_event(&self, device: usize, event: EventId) {
+        if let Ok(d) = self.dev(device) {
+            d.spare_events.lock().unwrap().push(Handle(event.0 as sys::CUevent));
+        }
+    }
+
+    fn synchronize(&self, device: usize) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: waits for the current (primary) context's work.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+}

@@ -1,0 +1,65 @@
+//! The device interface the allocator drives, and its two implementations: the CUDA driver
+//! (`cuda`) and a simulated device (`sim`) for tests, replay and machines without a GPU.
+
+pub mod cuda;
+pub mod sim;
+
+use std::fmt;
+
+/// A device address as the driver hands it out.
+pub type DevicePtr = u64;
+
+/// An opaque stream handle: a `cudaStream_t` on CUDA, any caller-chosen value on sim.
+/// 0 is the legacy default stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StreamId(pub u64);
+
+/// An event recorded on a stream; the driver owns its lifetime until `destroy_event`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EventId(pub u64);
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DriverError {
+    /// The device has no memory left for this request.
+    OutOfMemory,
+    /// The driver library or a symbol it needs is missing, or it failed to initialise.
+    Unavailable(String),
+    /// A call failed; `call` names it, `detail` says how.
+    Failed { call: &'static str, detail: String },
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DriverError::OutOfMemory => f.write_str("the device is out of memory"),
+            DriverError::Unavailable(why) => write!(f, "driver unavailable: {why}"),
+            DriverError::Failed { call, detail } => write!(f, "{call} failed: {detail}"),
+        }
+    }
+}
+
+pub type DriverResult<T> = Result<T, DriverError>;
+
+/// What the caching allocator needs from a device. Implementations are thread-safe; every
+/// call names the device so one driver serves them all.
+pub trait Driver: Send + Sync {
+    /// "cuda" or "sim".
+    fn name(&self) -> &'static str;
+    fn device_count(&self) -> usize;
+    /// Bytes of memory the device has in all.
+    fn total_memory(&self, device: usize) -> DriverResult<u64>;
+    /// A fresh device allocation of `size` bytes (the allocator's segment).
+    fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr>;
+    /// Returns a segment obtained from `allocate`. The caller has made sure no stream still uses it.
+    fn release(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()>;
+    /// Records an event on `stream`: it completes once the work queued there so far is done.
+    fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId>;
+    /// Whether the event has completed (never blocks).
+    fn event_done(&self, device: usize, event: EventId) -> DriverResult<bool>;
+    /// Blocks until the event has completed.
+    fn wait_event(&self, device: usize, event: EventId) -> DriverResult<()>;
+    /// Gives the event back (it may be pooled for the next `record_event`).
+    fn destroy_event(&self, device: usize, event: EventId);
+    /// Blocks until all work on the device has completed.
+    fn synchronize(&self, device: usize) -> DriverResult<()>;
+}

@@ -1,0 +1,91 @@
+//! The panic boundary and the thread-local last-error message behind every export.
+
+use super::types::ccalloc_status;
+use crate::error::{Error, ErrorKind};
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+pub fn status_of(kind: ErrorKind) -> ccalloc_status {
+    use ccalloc_status::*;
+    match kind {
+        ErrorKind::InvalidArgument => CCALLOC_INVALID_ARGUMENT,
+        ErrorKind::NotInitialized => CCALLOC_NOT_INITIALIZED,
+        ErrorKind::ShutDown => CCALLOC_SHUT_DOWN,
+        ErrorKind::OutOfMemory => CCALLOC_OUT_OF_MEMORY,
+        ErrorKind::UnknownPointer => CCALLOC_UNKNOWN_POINTER,
+        ErrorKind::DoubleFree => CCALLOC_DOUBLE_FREE,
+        ErrorKind::WrongDevice => CCALLOC_WRONG_DEVICE,
+        ErrorKind::InvalidDevice => CCALLOC_INVALID_DEVICE,
+        ErrorKind::InvalidSize => CCALLOC_INVALID_SIZE,
+        ErrorKind::Config => CCALLOC_CONFIG_ERROR,
+        ErrorKind::DriverUnavailable => CCALLOC_DRIVER_UNAVAILABLE,
+        ErrorKind::Driver => CCALLOC_DRIVER_ERROR,
+        ErrorKind::Busy => CCALLOC_BUSY,
+        ErrorKind::Internal => CCALLOC_INTERNAL_ERROR,
+    }
+}
+
+pub fn set_last_error(message: &str) {
+    let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
+}
+
+/// The current thread's last error message; valid until its next failing ccalloc call.
+pub fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Runs `body` so that no panic crosses into C; failures become a status plus a message.
+pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => ccalloc_status::CCALLOC_OK,
+        Ok(Err(error)) => {
+            tracing::debug!(kind = ?error.kind, "{}", error.message);
+            set_last_error(&error.message);
+            status_of(error.kind)
+        }
+        Err(payload) => {
+            let message = format!("internal error (panic caught at the C boundary): {}", panic_message(&*payload));
+            tracing::error!("{message}");
+            set_last_error(&message);
+            ccalloc_status::CCALLOC_INTERNAL_ERROR
+        }
+    }
+}
+
+/// An error for a null or out-of-range argument.
+pub fn invalid(message: impl Into<String>) -> Error {
+    Error::new(ErrorKind::InvalidArgument, message)
+}
+
+/// Writes `value` through a caller's out-pointer after checking it is not null.
+pub fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Error> {
+    if out.is_null() {
+        return Err(invalid(format!("{name} is NULL")));
+    }
+    // SAFETY: non-null and, per the API contract, pointing at writable storage for a T.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Checks an out-pointer before any work is done, so failures leave nothing half-written.
+pub fn require_out<T>(out: *mut T, name: &str) -> Result<(), Error> {
+    if out.is_null() {
+        Err(invalid(format!("{name} is NULL")))
+    } else {
+        Ok(())
+    }
+}

@@ -1,0 +1,327 @@
+//! The C ABI: the only module with `extern "C"`. Every export runs behind `guard` (no panic
+//! crosses into C), checks its pointers, writes out-params only on success, and leaves a
+//! message for `ccalloc_last_error()` on failure.
+#![allow(clippy::missing_safety_doc)]
+
+pub mod boundary;
+pub mod types;
+
+use crate::driver::{DevicePtr, StreamId};
+use crate::error::{Error, ErrorKind};
+use crate::runtime::{self, Runtime};
+use boundary::{guard, invalid, require_out, write_out};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use types::{ccalloc_stats, ccalloc_status, cudaStream_t};
+
+fn stream_of(stream: cudaStream_t) -> StreamId {
+    StreamId(stream as u64)
+}
+
+/// Runs `body` against the global runtime and each device it names (-1 = every started one).
+fn for_devices(
+    device: i32,
+    mut body: impl FnMut(&crate::DeviceAllocator) -> Result<(), Error>,
+) -> Result<(), Error> {
+    let rt = runtime::global()?;
+    if device == -1 {
+        rt.started_devices().try_for_each(body)
+    } else {
+        body(rt.device(device as i64)?)
+    }
+}
+
+/// Starts ccalloc: backend from `CCALLOC_BACKEND` (`cuda` default, or `sim`), settings from
+/// `CCALLOC_CONF`. Calling it again while running does nothing and returns `CCALLOC_OK`.
+#[no_mangle]
+pub extern "C" fn ccalloc_init() -> ccalloc_status {
+    guard(|| runtime::init_global().map(|_| ()))
+}
+
+/// Returns all cached memory to the driver and stops; refused with `CCALLOC_BUSY` (nothing
+/// changed) while allocations are live. Later calls fail with `CCALLOC_SHUT_DOWN` until
+/// `ccalloc_init` is called again.
+#[no_mangle]
+pub extern "C" fn ccalloc_shutdown() -> ccalloc_status {
+    guard(runtime::shutdown_global)
+}
+
+/// The library version, e.g. "0.1.0" (static string).
+#[no_mangle]
+pub extern "C" fn ccalloc_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// The message of this thread's last failed call ("" if none). Valid until the thread's
+/// next failing ccalloc call.
+#[no_mangle]
+pub extern "C" fn ccalloc_last_error() -> *const c_char {
+    boundary::last_error_ptr()
+}
+
+/// The name of a status code, e.g. "CCALLOC_OUT_OF_MEMORY" (static string).
+#[no_mangle]
+pub extern "C" fn ccalloc_status_name(status: u32) -> *const c_char {
+    let name: &'static str = match status {
+        0 => "CCALLOC_OK\0",
+        1 => "CCALLOC_INVALID_ARGUMENT\0",
+        2 => "CCALLOC_NOT_INITIALIZED\0",
+        3 => "CCALLOC_SHUT_DOWN\0",
+        4 => "CCALLOC_OUT_OF_MEMORY\0",
+        5 => "CCALLOC_UNKNOWN_POINTER\0",
+        6 => "CCALLOC_DOUBLE_FREE\0",
+        7 => "CCALLOC_WRONG_DEVICE\0",
+        8 => "CCALLOC_INVALID_DEVICE\0",
+        9 => "CCALLOC_INVALID_SIZE\0",
+        10 => "CCALLOC_CONFIG_ERROR\0",
+        11 => "CCALLOC_DRIVER_UNAVAILABLE\0",
+        12 => "CCALLOC_DRIVER_ERROR\0",
+        13 => "CCALLOC_BUSY\0",
+        14 => "CCALLOC_INTERNAL_ERROR\0",
+        _ => "CCALLOC_UNKNOWN_STATUS\0",
+    };
+    name.as_ptr().cast()
+}
+
+/// The backend in use: "cuda" or "sim" (static string).
+#[no_mangle]
+pub extern "C" fn ccalloc_backend(out_name: *mut *const c_char) -> ccalloc_status {
+    guard(|| {
+        let name: &'static str = match runtime::global()?.backend() {
+            "sim" => "sim\0",
+            _ => "cuda\0",
+        };
+        write_out(out_name, "out_name", name.as_ptr().cast())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn ccalloc_device_count(out_count: *mut i32) -> ccalloc_status {
+    guard(|| write_out(out_count, "out_count", runtime::global()?.device_count() as i32))
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
+/// sim). Size 0 fails with `CCALLOC_INVALID_SIZE`.
+#[no_mangle]
+pub extern "C" fn ccalloc_malloc(
+    size: usize,
+    device: i32,
+    stream: cudaStream_t,
+    out_ptr: *mut *mut c_void,
+) -> ccalloc_status {
+    guard(|| {
+        require_out(out_ptr, "out_ptr")?;
+        let ptr = runtime::global()?.malloc(size as u64, device as i64, stream_of(stream))?;
+        write_out(out_ptr, "out_ptr", ptr as *mut c_void)
+    })
+}
+
+/// Frees a block from `ccalloc_malloc`. NULL is a no-op. The block is reused on its
+/// allocation stream at once, and on other streams recorded with `ccalloc_record_stream`
+/// only after their queued work completes.
+#[no_mangle]
+pub extern "C" fn ccalloc_free(ptr: *mut c_void, device: i32) -> ccalloc_status {
+    guard(|| {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        runtime::global()?.free(ptr as DevicePtr, device as i64)
+    })
+}
+
+/// Records that a live block is used on `stream` as well as its own.
+#[no_mangle]
+pub extern "C" fn ccalloc_record_stream(
+    ptr: *mut c_void,
+    device: i32,
+    stream: cudaStream_t,
+) -> ccalloc_status {
+    guard(|| {
+        if ptr.is_null() {
+            return Err(invalid("ptr is NULL"));
+        }
+        runtime::global()?.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
+    })
+}
+
+/// Returns every unused cached segment of `device` (-1: all devices) to the driver.
+#[no_mangle]
+pub extern "C" fn ccalloc_empty_cache(device: i32) -> ccalloc_status {
+    guard(|| for_devices(device, |d| d.empty_cache()))
+}
+
+/// Limits what `device` may reserve to `fraction` (0..=1) of its memory.
+#[no_mangle]
+pub extern "C" fn ccalloc_set_memory_fraction(fraction: f64, device: i32) -> ccalloc_status {
+    guard(|| {
+        if fraction.is_nan() {
+            return Err(invalid("fraction is NaN"));
+        }
+        runtime::global()?.device(device as i64)?.set_memory_fraction(fraction)
+    })
+}
+
+/// The memory fraction of `device` (1.0 when unlimited).
+#[no_mangle]
+pub extern "C" fn ccalloc_get_memory_fraction(device: i32, out_fraction: *mut f64) -> ccalloc_status {
+    guard(|| {
+        require_out(out_fraction, "out_fraction")?;
+        let f = runtime::global()?.device(device as i64)?.memory_fraction()?;
+        write_out(out_fraction, "out_fraction", f)
+    })
+}
+
+/// Applies settings such as "max_split_size_mb:256,garbage_collection_threshold:0.8" to every
+/// device. An unknown key or bad value fails with `CCALLOC_CONFIG_ERROR` and changes nothing.
+#[no_mangle]
+pub unsafe extern "C" fn ccalloc_set_config(conf: *const c_char) -> ccalloc_status {
+    guard(|| {
+        if conf.is_null() {
+            return Err(invalid("conf is NULL"));
+        }
+        // SAFETY: non-null and, per the API contract, a NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(conf) }
+            .to_str()
+            .map_err(|_| Error::new(ErrorKind::Config, "conf is not UTF-8"))?;
+        runtime::global()?.set_config(text)
+    })
+}
+
+/// Copies `device`'s statistics into `*out_stats`.
+#[no_mangle]
+pub extern "C" fn ccalloc_get_stats(device: i32, out_stats: *mut ccalloc_stats) -> ccalloc_status {
+    guard(|| {
+        require_out(out_stats, "out_stats")?;
+        let d = runtime::global()?.device(device as i64)?;
+        let stats = ccalloc_stats::new(&d.stats()?, d.max_split_size()?);
+        write_out(out_stats, "out_stats", stats)
+    })
+}
+
+/// Sets every peak statistic of `device` (-1: all) to its current value.
+#[no_mangle]
+pub extern "C" fn ccalloc_reset_peak_stats(device: i32) -> ccalloc_status {
+    guard(|| for_devices(device, |d| d.reset_peak_stats()))
+}
+
+/// Zeroes the accumulated (allocated/freed) totals and event counters of `device` (-1: all).
+#[no_mangle]
+pub extern "C" fn ccalloc_reset_accumulated_stats(device: i32) -> ccalloc_status {
+    guard(|| for_devices(device, |d| d.reset_accumulated_stats()))
+}
+
+/// Sim backend only: a paused stream's recorded events stay incomplete until resumed.
+#[no_mangle]
+pub extern "C" fn ccalloc_sim_pause_stream(
+    device: i32,
+    stream: cudaStream_t,
+    paused: bool,
+) -> ccalloc_status {
+    guard(|| {
+        let rt = runtime::global()?;
+        rt.device(device as i64)?;
+        sim_of(rt)?.set_stream_paused(device as usize, stream_of(stream), paused);
+        Ok(())
+    })
+}
+
+/// Sim backend only: bytes the simulated device has handed to ccalloc and not taken back.
+#[no_mangle]
+pub extern "C" fn ccalloc_sim_device_bytes(device: i32, out_bytes: *mut u64) -> ccalloc_status {
+    guard(|| {
+        require_out(out_bytes, "out_bytes")?;
+        let rt = runtime::global()?;
+        rt.device(device as i64)?;
+        let bytes = sim_of(rt)?.counters(device as usize).bytes_in_use;
+        write_out(out_bytes, "out_bytes", bytes)
+    })
+}
+
+fn sim_of(rt: &Runtime) -> Result<&crate::driver::sim::SimDriver, Error> {
+    rt.sim().ok_or_else(|| {
+        Error::new(
+            ErrorKind::InvalidArgument,
+            "this call needs the sim backend (CCALLOC_BACKEND=sim)",
+        )
+    })
+}
+
+/// `torch.cuda.memory.CUDAPluggableAllocator`'s allocation function. Starts ccalloc on first
+/// use; returns NULL for size 0 and on failure (message in `ccalloc_last_error()`).
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_alloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
+    let mut out: *mut c_void = std::ptr::null_mut();
+    let status = guard(|| {
+        let rt = match runtime::global() {
+            Err(e) if e.kind == ErrorKind::NotInitialized => runtime::init_global()?,
+            other => other?,
+        };
+        let ptr = rt.malloc(size as u64, device as i64, StreamId(stream as u64))?;
+        out = ptr as *mut c_void;
+        Ok(())
+    });
+    if status != ccalloc_status::CCALLOC_OK && size != 0 {
+        tracing::warn!("ccalloc_torch_alloc({size}, {device}) failed");
+    }
+    out
+}
+
+/// `CUDAPluggableAllocator`'s free function. Errors cannot be returned through this
+/// signature: they are left in `ccalloc_last_error()` and logged.
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: cudaStream_t) {
+    // The block's own size and stream are known; PyTorch's copies are not needed.
+    let _ = (size, stream);
+    log_torch_failure("ccalloc_torch_free", ccalloc_free(ptr, device));
+}
+
+/// The hook-style functions have no status to return: log what failed (the message stays
+/// in `ccalloc_last_error()`).
+fn log_torch_failure(call: &str, status: ccalloc_status) {
+    if status != ccalloc_status::CCALLOC_OK {
+        // SAFETY: the pointer is this thread's NUL-terminated last-error string.
+        let message = unsafe { CStr::from_ptr(boundary::last_error_ptr()) }.to_string_lossy();
+        tracing::error!("{call}: {status:?}: {message}");
+    }
+}
+
+/// PyTorch's `set_init_fn` hook: starts ccalloc (PyTorch passes its device count).
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_init(device_count: c_int) {
+    let _ = device_count;
+    log_torch_failure("ccalloc_torch_init", ccalloc_init());
+}
+
+/// PyTorch's `set_reset_fn` hook (`torch.cuda.empty_cache()`): empties every device's cache.
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_empty_cache() {
+    log_torch_failure("ccalloc_torch_empty_cache", ccalloc_empty_cache(-1));
+}
+
+/// PyTorch's `set_memory_fraction_fn` hook.
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_set_memory_fraction(fraction: f64, device: c_int) {
+    log_torch_failure(
+        "ccalloc_torch_set_memory_fraction",
+        ccalloc_set_memory_fraction(fraction, device),
+    );
+}
+
+/// PyTorch's `set_record_stream_fn` hook (`Tensor.record_stream`): the device is the one
+/// whose allocator holds `ptr`.
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
+    let status = guard(|| {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let rt = runtime::global()?;
+        let device = rt.device_holding(ptr as DevicePtr).ok_or_else(|| {
+            Error::new(
+                ErrorKind::UnknownPointer,
+                format!("record_stream: {ptr:p} was not allocated by ccalloc"),
+            )
+        })?;
+        rt.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
+    });
+    log_torch_failure("ccalloc_torch_record_stream", status);
+}

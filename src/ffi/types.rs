@@ -1,0 +1,139 @@
+//! Types that cross the C boundary.
+#![allow(non_camel_case_types)]
+
+use crate::alloc::stats::{DeviceStats, Stat, StatArray};
+
+/// Result of every ccalloc call. `CCALLOC_OK` is 0; the message for any other value is
+/// available from `ccalloc_last_error()` on the same thread.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ccalloc_status {
+    CCALLOC_OK = 0,
+    /// A NULL pointer, NaN, or otherwise unusable argument.
+    CCALLOC_INVALID_ARGUMENT = 1,
+    /// `ccalloc_init` has not been called.
+    CCALLOC_NOT_INITIALIZED = 2,
+    /// `ccalloc_shutdown` has been called.
+    CCALLOC_SHUT_DOWN = 3,
+    /// The device, or the memory limit, cannot hold the request even after freeing cache.
+    CCALLOC_OUT_OF_MEMORY = 4,
+    /// The pointer was not allocated by ccalloc (or points inside a block).
+    CCALLOC_UNKNOWN_POINTER = 5,
+    /// The pointer was allocated by ccalloc but is already freed.
+    CCALLOC_DOUBLE_FREE = 6,
+    /// The pointer belongs to another device than the one named.
+    CCALLOC_WRONG_DEVICE = 7,
+    /// No such device.
+    CCALLOC_INVALID_DEVICE = 8,
+    /// Size 0.
+    CCALLOC_INVALID_SIZE = 9,
+    /// Unknown config key or bad value, or bad CCALLOC_* environment variable.
+    CCALLOC_CONFIG_ERROR = 10,
+    /// The CUDA driver library is missing, too old, or failed to initialise.
+    CCALLOC_DRIVER_UNAVAILABLE = 11,
+    /// A CUDA driver call failed.
+    CCALLOC_DRIVER_ERROR = 12,
+    /// Shutdown refused: allocations are still live.
+    CCALLOC_BUSY = 13,
+    /// A bug in ccalloc (a caught panic); the message says where.
+    CCALLOC_INTERNAL_ERROR = 14,
+}
+
+/// One counter, as in `torch.cuda.memory_stats()`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ccalloc_stat {
+    pub current: i64,
+    pub peak: i64,
+    /// Total ever added.
+    pub allocated: i64,
+    /// Total ever removed.
+    pub freed: i64,
+}
+
+/// A counter for all blocks and per pool (small: blocks of at most 1 MiB).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ccalloc_stat_array {
+    pub all: ccalloc_stat,
+    pub small_pool: ccalloc_stat,
+    pub large_pool: ccalloc_stat,
+}
+
+/// Per-device statistics with PyTorch's names and meanings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ccalloc_stats {
+    pub allocation: ccalloc_stat_array,
+    pub segment: ccalloc_stat_array,
+    pub active: ccalloc_stat_array,
+    pub inactive_split: ccalloc_stat_array,
+    pub allocated_bytes: ccalloc_stat_array,
+    pub reserved_bytes: ccalloc_stat_array,
+    pub active_bytes: ccalloc_stat_array,
+    pub inactive_split_bytes: ccalloc_stat_array,
+    pub requested_bytes: ccalloc_stat_array,
+    pub oversize_allocations: ccalloc_stat,
+    pub oversize_segments: ccalloc_stat,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_sync_all_streams: u64,
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+    /// `max_split_size_mb` in bytes; -1 when unlimited (as PyTorch reports it).
+    pub max_split_size: i64,
+}
+
+/// Opaque CUDA stream, declared as the CUDA runtime does (`cudaStream_t`). Not `repr(C)` on
+/// purpose: cbindgen then emits only the forward declaration.
+pub struct CUstream_st {
+    _private: [u8; 0],
+}
+
+/// Identical to the CUDA runtime's `cudaStream_t`.
+pub type cudaStream_t = *mut CUstream_st;
+
+impl From<&Stat> for ccalloc_stat {
+    fn from(s: &Stat) -> Self {
+        Self {
+            current: s.current,
+            peak: s.peak,
+            allocated: s.allocated,
+            freed: s.freed,
+        }
+    }
+}
+
+impl From<&StatArray> for ccalloc_stat_array {
+    fn from(a: &StatArray) -> Self {
+        Self {
+            all: (&a.0[0]).into(),
+            small_pool: (&a.0[1]).into(),
+            large_pool: (&a.0[2]).into(),
+        }
+    }
+}
+
+impl ccalloc_stats {
+    pub fn new(s: &DeviceStats, max_split_size: u64) -> Self {
+        Self {
+            allocation: (&s.allocation).into(),
+            segment: (&s.segment).into(),
+            active: (&s.active).into(),
+            inactive_split: (&s.inactive_split).into(),
+            allocated_bytes: (&s.allocated_bytes).into(),
+            reserved_bytes: (&s.reserved_bytes).into(),
+            active_bytes: (&s.active_bytes).into(),
+            inactive_split_bytes: (&s.inactive_split_bytes).into(),
+            requested_bytes: (&s.requested_bytes).into(),
+            oversize_allocations: (&s.oversize_allocations).into(),
+            oversize_segments: (&s.oversize_segments).into(),
+            num_alloc_retries: s.num_alloc_retries,
+            num_ooms: s.num_ooms,
+            num_sync_all_streams: s.num_sync_all_streams,
+            num_device_alloc: s.num_device_alloc,
+            num_device_free: s.num_device_free,
+            max_split_size: i64::try_from(max_split_size).unwrap_or(-1),
+        }
+    }
+}

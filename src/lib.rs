@@ -1,0 +1,21 @@
+//! ccalloc: a caching CUDA memory allocator with a C ABI.
+//!
+//! Layers, bottom up: `driver` (the CUDA driver or a simulated device), `alloc` (the caching
+//! allocator for one device, safe Rust), `runtime` (the process-wide set of devices),
+//! and `ffi` (the only place with `extern "C"`).
+
+pub mod alloc;
+pub mod config;
+pub mod driver;
+pub mod error;
+pub mod ffi;
+pub mod runtime;
+
+pub use alloc::stats::{DeviceStats, Stat, StatArray};
+pub use alloc::DeviceAllocator;
+pub use config::Config;
+pub use driver::{DevicePtr, Driver, StreamId};
+pub use error::{Error, ErrorKind, Result};
+pub use runtime::Runtime;
+
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
