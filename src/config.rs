@@ -72,7 +72,10 @@ impl Config {
         let mut next = self.clone();
         for item in split_items(text)? {
             let (key, value) = item.split_once(':').ok_or_else(|| {
-                config_error(format!("{item:?} is not key:value (keys: {})", KEYS.join(", ")))
+                config_error(format!(
+                    "{item:?} is not key:value (keys: {})",
+                    KEYS.join(", ")
+                ))
             })?;
             next.set(key.trim(), value.trim())?;
         }
@@ -131,7 +134,9 @@ impl Config {
             return Ok(());
         };
         let list = list.strip_suffix(']').ok_or_else(|| {
-            config_error(format!("roundup_power2_divisions: missing ']' in {value:?}"))
+            config_error(format!(
+                "roundup_power2_divisions: missing ']' in {value:?}"
+            ))
         })?;
         let mut table = [0u64; ROUNDUP_INTERVALS];
         let mut last: Option<usize> = None;
@@ -218,7 +223,11 @@ fn split_items(text: &str) -> Result<Vec<&str>> {
         return Err(config_error(format!("unbalanced '[' in {text:?}")));
     }
     items.push(&text[start..]);
-    Ok(items.into_iter().map(str::trim).filter(|s| !s.is_empty()).collect())
+    Ok(items
+        .into_iter()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect())
 }
 
 #[cfg(test)]
@@ -240,7 +249,8 @@ mod tests {
     #[test]
     fn bracket_form_fills_intervals() {
         let mut c = Config::default();
-        c.apply("roundup_power2_divisions:[256:1,512:2,>:8],max_split_size_mb:100").unwrap();
+        c.apply("roundup_power2_divisions:[256:1,512:2,>:8],max_split_size_mb:100")
+            .unwrap();
         assert_eq!(c.roundup_power2_divisions_for(1 << 20), 1);
         assert_eq!(c.roundup_power2_divisions_for(300 << 20), 1);
         assert_eq!(c.roundup_power2_divisions_for(600 << 20), 2);
@@ -257,8 +267,14 @@ mod tests {
             ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb"),
             ("roundup_power2_divisions:0", "single value"),
             ("max_split_size_mb:ten", "max_split_size_mb"),
-            ("garbage_collection_threshold:1.5", "garbage_collection_threshold"),
-            ("per_process_memory_fraction:-0.1", "per_process_memory_fraction"),
+            (
+                "garbage_collection_threshold:1.5",
+                "garbage_collection_threshold",
+            ),
+            (
+                "per_process_memory_fraction:-0.1",
+                "per_process_memory_fraction",
+            ),
             ("roundup_power2_divisions:3", "power of two"),
             ("roundup_power2_divisions:[300:2]", "power of two"),
             ("roundup_power2_divisions:[512:2,256:1]", "increase"),
@@ -266,7 +282,9 @@ mod tests {
             ("expandable_segments_typo:True", "expandable_segments_typo"),
             ("max_split_size_mb", "key:value"),
         ] {
-            let err = c.apply(&format!("max_non_split_rounding_mb:70,{bad}")).unwrap_err();
+            let err = c
+                .apply(&format!("max_non_split_rounding_mb:70,{bad}"))
+                .unwrap_err();
             assert_eq!(err.kind, ErrorKind::Config);
             assert!(err.message.contains(needle), "{bad}: {}", err.message);
             assert_eq!(c, Config::default(), "{bad} changed the config");

@@ -22,7 +22,9 @@ pub struct Runtime {
 
 impl Runtime {
     pub fn new(driver: Arc<dyn Driver>, config: Config) -> Self {
-        let devices = (0..driver.device_count()).map(|_| OnceCell::new()).collect();
+        let devices = (0..driver.device_count())
+            .map(|_| OnceCell::new())
+            .collect();
         Self {
             driver,
             sim: None,
@@ -128,7 +130,10 @@ impl Runtime {
         if error.kind != ErrorKind::UnknownPointer {
             return error;
         }
-        match self.started_devices().find(|d| d.device() as i64 != device && d.holds(ptr)) {
+        match self
+            .started_devices()
+            .find(|d| d.device() as i64 != device && d.holds(ptr))
+        {
             Some(owner) => Error::new(
                 ErrorKind::WrongDevice,
                 format!(
@@ -170,7 +175,8 @@ impl Runtime {
                 ));
             }
         }
-        self.started_devices().try_for_each(DeviceAllocator::shutdown)
+        self.started_devices()
+            .try_for_each(DeviceAllocator::shutdown)
     }
 }
 
@@ -212,7 +218,11 @@ pub fn init_global() -> Result<&'static Runtime> {
     let runtime: &'static Runtime = Box::leak(Box::new(Runtime::from_env()?));
     GLOBAL.store(runtime as *const Runtime as *mut Runtime, Ordering::Release);
     *phase = Phase::Running;
-    tracing::info!(backend = runtime.backend(), devices = runtime.device_count(), "ccalloc initialized");
+    tracing::info!(
+        backend = runtime.backend(),
+        devices = runtime.device_count(),
+        "ccalloc initialized"
+    );
     Ok(runtime)
 }
 
@@ -224,7 +234,10 @@ pub fn shutdown_global() -> Result<()> {
             ErrorKind::NotInitialized,
             "ccalloc is not initialized: nothing to shut down",
         )),
-        Phase::ShutDown => Err(Error::new(ErrorKind::ShutDown, "ccalloc is already shut down")),
+        Phase::ShutDown => Err(Error::new(
+            ErrorKind::ShutDown,
+            "ccalloc is already shut down",
+        )),
         Phase::Running => {
             global()?.shutdown()?;
             GLOBAL.store(std::ptr::null_mut(), Ordering::Release);

@@ -80,10 +80,6 @@ impl BlockArena {
     pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id as usize].as_mut().expect("block id is live")
     }
-
-    pub fn len(&self) -> usize {
-        self.slots.len() - self.vacant.len()
-    }
 }
 
 type FreeKey = (StreamId, u64, DevicePtr);

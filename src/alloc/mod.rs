@@ -109,7 +109,10 @@ impl DeviceAllocator {
         let state = self.state.lock().map_err(|_| {
             Error::new(
                 ErrorKind::Internal,
-                format!("device {}: allocator state poisoned by an earlier panic", self.device),
+                format!(
+                    "device {}: allocator state poisoned by an earlier panic",
+                    self.device
+                ),
             )
         })?;
         if state.shut_down {
@@ -279,7 +282,12 @@ impl DeviceAllocator {
     }
 
     /// Releases cached oversize segments on `stream` until `rounded` bytes could fit.
-    fn release_oversize_cached(&self, st: &mut State, stream: StreamId, rounded: u64) -> Result<bool> {
+    fn release_oversize_cached(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Result<bool> {
         let max_split = st.config.max_split_size;
         if max_split == u64::MAX {
             return Ok(false);
@@ -371,10 +379,12 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// Above `garbage_collection_threshold` × limit, releases the oldest cached whole
+    /// Above `garbage_collection_threshold` × limit (the fraction's, else the device's; PyTorch
+    /// collects only under a fraction), releases the oldest cached whole
     /// segments of the large pool (at least average age) until back under it.
     fn collect_garbage(&self, st: &mut State) -> Result<()> {
-        let threshold = (st.config.garbage_collection_threshold * st.limit as f64) as u64;
+        let limit = st.limit.min(self.total_memory);
+        let threshold = (st.config.garbage_collection_threshold * limit as f64) as u64;
         let reserved = st.stats.reserved_bytes.all().current as u64;
         if reserved <= threshold {
             return Ok(());
@@ -390,7 +400,8 @@ impl DeviceAllocator {
         let mut reclaimed = 0;
         let mut synced = false;
         while reclaimed < target && !candidates.is_empty() {
-            let average = candidates.iter().map(|c| c.0 as f64).sum::<f64>() / candidates.len() as f64;
+            let average =
+                candidates.iter().map(|c| c.0 as f64).sum::<f64>() / candidates.len() as f64;
             let (old, young): (Vec<_>, Vec<_>) =
                 candidates.into_iter().partition(|c| c.0 as f64 >= average);
             if old.is_empty() {
@@ -437,7 +448,10 @@ impl DeviceAllocator {
                 Ok(event) => events.push(event),
                 Err(e) => {
                     // Without an event we cannot know when that stream is done: wait for it all.
-                    tracing::warn!(device = self.device, "record_event failed ({e}); synchronizing");
+                    tracing::warn!(
+                        device = self.device,
+                        "record_event failed ({e}); synchronizing"
+                    );
                     for &event in &events {
                         self.driver.destroy_event(self.device, event);
                     }
@@ -504,7 +518,11 @@ impl DeviceAllocator {
     }
 
     pub fn memory_fraction(&self) -> Result<f64> {
-        Ok(self.lock()?.config.per_process_memory_fraction.unwrap_or(1.0))
+        Ok(self
+            .lock()?
+            .config
+            .per_process_memory_fraction
+            .unwrap_or(1.0))
     }
 
     pub fn stats(&self) -> Result<DeviceStats> {
@@ -589,7 +607,9 @@ impl State {
         if rounded < max_split && found >= max_split {
             return None;
         }
-        if rounded >= max_split && found >= rounded.saturating_add(self.config.max_non_split_rounding) {
+        if rounded >= max_split
+            && found >= rounded.saturating_add(self.config.max_non_split_rounding)
+        {
             return None;
         }
         list.remove(self.blocks.get(id));

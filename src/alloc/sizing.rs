@@ -100,7 +100,10 @@ mod tests {
         assert_eq!(segment_size(SMALL_SIZE), SMALL_BUFFER);
         assert_eq!(segment_size(SMALL_SIZE + 512), LARGE_BUFFER);
         assert_eq!(segment_size(MIN_LARGE_ALLOC), MIN_LARGE_ALLOC);
-        assert_eq!(segment_size(MIN_LARGE_ALLOC + 1), MIN_LARGE_ALLOC + ROUND_LARGE);
+        assert_eq!(
+            segment_size(MIN_LARGE_ALLOC + 1),
+            MIN_LARGE_ALLOC + ROUND_LARGE
+        );
         assert_eq!(PoolKind::for_size(SMALL_SIZE), PoolKind::Small);
         assert_eq!(PoolKind::for_size(SMALL_SIZE + 1), PoolKind::Large);
     }
@@ -110,7 +113,10 @@ mod tests {
         assert_eq!(round_up_to_power2_division(1200, 4), 1280);
         assert_eq!(round_up_to_power2_division(1024, 4), 1024);
         assert_eq!(round_up_to_power2_division(1025, 1), 1025);
-        assert_eq!(round_up_to_power2_division((1 << 30) + 1, 8), (1 << 30) + (1 << 27));
+        assert_eq!(
+            round_up_to_power2_division((1 << 30) + 1, 8),
+            (1 << 30) + (1 << 27)
+        );
         assert_eq!(round_up_to_power2_division(3 << 20, 2), 3 << 20);
         assert_eq!(round_up_to_power2_division(5 << 20, 2), 6 << 20);
     }
@@ -121,6 +127,11 @@ mod tests {
         assert!(should_split(PoolKind::Small, SMALL_BUFFER, 1024, &c));
         assert!(!should_split(PoolKind::Small, 1024, 1024, &c));
         assert!(should_split(PoolKind::Large, LARGE_BUFFER, 2 << 20, &c));
-        assert!(!should_split(PoolKind::Large, (2 << 20) + SMALL_SIZE, 2 << 20, &c));
+        assert!(!should_split(
+            PoolKind::Large,
+            (2 << 20) + SMALL_SIZE,
+            2 << 20,
+            &c
+        ));
     }
 }

@@ -196,10 +196,26 @@ mod tests {
         s.decrease(4);
         s.adjust(-2);
         s.adjust(3);
-        assert_eq!(s, Stat { current: 7, peak: 10, allocated: 13, freed: 6 });
+        assert_eq!(
+            s,
+            Stat {
+                current: 7,
+                peak: 10,
+                allocated: 13,
+                freed: 6
+            }
+        );
         s.reset_peak();
         s.reset_accumulated();
-        assert_eq!(s, Stat { current: 7, peak: 7, allocated: 0, freed: 0 });
+        assert_eq!(
+            s,
+            Stat {
+                current: 7,
+                peak: 7,
+                allocated: 0,
+                freed: 0
+            }
+        );
     }
 
     #[test]

@@ -1,0 +1,327 @@
+//! Unit tests of the allocator's behaviour on the simulated device.
+
+use super::sizing::{LARGE_BUFFER, SMALL_BUFFER};
+use super::*;
+use crate::driver::sim::SimDriver;
+
+const MIB: u64 = 1 << 20;
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(0x51de);
+
+fn setup(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let alloc = DeviceAllocator::new(0, sim.clone(), config).unwrap();
+    (sim, alloc)
+}
+
+fn stats(a: &DeviceAllocator) -> DeviceStats {
+    a.stats().unwrap()
+}
+
+#[test]
+fn small_requests_share_a_two_mib_segment() {
+    let (sim, a) = setup(1 << 30, "");
+    let p = a.malloc(1000, S0).unwrap();
+    let q = a.malloc(1000, S0).unwrap();
+    assert_eq!(q, p + 1024, "second block is carved right after the first");
+    let s = stats(&a);
+    assert_eq!(s.segment.0[1].current, 1);
+    assert_eq!(s.reserved_bytes.all().current, SMALL_BUFFER as i64);
+    assert_eq!(s.allocated_bytes.0[1].current, 2048);
+    assert_eq!(s.requested_bytes.all().current, 2000);
+    assert_eq!(s.inactive_split.all().current, 1);
+    assert_eq!(
+        s.inactive_split_bytes.all().current,
+        (SMALL_BUFFER - 2048) as i64
+    );
+    assert_eq!(sim.counters(0).allocate_calls, 1);
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.inactive_split.all().current, 0, "everything merged back");
+    assert_eq!(s.active.all().current, 0);
+    assert_eq!(s.requested_bytes.all().current, 0);
+    assert_eq!(a.segments().unwrap()[0].blocks.len(), 1);
+}
+
+#[test]
+fn large_requests_get_twenty_mib_segments_or_their_own() {
+    let (_sim, a) = setup(1 << 30, "");
+    let q = a.malloc(11 * MIB + 1, S0).unwrap();
+    assert_eq!(
+        stats(&a).reserved_bytes.0[2].current,
+        (12 * MIB) as i64,
+        "a large request's segment is rounded to 2 MiB"
+    );
+    let p = a.malloc(3 * MIB, S0).unwrap();
+    assert_eq!(
+        stats(&a).reserved_bytes.0[2].current,
+        (LARGE_BUFFER + 12 * MIB) as i64
+    );
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
+
+#[test]
+fn cached_blocks_are_reused_only_on_their_stream() {
+    let (sim, a) = setup(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S1).unwrap();
+    assert_ne!(p, q);
+    assert_eq!(
+        sim.counters(0).allocate_calls,
+        2,
+        "other stream gets its own segment"
+    );
+    let r = a.malloc(4096, S0).unwrap();
+    assert_eq!(r, p, "same stream reuses the cached block");
+    a.free(q).unwrap();
+    a.free(r).unwrap();
+}
+
+#[test]
+fn record_stream_delays_reuse_until_the_other_stream_finishes() {
+    let (sim, a) = setup(1 << 30, "");
+    let p = a.malloc(8192, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    sim.set_stream_paused(0, S1, true);
+    a.free(p).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.allocation.all().current, 0, "no longer allocated");
+    assert_eq!(
+        s.active.all().current,
+        1,
+        "still active until its event completes"
+    );
+    let q = a.malloc(8192, S0).unwrap();
+    assert_ne!(q, p, "the block is not handed out while S1 may use it");
+    sim.set_stream_paused(0, S1, false);
+    let r = a.malloc(8192, S0).unwrap();
+    assert_eq!(r, p, "reused once S1's event completed");
+    a.free(q).unwrap();
+    a.free(r).unwrap();
+    assert_eq!(stats(&a).active.all().current, 0);
+}
+
+#[test]
+fn empty_cache_waits_for_pending_events_and_returns_everything() {
+    let (sim, a) = setup(1 << 30, "");
+    let p = a.malloc(5 * MIB, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    sim.set_stream_paused(0, S1, true);
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    let s = stats(&a);
+    assert_eq!(s.reserved_bytes.all().current, 0);
+    assert_eq!(s.active.all().current, 0);
+    assert_eq!(s.num_sync_all_streams, 1);
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    assert_eq!(s.num_device_alloc, s.num_device_free);
+}
+
+#[test]
+fn oom_frees_the_cache_then_retries() {
+    let (sim, a) = setup(64 * MIB, "");
+    let p = a.malloc(30 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    // 30 MiB cached + 40 MiB new would exceed 64 MiB: the cache must go first.
+    let q = a.malloc(40 * MIB, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.num_alloc_retries, 1);
+    assert_eq!(s.num_ooms, 0);
+    assert_eq!(s.reserved_bytes.all().current, (40 * MIB) as i64);
+    assert_eq!(sim.counters(0).bytes_in_use, 40 * MIB);
+    a.free(q).unwrap();
+}
+
+#[test]
+fn oom_message_states_reserved_live_and_largest_free_block() {
+    let (_sim, a) = setup(64 * MIB, "");
+    let live = a.malloc(30 * MIB, S0).unwrap();
+    let split = a.malloc(2 * MIB, S0).unwrap();
+    let err = a.malloc(40 * MIB, S0).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfMemory);
+    for needle in [
+        "Tried to allocate 40.00 MiB",
+        "50.00 MiB reserved",
+        "32.00 MiB live",
+        "largest free block 18.00 MiB",
+    ] {
+        assert!(
+            err.message.contains(needle),
+            "{needle:?} not in {}",
+            err.message
+        );
+    }
+    assert_eq!(stats(&a).num_ooms, 1);
+    // Nothing live was lost.
+    a.free(live).unwrap();
+    a.free(split).unwrap();
+}
+
+#[test]
+fn impossible_sizes_fail_without_flushing_the_cache() {
+    let (_sim, a) = setup(64 * MIB, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    for size in [u64::MAX, 65 * MIB] {
+        assert_eq!(a.malloc(size, S0).unwrap_err().kind, ErrorKind::OutOfMemory);
+    }
+    assert_eq!(stats(&a).segment.all().current, 1, "cache kept");
+    assert_eq!(a.malloc(0, S0).unwrap_err().kind, ErrorKind::InvalidSize);
+}
+
+#[test]
+fn memory_fraction_limits_reserved_bytes() {
+    let (_sim, a) = setup(100 * MIB, "per_process_memory_fraction:0.5");
+    let p = a.malloc(30 * MIB, S0).unwrap();
+    let err = a.malloc(30 * MIB, S0).unwrap_err();
+    assert!(
+        err.message.contains("per_process_memory_fraction"),
+        "{}",
+        err.message
+    );
+    a.set_memory_fraction(1.0).unwrap();
+    let q = a.malloc(30 * MIB, S0).unwrap();
+    assert_eq!(
+        a.set_memory_fraction(1.5).unwrap_err().kind,
+        ErrorKind::InvalidArgument
+    );
+    assert_eq!(a.memory_fraction().unwrap(), 1.0);
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+}
+
+#[test]
+fn oversize_blocks_are_not_split_and_serve_only_close_sizes() {
+    let (sim, a) = setup(1 << 30, "max_split_size_mb:64");
+    let big = a.malloc(100 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.oversize_segments.current, 1);
+    assert_eq!(s.oversize_allocations.allocated, 1);
+    // A small-ish request may not take the oversize block.
+    let small = a.malloc(4 * MIB, S0).unwrap();
+    assert_ne!(small, big);
+    // An oversize request within max_non_split_rounding (20 MiB) reuses it whole.
+    let close = a.malloc(90 * MIB, S0).unwrap();
+    assert_eq!(close, big);
+    let seg = a.segments().unwrap();
+    assert!(seg.iter().any(|s| s.addr == big && s.blocks.len() == 1));
+    a.free(close).unwrap();
+    // Far smaller oversize request: not reused, new segment.
+    let far = a.malloc(70 * MIB, S0).unwrap();
+    assert_ne!(far, big);
+    a.free(far).unwrap();
+    a.free(small).unwrap();
+    let before = sim.counters(0).release_calls;
+    a.empty_cache().unwrap();
+    assert!(sim.counters(0).release_calls > before);
+}
+
+#[test]
+fn oom_releases_oversize_cache_first() {
+    let (_sim, a) = setup(180 * MIB, "max_split_size_mb:64");
+    let p = a.malloc(100 * MIB, S0).unwrap();
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    // 100 MiB cached is too big to serve 70 MiB (max_non_split_rounding), and 20 + 100 + 70
+    // exceeds the device: the cached oversize block is released, no full flush needed.
+    let q = a.malloc(70 * MIB, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!(
+        s.num_alloc_retries, 0,
+        "freeing the oversize block was enough"
+    );
+    assert_eq!(s.segment.all().current, 2);
+    a.free(q).unwrap();
+    a.free(keep).unwrap();
+}
+
+#[test]
+fn garbage_collection_releases_old_cache_above_threshold() {
+    let (_sim, a) = setup(100 * MIB, "garbage_collection_threshold:0.3");
+    let old = a.malloc(32 * MIB, S0).unwrap();
+    a.free(old).unwrap();
+    for _ in 0..5 {
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+    }
+    // 32 + 2 MiB reserved is above 30 MiB: the old cached segment goes before growing.
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.num_alloc_retries, 0);
+    assert_eq!(s.num_device_free, 1);
+    assert_eq!(s.reserved_bytes.all().current, (42 * MIB) as i64);
+    a.free(p).unwrap();
+}
+
+#[test]
+fn roundup_power2_divisions_changes_block_sizes() {
+    let (_sim, a) = setup(1 << 30, "roundup_power2_divisions:4");
+    let p = a.malloc(1200 * 1024, S0).unwrap();
+    assert_eq!(stats(&a).allocated_bytes.all().current, 1280 * 1024);
+    a.free(p).unwrap();
+}
+
+#[test]
+fn bad_frees_change_nothing() {
+    let (_sim, a) = setup(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    a.free(q).unwrap();
+    let before = stats(&a);
+    assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
+    assert_eq!(a.free(p + 512).unwrap_err().kind, ErrorKind::UnknownPointer);
+    assert_eq!(
+        a.free(0xdead_0000).unwrap_err().kind,
+        ErrorKind::UnknownPointer
+    );
+    assert_eq!(
+        a.record_stream(q, S1).unwrap_err().kind,
+        ErrorKind::DoubleFree
+    );
+    assert_eq!(stats(&a), before);
+    a.free(p).unwrap();
+}
+
+#[test]
+fn config_changes_apply_to_later_requests() {
+    let (_sim, a) = setup(1 << 30, "");
+    let mut c = Config::default();
+    c.apply("roundup_power2_divisions:2").unwrap();
+    a.set_config(c).unwrap();
+    let p = a.malloc(5 * MIB, S0).unwrap();
+    assert_eq!(stats(&a).allocated_bytes.all().current, (6 * MIB) as i64);
+    a.free(p).unwrap();
+}
+
+#[test]
+fn stats_resets() {
+    let (_sim, a) = setup(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    a.reset_peak_stats().unwrap();
+    let s = stats(&a);
+    assert_eq!(s.allocated_bytes.all().peak, 0);
+    assert_eq!(s.reserved_bytes.all().peak, SMALL_BUFFER as i64);
+    a.reset_accumulated_stats().unwrap();
+    let s = stats(&a);
+    assert_eq!(s.allocation.all().allocated, 0);
+    assert_eq!(s.num_device_alloc, 0);
+    assert_eq!(s.reserved_bytes.all().current, SMALL_BUFFER as i64);
+}
+
+#[test]
+fn shutdown_refuses_while_live_then_releases_everything() {
+    let (sim, a) = setup(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    assert_eq!(a.shutdown().unwrap_err().kind, ErrorKind::Busy);
+    a.free(p).unwrap();
+    a.shutdown().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
+}

@@ -45,7 +45,9 @@ fn check_library() -> Result<(), String> {
             // SAFETY: only the symbol's presence is checked; it is not called here.
             let found = unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()) };
             if found.is_err() {
-                return Err(format!("{name} lacks {symbol}: the NVIDIA driver is too old"));
+                return Err(format!(
+                    "{name} lacks {symbol}: the NVIDIA driver is too old"
+                ));
             }
         }
         // Keep it loaded: cudarc opens the same file and gets this handle's copy.
@@ -111,7 +113,9 @@ impl ContextGuard {
     fn enter(context: sys::CUcontext) -> DriverResult<Self> {
         let mut current: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: writes the calling thread's current context into `current`.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut current)
+        })?;
         if current == context {
             return Ok(Self { restore: None });
         }
@@ -140,12 +144,16 @@ impl CudaDriver {
             .map_err(|e| DriverError::Unavailable(format!("cuInit failed: {e}")))?;
         let mut count = 0;
         // SAFETY: writes the device count.
-        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut count) })?;
+        check("cuDeviceGetCount", unsafe {
+            sys::cuDeviceGetCount(&mut count)
+        })?;
         let mut devices = Vec::new();
         for ordinal in 0..count {
             let mut device = 0;
             // SAFETY: `ordinal` is below the count the driver reported.
-            check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
+            check("cuDeviceGet", unsafe {
+                sys::cuDeviceGet(&mut device, ordinal)
+            })?;
             devices.push(CudaDevice {
                 device,
                 context: OnceLock::new(),
@@ -158,7 +166,10 @@ impl CudaDriver {
     fn dev(&self, device: usize) -> DriverResult<&CudaDevice> {
         self.devices.get(device).ok_or_else(|| DriverError::Failed {
             call: "device lookup",
-            detail: format!("no CUDA device {device} (this machine has {})", self.devices.len()),
+            detail: format!(
+                "no CUDA device {device} (this machine has {})",
+                self.devices.len()
+            ),
         })
     }
 
@@ -193,7 +204,9 @@ impl Driver for CudaDriver {
         let d = self.dev(device)?;
         let mut bytes = 0usize;
         // SAFETY: writes the device's memory size.
-        check("cuDeviceTotalMem", unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, d.device) })?;
+        check("cuDeviceTotalMem", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut bytes, d.device)
+        })?;
         Ok(bytes as u64)
     }
 
@@ -201,7 +214,9 @@ impl Driver for CudaDriver {
         let _ctx = self.enter(device)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: allocates in the current (primary) context.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, size as usize) })?;
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, size as usize)
+        })?;
         Ok(ptr)
     }
 
@@ -221,7 +236,9 @@ impl Driver for CudaDriver {
                 let mut e = std::ptr::null_mut();
                 let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
                 // SAFETY: creates an event in the current context.
-                check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, flags) })?;
+                check("cuEventCreate", unsafe {
+                    sys::cuEventCreate(&mut e, flags)
+                })?;
                 e
             }
         };
@@ -247,12 +264,17 @@ impl Driver for CudaDriver {
 
     fn wait_event(&self, _device: usize, event: EventId) -> DriverResult<()> {
         // SAFETY: as in `event_done`.
-        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) })
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(event.0 as sys::CUevent)
+        })
     }
 
     fn destroy_event(&self, device: usize, event: EventId) {
         if let Ok(d) = self.dev(device) {
-            d.spare_events.lock().unwrap().push(Handle(event.0 as sys::CUevent));
+            d.spare_events
+                .lock()
+                .unwrap()
+                .push(Handle(event.0 as sys::CUevent));
         }
     }
 

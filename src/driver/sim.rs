@@ -79,7 +79,9 @@ impl SimDriver {
         let capacity = match std::env::var("CCALLOC_SIM_CAPACITY") {
             Ok(text) => crate::error::parse_bytes(&text)
                 .filter(|&b| b > 0)
-                .ok_or_else(|| format!("CCALLOC_SIM_CAPACITY={text:?} is not a size such as 80GiB"))?,
+                .ok_or_else(|| {
+                    format!("CCALLOC_SIM_CAPACITY={text:?} is not a size such as 80GiB")
+                })?,
             Err(_) => DEFAULT_CAPACITY,
         };
         let devices = match std::env::var("CCALLOC_SIM_DEVICES") {
@@ -88,7 +90,9 @@ impl SimDriver {
                 .parse::<usize>()
                 .ok()
                 .filter(|&n| (1..=64).contains(&n))
-                .ok_or_else(|| format!("CCALLOC_SIM_DEVICES={text:?} is not a count from 1 to 64"))?,
+                .ok_or_else(|| {
+                    format!("CCALLOC_SIM_DEVICES={text:?} is not a count from 1 to 64")
+                })?,
             Err(_) => 1,
         };
         Ok(Self::new(devices, capacity))

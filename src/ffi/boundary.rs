@@ -58,7 +58,10 @@ pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
             status_of(error.kind)
         }
         Err(payload) => {
-            let message = format!("internal error (panic caught at the C boundary): {}", panic_message(&*payload));
+            let message = format!(
+                "internal error (panic caught at the C boundary): {}",
+                panic_message(&*payload)
+            );
             tracing::error!("{message}");
             set_last_error(&message);
             ccalloc_status::CCALLOC_INTERNAL_ERROR
@@ -72,7 +75,7 @@ pub fn invalid(message: impl Into<String>) -> Error {
 }
 
 /// Writes `value` through a caller's out-pointer after checking it is not null.
-pub fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Error> {
+pub(super) fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Error> {
     if out.is_null() {
         return Err(invalid(format!("{name} is NULL")));
     }
@@ -82,7 +85,7 @@ pub fn write_out<T>(out: *mut T, name: &str, value: T) -> Result<(), Error> {
 }
 
 /// Checks an out-pointer before any work is done, so failures leave nothing half-written.
-pub fn require_out<T>(out: *mut T, name: &str) -> Result<(), Error> {
+pub(super) fn require_out<T>(out: *mut T, name: &str) -> Result<(), Error> {
     if out.is_null() {
         Err(invalid(format!("{name} is NULL")))
     } else {

@@ -96,7 +96,13 @@ pub extern "C" fn ccalloc_backend(out_name: *mut *const c_char) -> ccalloc_statu
 
 #[no_mangle]
 pub extern "C" fn ccalloc_device_count(out_count: *mut i32) -> ccalloc_status {
-    guard(|| write_out(out_count, "out_count", runtime::global()?.device_count() as i32))
+    guard(|| {
+        write_out(
+            out_count,
+            "out_count",
+            runtime::global()?.device_count() as i32,
+        )
+    })
 }
 
 /// Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
@@ -156,16 +162,23 @@ pub extern "C" fn ccalloc_set_memory_fraction(fraction: f64, device: i32) -> cca
         if fraction.is_nan() {
             return Err(invalid("fraction is NaN"));
         }
-        runtime::global()?.device(device as i64)?.set_memory_fraction(fraction)
+        runtime::global()?
+            .device(device as i64)?
+            .set_memory_fraction(fraction)
     })
 }
 
 /// The memory fraction of `device` (1.0 when unlimited).
 #[no_mangle]
-pub extern "C" fn ccalloc_get_memory_fraction(device: i32, out_fraction: *mut f64) -> ccalloc_status {
+pub extern "C" fn ccalloc_get_memory_fraction(
+    device: i32,
+    out_fraction: *mut f64,
+) -> ccalloc_status {
     guard(|| {
         require_out(out_fraction, "out_fraction")?;
-        let f = runtime::global()?.device(device as i64)?.memory_fraction()?;
+        let f = runtime::global()?
+            .device(device as i64)?
+            .memory_fraction()?;
         write_out(out_fraction, "out_fraction", f)
     })
 }
@@ -248,7 +261,11 @@ fn sim_of(rt: &Runtime) -> Result<&crate::driver::sim::SimDriver, Error> {
 /// `torch.cuda.memory.CUDAPluggableAllocator`'s allocation function. Starts ccalloc on first
 /// use; returns NULL for size 0 and on failure (message in `ccalloc_last_error()`).
 #[no_mangle]
-pub extern "C" fn ccalloc_torch_alloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
+pub extern "C" fn ccalloc_torch_alloc(
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+) -> *mut c_void {
     let mut out: *mut c_void = std::ptr::null_mut();
     let status = guard(|| {
         let rt = match runtime::global() {
@@ -268,7 +285,12 @@ pub extern "C" fn ccalloc_torch_alloc(size: usize, device: c_int, stream: cudaSt
 /// `CUDAPluggableAllocator`'s free function. Errors cannot be returned through this
 /// signature: they are left in `ccalloc_last_error()` and logged.
 #[no_mangle]
-pub extern "C" fn ccalloc_torch_free(ptr: *mut c_void, size: usize, device: c_int, stream: cudaStream_t) {
+pub extern "C" fn ccalloc_torch_free(
+    ptr: *mut c_void,
+    size: usize,
+    device: c_int,
+    stream: cudaStream_t,
+) {
     // The block's own size and stream are known; PyTorch's copies are not needed.
     let _ = (size, stream);
     log_torch_failure("ccalloc_torch_free", ccalloc_free(ptr, device));

@@ -1,0 +1,110 @@
+//! Multi-threaded stress on the simulated device: threads on their own streams allocate,
+//! write canaries, hand blocks across streams with record_stream, and free, while another
+//! thread pauses and resumes streams and empties the cache.
+
+use ccalloc::driver::sim::SimDriver;
+use ccalloc::{Config, DeviceAllocator, StreamId};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+const THREADS: u64 = 4;
+const STEPS: usize = 20_000;
+
+/// xorshift: deterministic per thread, no dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn fill(ptr: u64, size: u64, tag: u8) {
+    // SAFETY: sim memory is host memory and the block spans `size` bytes.
+    unsafe { std::ptr::write_bytes(ptr as *mut u8, tag, size.min(256) as usize) };
+}
+
+fn intact(ptr: u64, size: u64, tag: u8) -> bool {
+    // SAFETY: as in `fill`; the block is still live.
+    let bytes = unsafe { std::slice::from_raw_parts(ptr as *const u8, size.min(256) as usize) };
+    bytes.iter().all(|&b| b == tag)
+}
+
+#[test]
+fn threads_on_their_own_streams_never_share_memory() {
+    let sim = Arc::new(SimDriver::new(1, 8 << 30));
+    let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+
+    let controller = {
+        let (sim, alloc, stop) = (sim.clone(), alloc.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut rng = Rng(99);
+            while !stop.load(Ordering::Relaxed) {
+                let stream = StreamId(100 + rng.next() % THREADS);
+                sim.set_stream_paused(0, stream, rng.next().is_multiple_of(2));
+                if rng.next().is_multiple_of(16) {
+                    alloc.empty_cache().unwrap();
+                }
+                std::thread::yield_now();
+            }
+        })
+    };
+
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let alloc = alloc.clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng(t + 1);
+                let stream = StreamId(100 + t);
+                let mut live: Vec<(u64, u64, u8)> = Vec::new();
+                for step in 0..STEPS {
+                    if live.len() < 64 && (live.is_empty() || rng.next().is_multiple_of(2)) {
+                        let size = match rng.next() % 10 {
+                            0 => 1 + rng.next() % (16 << 20),
+                            1..=3 => 1 + rng.next() % (2 << 20),
+                            _ => 1 + rng.next() % 8192,
+                        };
+                        let ptr = alloc.malloc(size, stream).unwrap();
+                        let tag = (step % 251) as u8 + 1;
+                        fill(ptr, size, tag);
+                        live.push((ptr, size, tag));
+                    } else {
+                        let (ptr, size, tag) = live.swap_remove((rng.next() as usize) % live.len());
+                        assert!(
+                            intact(ptr, size, tag),
+                            "thread {t}: block {ptr:#x} was overwritten"
+                        );
+                        if rng.next().is_multiple_of(4) {
+                            let other = StreamId(100 + rng.next() % THREADS);
+                            alloc.record_stream(ptr, other).unwrap();
+                        }
+                        alloc.free(ptr).unwrap();
+                    }
+                }
+                for (ptr, size, tag) in live {
+                    assert!(intact(ptr, size, tag));
+                    alloc.free(ptr).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    controller.join().unwrap();
+
+    for t in 0..THREADS {
+        sim.set_stream_paused(0, StreamId(100 + t), false);
+    }
+    alloc.empty_cache().unwrap();
+    let s = alloc.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(s.active.all().current, 0);
+    assert_eq!(s.reserved_bytes.all().current, 0);
+    assert_eq!(s.allocation.all().allocated, s.allocation.all().freed);
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
