@@ -12,6 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+typedef struct CUstream_st CUstream_st;
+
 // Result of every ccalloc call. `CCALLOC_OK` is 0; the message for any other value is
 // available from `ccalloc_last_error()` on the same thread.
 enum ccalloc_status
@@ -57,10 +59,6 @@ typedef uint32_t ccalloc_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
-// Opaque CUDA stream, declared as the CUDA runtime does (`cudaStream_t`). Not `repr(C)` on
-// purpose: cbindgen then emits only the forward declaration.
-typedef struct CUstream_st CUstream_st;
-
 // Identical to the CUDA runtime's `cudaStream_t`.
 typedef CUstream_st *cudaStream_t;
 
@@ -102,6 +100,19 @@ typedef struct {
   // `max_split_size_mb` in bytes; -1 when unlimited (as PyTorch reports it).
   int64_t max_split_size;
 } ccalloc_stats;
+
+// Names a private pool; identical in layout to PyTorch's `c10::cuda::MempoolId_t`
+// (`std::pair<unsigned long long, unsigned long long>`, passed in two registers).
+typedef struct {
+  uint64_t first;
+  uint64_t second;
+} ccalloc_pool_id;
+
+// Says whether an allocation on `stream` goes to the private pool (`ctx` is the caller's).
+typedef bool (*ccalloc_stream_filter)(void *ctx, cudaStream_t stream);
+
+// Releases the caller's `ctx` when ccalloc no longer needs it.
+typedef void (*ccalloc_release_fn)(void *ctx);
 
 #ifdef __cplusplus
 extern "C" {
@@ -191,6 +202,40 @@ void ccalloc_torch_set_memory_fraction(double fraction, int device);
 // PyTorch's `set_record_stream_fn` hook (`Tensor.record_stream`): the device is the one
 // whose allocator holds `ptr`.
 void ccalloc_torch_record_stream(void *ptr, cudaStream_t stream);
+
+// Opens a window in which allocations on `device` from streams that `filter` accepts (all
+// streams when NULL) come from private pool `pool` and are reused only by it, as for a CUDA
+// graph capture. `release(ctx)` is called when the window closes. Each begin holds the pool
+// once; see `ccalloc_release_pool`.
+ccalloc_status ccalloc_begin_allocate_to_pool(int32_t device,
+                                              ccalloc_pool_id pool,
+                                              ccalloc_stream_filter filter,
+                                              void *ctx,
+                                              ccalloc_release_fn release);
+
+// Closes the window opened for `pool` on `device`.
+ccalloc_status ccalloc_end_allocate_to_pool(int32_t device, ccalloc_pool_id pool);
+
+// Drops one hold on `pool`; once none is left its cached memory is released (unused
+// segments now, the rest as their blocks are freed and the cache emptied).
+ccalloc_status ccalloc_release_pool(int32_t device, ccalloc_pool_id pool);
+
+extern void *ccalloc_shim_filter_clone(const void *filter);
+
+extern bool ccalloc_shim_filter_call(void *filter, cudaStream_t stream);
+
+extern void ccalloc_shim_filter_drop(void *filter);
+
+// PyTorch's `_set_begin_allocate_to_pool` hook. Its C++ type is
+// `void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)`: the pair arrives in
+// registers and the std::function, passed by value, as a pointer to the caller's copy.
+void ccalloc_torch_begin_allocate_to_pool(int device, ccalloc_pool_id pool, const void *filter);
+
+// PyTorch's `_set_end_allocate_to_pool_fn` hook: `void(int, MempoolId_t)`.
+void ccalloc_torch_end_allocate_to_pool(int device, ccalloc_pool_id pool);
+
+// PyTorch's `_set_release_pool` hook: `void(int, MempoolId_t)`.
+void ccalloc_torch_release_pool(int device, ccalloc_pool_id pool);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,6 +1,7 @@
 //! Blocks (pieces of a device segment), the arena that owns them, and the free lists that
 //! find the best cached fit per (stream, size).
 
+use super::caches::PoolId;
 use super::sizing::PoolKind;
 use crate::driver::{DevicePtr, StreamId};
 use std::collections::BTreeMap;
@@ -26,6 +27,8 @@ pub struct Block {
     /// The stream the segment was allocated for; the block is reused only there.
     pub stream: StreamId,
     pub pool: PoolKind,
+    /// The private pool (CUDA graph) the segment belongs to; `None` = the general cache.
+    pub owner: Option<PoolId>,
     /// Neighbours inside the same segment, by address.
     pub prev: Option<BlockId>,
     pub next: Option<BlockId>,

@@ -325,3 +325,84 @@ fn shutdown_refuses_while_live_then_releases_everything() {
     assert_eq!(sim.counters(0).bytes_in_use, 0);
     assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
 }
+
+#[test]
+fn private_pool_keeps_its_blocks_to_itself() {
+    let (sim, a) = setup(1 << 30, "");
+    let pool = (1, 7);
+    let general = a.malloc(4096, S0).unwrap();
+    a.free(general).unwrap();
+    a.begin_allocate_to_pool(pool, Box::new(|s| s == S0))
+        .unwrap();
+    let captured = a.malloc(4096, S0).unwrap();
+    assert_ne!(captured, general, "a capture does not take general cache");
+    let outside = a.malloc(4096, S1).unwrap();
+    assert!(a
+        .segments()
+        .unwrap()
+        .iter()
+        .any(|s| s.private_pool == Some(pool)));
+    a.free(captured).unwrap();
+    let again = a.malloc(4096, S0).unwrap();
+    assert_eq!(again, captured, "freed pool blocks serve the pool");
+    a.end_allocate_to_pool(pool).unwrap();
+    let after = a.malloc(4096, S0).unwrap();
+    assert_eq!(
+        after, general,
+        "outside the window the general cache serves"
+    );
+    a.free(again).unwrap();
+    a.free(after).unwrap();
+    a.free(outside).unwrap();
+    // Held pool: empty_cache keeps its segment.
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).segment.all().current, 1);
+    a.release_pool(pool).unwrap();
+    assert_eq!(stats(&a).segment.all().current, 0);
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    assert_eq!(
+        a.release_pool(pool).unwrap_err().kind,
+        ErrorKind::InvalidArgument
+    );
+}
+
+#[test]
+fn released_pool_returns_memory_when_its_last_block_is_freed() {
+    let (sim, a) = setup(1 << 30, "");
+    let pool = (2, 0);
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let p = a.malloc(3 * MIB, S0).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.release_pool(pool).unwrap();
+    assert_eq!(stats(&a).segment.all().current, 1, "still live");
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn record_stream_during_capture_is_deferred_to_its_end() {
+    let (sim, a) = setup(1 << 30, "");
+    let pool = (3, 0);
+    a.begin_allocate_to_pool(pool, Box::new(|s| s == S0))
+        .unwrap();
+    let p = a.malloc(4096, S0).unwrap();
+    a.record_stream(p, S1).unwrap();
+    sim.set_stream_paused(0, S1, true);
+    a.free(p).unwrap();
+    assert_eq!(stats(&a).active.all().current, 1);
+    let q = a.malloc(4096, S0).unwrap();
+    assert_ne!(p, q, "not reusable before its events");
+    a.end_allocate_to_pool(pool).unwrap();
+    sim.set_stream_paused(0, S1, false);
+    a.free(q).unwrap();
+    a.malloc(1, S1).map(|x| a.free(x)).unwrap().unwrap();
+    assert_eq!(stats(&a).active.all().current, 0, "cached once S1 finished");
+    assert_eq!(
+        a.end_allocate_to_pool(pool).unwrap_err().kind,
+        ErrorKind::InvalidArgument
+    );
+    a.release_pool(pool).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}

@@ -11,7 +11,10 @@ use crate::error::{Error, ErrorKind};
 use crate::runtime::{self, Runtime};
 use boundary::{guard, invalid, require_out, write_out};
 use std::ffi::{c_char, c_int, c_void, CStr};
-use types::{ccalloc_stats, ccalloc_status, cudaStream_t};
+use types::{
+    ccalloc_pool_id, ccalloc_release_fn, ccalloc_stats, ccalloc_status, ccalloc_stream_filter,
+    cudaStream_t,
+};
 
 fn stream_of(stream: cudaStream_t) -> StreamId {
     StreamId(stream as u64)
@@ -346,4 +349,135 @@ pub extern "C" fn ccalloc_torch_record_stream(ptr: *mut c_void, stream: cudaStre
         rt.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
     });
     log_torch_failure("ccalloc_torch_record_stream", status);
+}
+
+/// A filter handed over through the C API, called under the device's lock.
+struct ForeignFilter {
+    call: ccalloc_stream_filter,
+    ctx: *mut c_void,
+    release: ccalloc_release_fn,
+}
+
+// SAFETY: the API contract requires filters callable from any thread.
+unsafe impl Send for ForeignFilter {}
+
+impl ForeignFilter {
+    fn accepts(&self, stream: StreamId) -> bool {
+        match self.call {
+            // SAFETY: a caller-supplied function with the documented signature.
+            Some(f) => unsafe { f(self.ctx, stream.0 as cudaStream_t) },
+            None => true,
+        }
+    }
+}
+
+impl Drop for ForeignFilter {
+    fn drop(&mut self) {
+        if let Some(release) = self.release {
+            // SAFETY: called once, when the filter is no longer used.
+            unsafe { release(self.ctx) };
+        }
+    }
+}
+
+fn begin_pool(device: i32, pool: ccalloc_pool_id, filter: ForeignFilter) -> Result<(), Error> {
+    let allocator = runtime::global()?.device(device as i64)?;
+    allocator.begin_allocate_to_pool(
+        (pool.first, pool.second),
+        Box::new(move |stream| filter.accepts(stream)),
+    )
+}
+
+/// Opens a window in which allocations on `device` from streams that `filter` accepts (all
+/// streams when NULL) come from private pool `pool` and are reused only by it, as for a CUDA
+/// graph capture. `release(ctx)` is called when the window closes. Each begin holds the pool
+/// once; see `ccalloc_release_pool`.
+#[no_mangle]
+pub extern "C" fn ccalloc_begin_allocate_to_pool(
+    device: i32,
+    pool: ccalloc_pool_id,
+    filter: ccalloc_stream_filter,
+    ctx: *mut c_void,
+    release: ccalloc_release_fn,
+) -> ccalloc_status {
+    // Built before the guard so `release` runs even when beginning fails.
+    let filter = ForeignFilter {
+        call: filter,
+        ctx,
+        release,
+    };
+    guard(move || begin_pool(device, pool, filter))
+}
+
+/// Closes the window opened for `pool` on `device`.
+#[no_mangle]
+pub extern "C" fn ccalloc_end_allocate_to_pool(
+    device: i32,
+    pool: ccalloc_pool_id,
+) -> ccalloc_status {
+    guard(|| {
+        runtime::global()?
+            .device(device as i64)?
+            .end_allocate_to_pool((pool.first, pool.second))
+    })
+}
+
+/// Drops one hold on `pool`; once none is left its cached memory is released (unused
+/// segments now, the rest as their blocks are freed and the cache emptied).
+#[no_mangle]
+pub extern "C" fn ccalloc_release_pool(device: i32, pool: ccalloc_pool_id) -> ccalloc_status {
+    guard(|| {
+        runtime::global()?
+            .device(device as i64)?
+            .release_pool((pool.first, pool.second))
+    })
+}
+
+extern "C" {
+    fn ccalloc_shim_filter_clone(filter: *const c_void) -> *mut c_void;
+    fn ccalloc_shim_filter_call(filter: *mut c_void, stream: cudaStream_t) -> bool;
+    fn ccalloc_shim_filter_drop(filter: *mut c_void);
+}
+
+/// PyTorch's `_set_begin_allocate_to_pool` hook. Its C++ type is
+/// `void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)`: the pair arrives in
+/// registers and the std::function, passed by value, as a pointer to the caller's copy.
+#[no_mangle]
+pub unsafe extern "C" fn ccalloc_torch_begin_allocate_to_pool(
+    device: c_int,
+    pool: ccalloc_pool_id,
+    filter: *const c_void,
+) {
+    let status = if filter.is_null() {
+        ccalloc_begin_allocate_to_pool(device, pool, None, std::ptr::null_mut(), None)
+    } else {
+        // SAFETY: `filter` points at a live std::function<bool(cudaStream_t)>; the shim copies it.
+        let copy = unsafe { ccalloc_shim_filter_clone(filter) };
+        ccalloc_begin_allocate_to_pool(
+            device,
+            pool,
+            Some(ccalloc_shim_filter_call),
+            copy,
+            Some(ccalloc_shim_filter_drop),
+        )
+    };
+    log_torch_failure("ccalloc_torch_begin_allocate_to_pool", status);
+}
+
+/// PyTorch's `_set_end_allocate_to_pool_fn` hook: `void(int, MempoolId_t)`.
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_end_allocate_to_pool(device: c_int, pool: ccalloc_pool_id) {
+    log_torch_failure(
+        "ccalloc_torch_end_allocate_to_pool",
+        ccalloc_end_allocate_to_pool(device, pool),
+    );
+}
+
+/// PyTorch's `_set_release_pool` hook: `void(int, MempoolId_t)`.
+#[no_mangle]
+pub extern "C" fn ccalloc_torch_release_pool(device: c_int, pool: ccalloc_pool_id) {
+    log_torch_failure(
+        "ccalloc_torch_release_pool",
+        ccalloc_release_pool(device, pool),
+    );
 }

@@ -84,14 +84,31 @@ pub struct ccalloc_stats {
     pub max_split_size: i64,
 }
 
-/// Opaque CUDA stream, declared as the CUDA runtime does (`cudaStream_t`). Not `repr(C)` on
-/// purpose: cbindgen then emits only the forward declaration.
+/// Opaque CUDA stream, declared as the CUDA runtime does (`cudaStream_t`). cbindgen.toml
+/// replaces its definition with a forward declaration.
+#[repr(C)]
 pub struct CUstream_st {
     _private: [u8; 0],
 }
 
 /// Identical to the CUDA runtime's `cudaStream_t`.
 pub type cudaStream_t = *mut CUstream_st;
+
+/// Names a private pool; identical in layout to PyTorch's `c10::cuda::MempoolId_t`
+/// (`std::pair<unsigned long long, unsigned long long>`, passed in two registers).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ccalloc_pool_id {
+    pub first: u64,
+    pub second: u64,
+}
+
+/// Says whether an allocation on `stream` goes to the private pool (`ctx` is the caller's).
+pub type ccalloc_stream_filter =
+    Option<unsafe extern "C" fn(ctx: *mut std::ffi::c_void, stream: cudaStream_t) -> bool>;
+
+/// Releases the caller's `ctx` when ccalloc no longer needs it.
+pub type ccalloc_release_fn = Option<unsafe extern "C" fn(ctx: *mut std::ffi::c_void)>;
 
 impl From<&Stat> for ccalloc_stat {
     fn from(s: &Stat) -> Self {

@@ -1,0 +1,76 @@
+//! Private pools, as PyTorch uses them for CUDA graphs: between `begin_allocate_to_pool` and
+//! `end_allocate_to_pool`, allocations on streams the filter accepts come from (and return
+//! to) the pool alone, so a captured graph's memory is never handed to anyone else. The pool's
+//! cache is released once every holder has called `release_pool`.
+
+use super::caches::{PoolId, PrivatePool, Route, RouteFilter};
+use super::sizing::PoolKind;
+use super::DeviceAllocator;
+use crate::error::{Error, ErrorKind, Result};
+
+impl DeviceAllocator {
+    /// Opens a window routing allocations on streams accepted by `filter` to `pool`
+    /// (created on first use; each begin holds it once more).
+    pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> Result<()> {
+        let mut st = self.lock()?;
+        st.caches
+            .private
+            .entry(pool)
+            .and_modify(|p| p.users += 1)
+            .or_insert_with(|| PrivatePool {
+                lists: Default::default(),
+                users: 1,
+                segments: 0,
+            });
+        st.caches.routes.push(Route { pool, filter });
+        Ok(())
+    }
+
+    /// Closes the window opened for `pool`. Events deferred during the capture are recorded
+    /// once no window is open.
+    pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<()> {
+        let mut st = self.lock()?;
+        let Some(i) = st.caches.routes.iter().position(|r| r.pool == pool) else {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("end_allocate_to_pool: no open window for pool {pool:?}"),
+            ));
+        };
+        st.caches.routes.remove(i);
+        if !st.caches.capturing() {
+            for id in std::mem::take(&mut st.deferred) {
+                let uses = std::mem::take(&mut st.blocks.get_mut(id).stream_uses);
+                self.await_streams(&mut st, id, uses)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops one hold on `pool`; with none left, its unused segments are released now (if no
+    /// capture is open) and the rest as their blocks are freed and the cache is emptied.
+    pub fn release_pool(&self, pool: PoolId) -> Result<()> {
+        let mut st = self.lock()?;
+        let Some(p) = st.caches.private.get_mut(&pool) else {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("release_pool: unknown pool {pool:?}"),
+            ));
+        };
+        p.users = p.users.saturating_sub(1);
+        if p.users > 0 {
+            return Ok(());
+        }
+        if p.segments == 0 {
+            st.caches.private.remove(&pool);
+            return Ok(());
+        }
+        if !st.caches.capturing() {
+            self.sync_device()?;
+            self.release_whole_segments(
+                &mut st,
+                &[(Some(pool), PoolKind::Large), (Some(pool), PoolKind::Small)],
+            )?;
+        }
+        Ok(())
+    }
+}

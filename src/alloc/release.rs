@@ -1,0 +1,235 @@
+//! The slow path's other half: giving memory back to the driver (cache flushes, garbage
+//! collection, the OOM retries) and turning completed cross-stream events into cached blocks.
+
+use super::blocks::BlockId;
+use super::caches::PoolId;
+use super::sizing::PoolKind;
+use super::state::{AwaitingEvents, State};
+use super::{driver_error, DeviceAllocator};
+use crate::driver::StreamId;
+use crate::error::Result;
+
+impl DeviceAllocator {
+    /// Returns a cached whole-segment block to the driver.
+    pub(super) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
+        let block = st.blocks.get(id);
+        let (addr, size, pool, owner) = (block.addr, block.size, block.pool, block.owner);
+        st.caches.list(owner, pool).remove(block);
+        st.stats.num_device_free += 1;
+        if let Err(e) = self.driver.release(self.device, addr, size) {
+            // Still ours: put it back so the bookkeeping stays whole.
+            st.caches.list(owner, pool).insert(st.blocks.get(id), id);
+            return Err(driver_error(self.device, e));
+        }
+        st.remove_segment(id);
+        tracing::debug!(device = self.device, addr, size, "segment released");
+        Ok(())
+    }
+
+    /// Releases cached oversize segments on `stream` until `rounded` bytes could fit.
+    pub(super) fn release_oversize_cached(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Result<bool> {
+        let max_split = st.config.max_split_size;
+        if max_split == u64::MAX {
+            return Ok(false);
+        }
+        let wanted = rounded.max(max_split);
+        let large = &st.caches.general[PoolKind::Large as usize];
+        let one = large
+            .best_fit(stream, wanted)
+            .map(|(_, id)| id)
+            .filter(|&id| !st.blocks.get(id).is_split());
+        let chosen = match one {
+            Some(id) => vec![id],
+            None => {
+                let mut total = 0;
+                let mut picked = Vec::new();
+                for id in large.largest_first(stream, max_split) {
+                    if total >= wanted {
+                        break;
+                    }
+                    if !st.blocks.get(id).is_split() {
+                        total += st.blocks.get(id).size;
+                        picked.push(id);
+                    }
+                }
+                if picked.is_empty() {
+                    return Ok(false);
+                }
+                picked
+            }
+        };
+        let released: u64 = chosen.iter().map(|&id| st.blocks.get(id).size).sum();
+        self.sync_device()?;
+        for id in chosen {
+            self.release_segment(st, id)?;
+        }
+        Ok(released >= wanted)
+    }
+
+    /// Waits for every pending cross-stream event, then returns every unused segment (of the
+    /// general cache and of private pools nobody holds).
+    pub(super) fn release_all_cached(&self, st: &mut State) -> Result<()> {
+        st.stats.num_sync_all_streams += 1;
+        self.drain_awaiting(st)?;
+        self.sync_device()?;
+        let lists = st.caches.releasable();
+        self.release_whole_segments(st, &lists)
+    }
+
+    /// Releases every cached block that spans a whole segment in the given free lists.
+    pub(super) fn release_whole_segments(
+        &self,
+        st: &mut State,
+        lists: &[(Option<PoolId>, PoolKind)],
+    ) -> Result<()> {
+        for &(owner, pool) in lists {
+            // Releasing a pool's last segment removes the pool.
+            let Some(list) = st.caches.try_list(owner, pool) else {
+                continue;
+            };
+            let whole: Vec<BlockId> = list
+                .ids()
+                .filter(|&id| !st.blocks.get(id).is_split())
+                .collect();
+            for id in whole {
+                self.release_segment(st, id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cached blocks may still be read by kernels queued before they were freed (frees are
+    /// stream-ordered), so the device finishes its work before segments go back.
+    pub(super) fn sync_device(&self) -> Result<()> {
+        self.driver
+            .synchronize(self.device)
+            .map_err(|e| driver_error(self.device, e))
+    }
+
+    /// Waits for every pending event and caches its block.
+    fn drain_awaiting(&self, st: &mut State) -> Result<()> {
+        while let Some(pending) = st.awaiting.pop() {
+            for &event in &pending.events {
+                let waited = self.driver.wait_event(self.device, event);
+                self.driver.destroy_event(self.device, event);
+                if let Err(e) = waited {
+                    // The block stays unusable rather than risk reuse while in use.
+                    return Err(driver_error(self.device, e));
+                }
+            }
+            st.cache(pending.block);
+        }
+        Ok(())
+    }
+
+    /// Caches blocks whose cross-stream events have all completed.
+    pub(super) fn poll_events(&self, st: &mut State) -> Result<()> {
+        let mut i = 0;
+        while i < st.awaiting.len() {
+            let mut done = true;
+            for &event in &st.awaiting[i].events {
+                if !self
+                    .driver
+                    .event_done(self.device, event)
+                    .map_err(|e| driver_error(self.device, e))?
+                {
+                    done = false;
+                    break;
+                }
+            }
+            if done {
+                let pending = st.awaiting.swap_remove(i);
+                for event in pending.events {
+                    self.driver.destroy_event(self.device, event);
+                }
+                st.cache(pending.block);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records an event on each stream that used the block; it becomes reusable when all
+    /// have completed. Without events (recording failed) the device is synchronized instead.
+    pub(super) fn await_streams(
+        &self,
+        st: &mut State,
+        id: BlockId,
+        uses: Vec<StreamId>,
+    ) -> Result<()> {
+        let mut events = Vec::with_capacity(uses.len());
+        for stream in uses {
+            match self.driver.record_event(self.device, stream) {
+                Ok(event) => events.push(event),
+                Err(e) => {
+                    tracing::warn!(
+                        device = self.device,
+                        "record_event failed ({e}); synchronizing"
+                    );
+                    for event in events.drain(..) {
+                        self.driver.destroy_event(self.device, event);
+                    }
+                    self.sync_device()?;
+                    break;
+                }
+            }
+        }
+        if events.is_empty() {
+            st.cache(id);
+        } else {
+            st.awaiting.push(AwaitingEvents { block: id, events });
+        }
+        Ok(())
+    }
+
+    /// Above `garbage_collection_threshold` × limit (the fraction's, else the device's;
+    /// PyTorch collects only under a fraction), releases the oldest cached whole segments of
+    /// the large pool (at least average age) until back under it.
+    pub(super) fn collect_garbage(&self, st: &mut State) -> Result<()> {
+        let limit = st.limit.min(self.total_memory);
+        let threshold = (st.config.garbage_collection_threshold * limit as f64) as u64;
+        let reserved = st.reserved();
+        if reserved <= threshold {
+            return Ok(());
+        }
+        let target = reserved - threshold;
+        let large = &st.caches.general[PoolKind::Large as usize];
+        let now = large.lookups;
+        let mut candidates: Vec<(u64, BlockId)> = large
+            .ids()
+            .filter(|&id| !st.blocks.get(id).is_split())
+            .map(|id| (now - st.blocks.get(id).cached_at, id))
+            .collect();
+        let mut chosen = Vec::new();
+        let mut reclaimed = 0;
+        while reclaimed < target && !candidates.is_empty() {
+            let average =
+                candidates.iter().map(|c| c.0 as f64).sum::<f64>() / candidates.len() as f64;
+            let (old, young): (Vec<_>, Vec<_>) =
+                candidates.into_iter().partition(|c| c.0 as f64 >= average);
+            if old.is_empty() {
+                break;
+            }
+            reclaimed += old
+                .iter()
+                .map(|&(_, id)| st.blocks.get(id).size)
+                .sum::<u64>();
+            chosen.extend(old.into_iter().map(|(_, id)| id));
+            candidates = young;
+        }
+        if chosen.is_empty() {
+            return Ok(());
+        }
+        self.sync_device()?;
+        for id in chosen {
+            self.release_segment(st, id)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,326 @@
+//! The bookkeeping behind one device's allocator, mutated only under its lock: blocks,
+//! segments, caches and stats. Nothing here talks to the driver.
+
+use super::blocks::{Block, BlockArena, BlockId, BlockState};
+use super::caches::{Caches, PoolId};
+use super::sizing::{self, PoolKind};
+use super::stats::DeviceStats;
+use crate::config::Config;
+use crate::driver::{DevicePtr, EventId, StreamId};
+use crate::error::{Error, ErrorKind};
+use std::collections::{BTreeMap, HashMap};
+
+/// A block freed while other streams may still use it; reusable once every event completes.
+pub struct AwaitingEvents {
+    pub block: BlockId,
+    pub events: Vec<EventId>,
+}
+
+/// A device allocation and the first block of its chain.
+#[derive(Clone, Copy)]
+pub struct Segment {
+    pub size: u64,
+    pub first: BlockId,
+}
+
+pub struct State {
+    pub config: Config,
+    /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
+    pub limit: u64,
+    pub blocks: BlockArena,
+    pub caches: Caches,
+    /// Blocks handed out, by address.
+    pub live: HashMap<DevicePtr, BlockId>,
+    pub segments: BTreeMap<DevicePtr, Segment>,
+    pub awaiting: Vec<AwaitingEvents>,
+    /// Blocks freed during a capture with other streams recorded: their events are recorded
+    /// once no capture is open (recording then would become part of the graph).
+    pub deferred: Vec<BlockId>,
+    pub stats: DeviceStats,
+    pub shut_down: bool,
+}
+
+impl State {
+    pub fn new(config: Config, limit: u64) -> Self {
+        Self {
+            config,
+            limit,
+            blocks: BlockArena::default(),
+            caches: Caches::default(),
+            live: HashMap::new(),
+            segments: BTreeMap::new(),
+            awaiting: Vec::new(),
+            deferred: Vec::new(),
+            stats: DeviceStats::default(),
+            shut_down: false,
+        }
+    }
+
+    pub fn reserved(&self) -> u64 {
+        self.stats.reserved_bytes.all().current as u64
+    }
+
+    /// Fast path: the best cached fit, obeying the oversize rules.
+    pub fn take_cached(
+        &mut self,
+        owner: Option<PoolId>,
+        pool: PoolKind,
+        stream: StreamId,
+        rounded: u64,
+    ) -> Option<BlockId> {
+        let max_split = self.config.max_split_size;
+        let max_rounding = self.config.max_non_split_rounding;
+        let list = self.caches.list(owner, pool);
+        list.lookups += 1;
+        let (found, id) = list.best_fit(stream, rounded)?;
+        // Oversize blocks serve only oversize requests, and only ones close to their size.
+        if rounded < max_split && found >= max_split {
+            return None;
+        }
+        if rounded >= max_split && found >= rounded.saturating_add(max_rounding) {
+            return None;
+        }
+        list.remove(self.blocks.get(id));
+        Some(id)
+    }
+
+    /// Registers a fresh segment as one free block (not yet cached).
+    pub fn add_segment(
+        &mut self,
+        addr: DevicePtr,
+        size: u64,
+        stream: StreamId,
+        pool: PoolKind,
+        owner: Option<PoolId>,
+    ) -> BlockId {
+        let id = self.blocks.insert(Block {
+            addr,
+            size,
+            requested: 0,
+            stream,
+            pool,
+            owner,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            cached_at: 0,
+        });
+        self.segments.insert(addr, Segment { size, first: id });
+        if let Some(p) = owner.and_then(|o| self.caches.private.get_mut(&o)) {
+            p.segments += 1;
+        }
+        let s = &mut self.stats;
+        s.segment.increase(pool, 1);
+        s.reserved_bytes.increase(pool, size);
+        s.num_device_alloc += 1;
+        if size >= self.config.max_split_size {
+            s.oversize_segments.increase(1);
+        }
+        id
+    }
+
+    /// Forgets a cached whole-segment block whose memory the driver has taken back.
+    pub fn remove_segment(&mut self, id: BlockId) {
+        let block = self.blocks.remove(id);
+        debug_assert!(!block.is_split() && block.state == BlockState::Free);
+        self.segments.remove(&block.addr);
+        if let Some(owner) = block.owner {
+            let pool = self
+                .caches
+                .private
+                .get_mut(&owner)
+                .expect("owner pool exists");
+            pool.segments -= 1;
+            if pool.segments == 0 && pool.users == 0 {
+                self.caches.private.remove(&owner);
+            }
+        }
+        let s = &mut self.stats;
+        s.segment.decrease(block.pool, 1);
+        s.reserved_bytes.decrease(block.pool, block.size);
+        if block.size >= self.config.max_split_size {
+            s.oversize_segments.decrease(1);
+        }
+    }
+
+    /// Splits off what `rounded` does not need, marks the block live, and counts it.
+    pub fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64) -> DevicePtr {
+        let block = self.blocks.get(id);
+        let (pool, owner) = (block.pool, block.owner);
+        let already_split = block.is_split();
+        if sizing::should_split(pool, block.size, rounded, &self.config) {
+            let rest = Block {
+                addr: block.addr + rounded,
+                size: block.size - rounded,
+                requested: 0,
+                stream: block.stream,
+                pool,
+                owner,
+                prev: Some(id),
+                next: block.next,
+                state: BlockState::Free,
+                stream_uses: Vec::new(),
+                cached_at: self.caches.list_ref(owner, pool).lookups,
+            };
+            let rest_size = rest.size;
+            let rest_id = self.blocks.insert(rest);
+            if let Some(next) = self.blocks.get(rest_id).next {
+                self.blocks.get_mut(next).prev = Some(rest_id);
+            }
+            let block = self.blocks.get_mut(id);
+            block.next = Some(rest_id);
+            block.size = rounded;
+            self.caches
+                .list(owner, pool)
+                .insert(self.blocks.get(rest_id), rest_id);
+            if already_split {
+                // The inactive piece shrinks by what was handed out.
+                self.stats.inactive_split_bytes.decrease(pool, rounded);
+            } else {
+                self.stats.inactive_split.increase(pool, 1);
+                self.stats.inactive_split_bytes.increase(pool, rest_size);
+            }
+        } else if already_split {
+            self.stats.inactive_split.decrease(pool, 1);
+            self.stats.inactive_split_bytes.decrease(pool, block.size);
+        }
+        let block = self.blocks.get_mut(id);
+        block.state = BlockState::Allocated;
+        block.requested = requested;
+        let (addr, size) = (block.addr, block.size);
+        self.live.insert(addr, id);
+        let s = &mut self.stats;
+        s.allocation.increase(pool, 1);
+        s.allocated_bytes.increase(pool, size);
+        s.active.increase(pool, 1);
+        s.active_bytes.increase(pool, size);
+        s.requested_bytes.increase(pool, requested);
+        if size >= self.config.max_split_size {
+            s.oversize_allocations.increase(1);
+        }
+        addr
+    }
+
+    /// The caller gave the block back: it stops counting as allocated (it stays active until
+    /// cached). Returns the streams it was recorded on.
+    pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
+        let max_split = self.config.max_split_size;
+        let block = self.blocks.get_mut(id);
+        let (pool, size) = (block.pool, block.size);
+        block.state = BlockState::AwaitingEvents;
+        let uses = std::mem::take(&mut block.stream_uses);
+        self.live.remove(&block.addr);
+        let s = &mut self.stats;
+        s.allocation.decrease(pool, 1);
+        s.allocated_bytes.decrease(pool, size);
+        if size >= max_split {
+            s.oversize_allocations.decrease(1);
+        }
+        uses
+    }
+
+    /// Returns a no-longer-used block to its free list, merging free neighbours.
+    pub fn cache(&mut self, id: BlockId) {
+        let block = self.blocks.get(id);
+        let (pool, owner) = (block.pool, block.owner);
+        let (original_size, requested) = (block.size, block.requested);
+        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
+        for neighbour in [block.prev, block.next].into_iter().flatten() {
+            if self.blocks.get(neighbour).state != BlockState::Free {
+                continue;
+            }
+            let absorbed = self.absorb(id, neighbour);
+            net_blocks -= 1;
+            net_bytes -= absorbed as i64;
+        }
+        let list = self.caches.list(owner, pool);
+        let block = self.blocks.get_mut(id);
+        block.state = BlockState::Free;
+        block.requested = 0;
+        block.cached_at = list.lookups;
+        list.insert(block, id);
+        if block.is_split() {
+            net_blocks += 1;
+            net_bytes += block.size as i64;
+        }
+        let s = &mut self.stats;
+        s.inactive_split.adjust(pool, net_blocks);
+        s.inactive_split_bytes.adjust(pool, net_bytes);
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, original_size);
+        s.requested_bytes.decrease(pool, requested);
+    }
+
+    /// Merges the free `neighbour` into `id`; returns the bytes taken over.
+    fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> u64 {
+        let other = self.blocks.remove(neighbour);
+        self.caches.list(other.owner, other.pool).remove(&other);
+        let block = self.blocks.get_mut(id);
+        block.size += other.size;
+        if other.addr < block.addr {
+            block.addr = other.addr;
+            block.prev = other.prev;
+            match other.prev {
+                Some(p) => self.blocks.get_mut(p).next = Some(id),
+                None => {
+                    let segment = self.segments.get_mut(&other.addr);
+                    segment
+                        .expect("a chain's first block starts a segment")
+                        .first = id;
+                }
+            }
+        } else {
+            block.next = other.next;
+            if let Some(n) = other.next {
+                self.blocks.get_mut(n).prev = Some(id);
+            }
+        }
+        other.size
+    }
+
+    /// Total cached free bytes and the largest cached block.
+    pub fn cached_free(&self) -> (u64, u64) {
+        let private = self.caches.private.values().flat_map(|p| p.lists.iter());
+        self.caches
+            .general
+            .iter()
+            .chain(private)
+            .flat_map(|l| l.ids())
+            .map(|id| self.blocks.get(id).size)
+            .fold((0, 0), |(sum, max), s| (sum + s, max.max(s)))
+    }
+
+    pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {
+        let (&addr, &seg) = self.segments.range(..=ptr).next_back()?;
+        (ptr < addr + seg.size).then_some((addr, seg))
+    }
+
+    /// Why `ptr` cannot be freed here: a double free, an interior pointer, or unknown.
+    pub fn diagnose_not_live(&self, device: usize, ptr: DevicePtr) -> Error {
+        let Some((_, seg)) = self.segment_of(ptr) else {
+            return Error::new(
+                ErrorKind::UnknownPointer,
+                format!("{ptr:#x} was not allocated by ccalloc on device {device}"),
+            );
+        };
+        let mut cursor = Some(seg.first);
+        while let Some(id) = cursor {
+            let b = self.blocks.get(id);
+            if b.addr == ptr && b.state != BlockState::Allocated {
+                return Error::new(
+                    ErrorKind::DoubleFree,
+                    format!("{ptr:#x} on device {device} is not live: it was already freed"),
+                );
+            }
+            if ptr < b.end() {
+                break;
+            }
+            cursor = b.next;
+        }
+        Error::new(
+            ErrorKind::UnknownPointer,
+            format!("{ptr:#x} points inside a ccalloc block on device {device}, not at its start"),
+        )
+    }
+}
