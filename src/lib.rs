@@ -9,6 +9,7 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod ffi;
+pub mod replay;
 pub mod runtime;
 
 pub use alloc::stats::{DeviceStats, Stat, StatArray};

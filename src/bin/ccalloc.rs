@@ -1,0 +1,162 @@
+//! `ccalloc replay FILE…`: replays allocator traces through ccalloc on the simulated device
+//! and reports what it reserved against what the trace kept live.
+
+use ccalloc::error::{human_bytes, parse_bytes};
+use ccalloc::replay::{self, plot, trace, ReplayOptions, ReplayReport};
+use clap::{Parser, Subcommand};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "ccalloc",
+    version,
+    about = "ccalloc: a caching CUDA memory allocator"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay allocator traces (shared/traces CSV, gzip'd or not, or PyTorch snapshot pickles
+    /// from torch.cuda.memory._dump_snapshot()) on the simulated device.
+    Replay {
+        /// Trace files.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Simulated device memory, e.g. 80GiB; reports where the trace would run out.
+        #[arg(long, default_value = "80GiB")]
+        capacity: String,
+        /// Allocator settings, e.g. "max_split_size_mb:256".
+        #[arg(long, default_value = "")]
+        conf: String,
+        /// One JSON object per trace (a JSON array) instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Write a live-vs-reserved timeline (SVG).
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Replay {
+            files,
+            capacity,
+            conf,
+            json,
+            plot: plot_path,
+        } => {
+            let Some(capacity) = parse_bytes(&capacity).filter(|&c| c > 0) else {
+                eprintln!("error: --capacity {capacity:?} is not a size such as 80GiB");
+                return ExitCode::from(2);
+            };
+            let options = ReplayOptions {
+                capacity,
+                conf,
+                ..ReplayOptions::default()
+            };
+            let mut reports = Vec::new();
+            for file in &files {
+                let traces = match trace::load(file) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        eprintln!("error: {e}");
+                        return ExitCode::from(1);
+                    }
+                };
+                for t in traces {
+                    match replay::replay(&t, &options, progress(&t.name)) {
+                        Ok(r) => reports.push(r),
+                        Err(e) => {
+                            eprintln!("error: {}: {e}", t.name);
+                            return ExitCode::from(1);
+                        }
+                    }
+                }
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&reports).expect("reports serialize")
+                );
+            } else {
+                print_table(&reports);
+            }
+            if let Some(path) = plot_path {
+                if let Err(e) = std::fs::write(&path, plot::svg(&reports)) {
+                    eprintln!("error: writing {}: {e}", path.display());
+                    return ExitCode::from(1);
+                }
+                eprintln!("timeline written to {}", path.display());
+            }
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// Progress on stderr, only when it is a terminal.
+fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
+    let tty = std::io::stderr().is_terminal();
+    move |done, total| {
+        if tty {
+            let pct = if total == 0 { 100 } else { done * 100 / total };
+            let end = if done >= total { "\r\x1b[K" } else { "" };
+            eprint!("\r{name}: {pct:3}% ({done}/{total} events){end}");
+            let _ = std::io::stderr().flush();
+        }
+    }
+}
+
+fn print_table(reports: &[ReplayReport]) {
+    println!(
+        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>11} {:>9}  {}",
+        "trace",
+        "events",
+        "peak live",
+        "peak reserved",
+        "ratio",
+        "PyTorch rsv",
+        "ratio",
+        "dev alloc/free",
+        "ns/event",
+        "OOM"
+    );
+    for r in reports {
+        let torch = r
+            .pytorch_peak_reserved_bytes
+            .map(human_bytes)
+            .unwrap_or_else(|| "-".into());
+        let torch_ratio = r
+            .pytorch_ratio
+            .map(|x| format!("{x:.3}"))
+            .unwrap_or_else(|| "-".into());
+        let oom = match &r.oom {
+            Some(o) => format!(
+                "at event {} ({} live, asked {})",
+                o.event,
+                human_bytes(o.live_bytes),
+                human_bytes(o.requested_bytes)
+            ),
+            None => "no".into(),
+        };
+        println!(
+            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>14} {:>9.0}  {}",
+            r.trace,
+            r.events,
+            human_bytes(r.peak_live_bytes),
+            human_bytes(r.peak_reserved_bytes),
+            r.ratio,
+            torch,
+            torch_ratio,
+            format!("{}/{}", r.device_allocs, r.device_frees),
+            r.ns_per_event,
+            oom
+        );
+    }
+}

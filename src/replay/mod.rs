@@ -1,0 +1,181 @@
+//! Trace replay: drives a `DeviceAllocator` on the simulated device with a recorded workload
+//! (allocate at `alloc`, free at `free_completed`, same streams) and measures what it reserved.
+
+pub mod plot;
+pub mod trace;
+
+use crate::alloc::DeviceAllocator;
+use crate::config::Config;
+use crate::driver::sim::SimDriver;
+use crate::driver::StreamId;
+use crate::error::{ErrorKind, Result};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+use trace::{Action, Trace};
+
+pub struct ReplayOptions {
+    /// Simulated device memory; an allocation that cannot fit is reported as the OOM point.
+    pub capacity: u64,
+    /// `key:value,...` allocator settings.
+    pub conf: String,
+    /// Points kept for the live/reserved timeline.
+    pub timeline_points: usize,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self {
+            capacity: crate::driver::sim::DEFAULT_CAPACITY,
+            conf: String::new(),
+            timeline_points: 2000,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct OomPoint {
+    /// Index of the event (0-based, in the trace's allocation events) that failed.
+    pub event: usize,
+    pub requested_bytes: u64,
+    pub live_bytes: u64,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ReplayReport {
+    pub trace: String,
+    /// Allocations and frees replayed.
+    pub events: usize,
+    pub allocs: usize,
+    /// Peak of the bytes the trace asked for and had not freed.
+    pub peak_live_bytes: u64,
+    /// Peak of what ccalloc held from the device.
+    pub peak_reserved_bytes: u64,
+    /// peak_reserved / peak_live (1.0 is the floor).
+    pub ratio: f64,
+    /// What PyTorch's allocator reserved at its peak, where the trace records its segments.
+    pub pytorch_peak_reserved_bytes: Option<u64>,
+    pub pytorch_ratio: Option<f64>,
+    pub device_allocs: u64,
+    pub device_frees: u64,
+    pub ns_per_event: f64,
+    pub oom: Option<OomPoint>,
+    /// Frees of addresses the trace never allocated (skipped).
+    pub unmatched_frees: usize,
+    /// (event index, live bytes, reserved bytes), evenly sampled.
+    #[serde(skip)]
+    pub timeline: Vec<(usize, u64, u64)>,
+}
+
+/// Replays `trace`; `progress(done, total)` is called now and then.
+pub fn replay(
+    trace: &Trace,
+    options: &ReplayOptions,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<ReplayReport> {
+    let mut config = Config::default();
+    config.apply(&options.conf)?;
+    let sim = Arc::new(SimDriver::new(1, options.capacity));
+    let allocator = DeviceAllocator::new(0, sim.clone(), config)?;
+
+    let total = trace.events.len();
+    let every = (total / options.timeline_points.max(1)).max(1);
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
+    let (mut live_bytes, mut peak_live) = (0u64, 0u64);
+    let (mut torch_reserved, mut torch_peak, mut torch_seen) = (0i64, 0i64, false);
+    let (mut events, mut allocs, mut unmatched) = (0usize, 0usize, 0usize);
+    let mut timeline = Vec::new();
+    let mut oom = None;
+
+    let started = Instant::now();
+    for (addr, size, stream) in trace::live_at_start(trace) {
+        let ptr = allocator.malloc(size.max(1), StreamId(stream))?;
+        live.insert(addr, (ptr, size));
+        live_bytes += size;
+    }
+    peak_live = peak_live.max(live_bytes);
+    for (i, e) in trace.events.iter().enumerate() {
+        match e.action {
+            Action::Alloc => {
+                if let Some((old, size)) = live.remove(&e.addr) {
+                    // The trace lost this block's free: release it before reusing the address.
+                    allocator.free(old)?;
+                    live_bytes -= size;
+                }
+                match allocator.malloc(e.size.max(1), StreamId(e.stream)) {
+                    Ok(ptr) => {
+                        live.insert(e.addr, (ptr, e.size));
+                        live_bytes += e.size;
+                        peak_live = peak_live.max(live_bytes);
+                        allocs += 1;
+                        events += 1;
+                    }
+                    Err(err) if err.kind == ErrorKind::OutOfMemory => {
+                        oom = Some(OomPoint {
+                            event: i,
+                            requested_bytes: e.size,
+                            live_bytes,
+                            message: err.message,
+                        });
+                        break;
+                    }
+                    Err(err) => return Err(err),
+                }
+            }
+            Action::FreeCompleted => match live.remove(&e.addr) {
+                Some((ptr, size)) => {
+                    allocator.free(ptr)?;
+                    live_bytes -= size;
+                    events += 1;
+                }
+                None => unmatched += 1,
+            },
+            Action::FreeRequested => {}
+            Action::SegmentAlloc => {
+                torch_seen = true;
+                torch_reserved += e.size as i64;
+                torch_peak = torch_peak.max(torch_reserved);
+            }
+            Action::SegmentFree => torch_reserved -= e.size as i64,
+        }
+        if i % every == 0 {
+            let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
+            timeline.push((i, live_bytes, reserved));
+            if i % (every * 64) == 0 {
+                progress(i, total);
+            }
+        }
+    }
+    let elapsed = started.elapsed();
+    progress(total, total);
+    let stats = allocator.stats()?;
+    timeline.push((total, live_bytes, stats.reserved_bytes.all().current as u64));
+    let peak_reserved = stats.reserved_bytes.all().peak as u64;
+    let ratio = |reserved: u64| {
+        if peak_live == 0 {
+            0.0
+        } else {
+            reserved as f64 / peak_live as f64
+        }
+    };
+    let torch_peak = torch_seen.then_some(torch_peak.max(0) as u64);
+    let counters = sim.counters(0);
+    Ok(ReplayReport {
+        trace: trace.name.clone(),
+        events,
+        allocs,
+        peak_live_bytes: peak_live,
+        peak_reserved_bytes: peak_reserved,
+        ratio: ratio(peak_reserved),
+        pytorch_peak_reserved_bytes: torch_peak,
+        pytorch_ratio: torch_peak.map(ratio),
+        device_allocs: counters.allocate_calls,
+        device_frees: counters.release_calls,
+        ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
+        oom,
+        unmatched_frees: unmatched,
+        timeline,
+    })
+}
