@@ -105,7 +105,7 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
     let tty = std::io::stderr().is_terminal();
     move |done, total| {
         if tty {
-            let pct = if total == 0 { 100 } else { done * 100 / total };
+            let pct = (done * 100).checked_div(total).unwrap_or(100);
             let end = if done >= total { "\r\x1b[K" } else { "" };
             eprint!("\r{name}: {pct:3}% ({done}/{total} events){end}");
             let _ = std::io::stderr().flush();
