@@ -115,7 +115,7 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
 
 fn print_table(reports: &[ReplayReport]) {
     println!(
-        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>11} {:>9}  {}",
+        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>11} {:>9}  OOM",
         "trace",
         "events",
         "peak live",
@@ -125,7 +125,6 @@ fn print_table(reports: &[ReplayReport]) {
         "ratio",
         "dev alloc/free",
         "ns/event",
-        "OOM"
     );
     for r in reports {
         let torch = r
