@@ -142,6 +142,15 @@ ccalloc_status ccalloc_backend(const char **out_name);
 
 ccalloc_status ccalloc_device_count(int32_t *out_count);
 
+// Whether ccalloc is initialized (and not shut down). Never fails.
+bool ccalloc_is_initialized(void);
+
+// Bytes of memory `device` has in all.
+ccalloc_status ccalloc_device_total_memory(int32_t device, uint64_t *out_bytes);
+
+// Puts every setting back to its default, then applies `CCALLOC_CONF` again.
+ccalloc_status ccalloc_reset_config(void);
+
 // Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
 // sim). Size 0 fails with `CCALLOC_INVALID_SIZE`.
 ccalloc_status ccalloc_malloc(size_t size, int32_t device, cudaStream_t stream, void **out_ptr);
@@ -183,7 +192,9 @@ ccalloc_status ccalloc_sim_pause_stream(int32_t device, cudaStream_t stream, boo
 ccalloc_status ccalloc_sim_device_bytes(int32_t device, uint64_t *out_bytes);
 
 // `torch.cuda.memory.CUDAPluggableAllocator`'s allocation function. Starts ccalloc on first
-// use; returns NULL for size 0 and on failure (message in `ccalloc_last_error()`).
+// use and returns NULL for size 0. On failure it throws a C++ `std::runtime_error` with the
+// message (PyTorch raises it as a Python RuntimeError; it does not check for NULL): call it
+// only from C++, and use `ccalloc_malloc` from C.
 void *ccalloc_torch_alloc(size_t size, int device, cudaStream_t stream);
 
 // `CUDAPluggableAllocator`'s free function. Errors cannot be returned through this
@@ -220,21 +231,15 @@ ccalloc_status ccalloc_end_allocate_to_pool(int32_t device, ccalloc_pool_id pool
 // segments now, the rest as their blocks are freed and the cache emptied).
 ccalloc_status ccalloc_release_pool(int32_t device, ccalloc_pool_id pool);
 
-extern void *ccalloc_shim_filter_clone(const void *filter);
-
-extern bool ccalloc_shim_filter_call(void *filter, cudaStream_t stream);
-
-extern void ccalloc_shim_filter_drop(void *filter);
-
-// PyTorch's `_set_begin_allocate_to_pool` hook. Its C++ type is
+// PyTorch's `set_begin_allocate_to_pool` hook. Its C++ type is
 // `void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)`: the pair arrives in
 // registers and the std::function, passed by value, as a pointer to the caller's copy.
 void ccalloc_torch_begin_allocate_to_pool(int device, ccalloc_pool_id pool, const void *filter);
 
-// PyTorch's `_set_end_allocate_to_pool_fn` hook: `void(int, MempoolId_t)`.
+// PyTorch's `set_end_allocate_to_pool_fn` hook: `void(int, MempoolId_t)`.
 void ccalloc_torch_end_allocate_to_pool(int device, ccalloc_pool_id pool);
 
-// PyTorch's `_set_release_pool` hook: `void(int, MempoolId_t)`.
+// PyTorch's `set_release_pool` hook: `void(int, MempoolId_t)`.
 void ccalloc_torch_release_pool(int device, ccalloc_pool_id pool);
 
 #ifdef __cplusplus

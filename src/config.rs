@@ -21,6 +21,9 @@ pub struct Config {
     pub garbage_collection_threshold: f64,
     /// Fraction [0, 1] of device memory this process may reserve; `None` = all of it.
     pub per_process_memory_fraction: Option<f64>,
+    /// Paged segments (virtual memory management) where the driver has it; plain device
+    /// allocations otherwise or when false.
+    pub expandable_segments: bool,
 }
 
 impl Default for Config {
@@ -31,12 +34,14 @@ impl Default for Config {
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: 0.0,
             per_process_memory_fraction: None,
+            expandable_segments: true,
         }
     }
 }
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 5] = [
+pub const KEYS: [&str; 6] = [
+    "expandable_segments",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
@@ -110,6 +115,17 @@ impl Config {
                 self.per_process_memory_fraction = Some(f);
             }
             "roundup_power2_divisions" => self.set_roundup(value)?,
+            "expandable_segments" => {
+                self.expandable_segments = match value {
+                    "True" | "true" | "1" => true,
+                    "False" | "false" | "0" => false,
+                    _ => {
+                        return Err(config_error(format!(
+                            "expandable_segments must be True or False (got {value:?})"
+                        )))
+                    }
+                }
+            }
             _ => {
                 return Err(config_error(format!(
                     "unknown config key {key:?} (known keys: {})",
@@ -237,13 +253,14 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let mut c = Config::default();
-        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4")
+        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False")
             .unwrap();
         assert_eq!(c.max_split_size, 256 * MB);
         assert_eq!(c.max_non_split_rounding, 64 * MB);
         assert_eq!(c.garbage_collection_threshold, 0.6);
         assert_eq!(c.per_process_memory_fraction, Some(0.5));
         assert_eq!(c.roundup_power2_divisions, [4; ROUNDUP_INTERVALS]);
+        assert!(!c.expandable_segments);
     }
 
     #[test]
@@ -281,6 +298,7 @@ mod tests {
             ("roundup_power2_divisions:[256:1", "'['"),
             ("expandable_segments_typo:True", "expandable_segments_typo"),
             ("max_split_size_mb", "key:value"),
+            ("expandable_segments:maybe", "expandable_segments"),
         ] {
             let err = c
                 .apply(&format!("max_non_split_rounding_mb:70,{bad}"))

@@ -157,6 +157,17 @@ impl Runtime {
         Ok(())
     }
 
+    /// Defaults plus `CCALLOC_CONF`, on every device.
+    pub fn reset_config(&self) -> Result<()> {
+        let fresh = Config::from_env()?;
+        let mut config = self.config.lock().unwrap();
+        for device in self.started_devices() {
+            device.set_config(fresh.clone())?;
+        }
+        *config = fresh;
+        Ok(())
+    }
+
     pub fn config(&self) -> Config {
         self.config.lock().unwrap().clone()
     }

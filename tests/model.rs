@@ -103,9 +103,12 @@ fn check_invariants(a: &DeviceAllocator, sim: &SimDriver, live: &[Live]) {
     assert!(s.active_bytes.all().current >= s.allocated_bytes.all().current);
     let c = sim.counters(0);
     assert_eq!(s.reserved_bytes.all().current, c.bytes_in_use as i64);
-    assert_eq!(s.segment.all().current, c.live_allocations as i64);
-    assert_eq!(s.num_device_alloc, c.allocate_calls);
-    assert_eq!(s.num_device_free, c.release_calls);
+    assert_eq!(
+        s.segment.all().current,
+        (c.live_allocations + c.live_reservations) as i64
+    );
+    assert_eq!(s.num_device_alloc, c.allocate_calls + c.physical_creates);
+    assert_eq!(s.num_device_free, c.release_calls + c.physical_releases);
     assert!(
         s.reserved_bytes.all().current
             >= s.active_bytes.all().current + s.inactive_split_bytes.all().current
@@ -138,14 +141,17 @@ fn block_size_of(a: &DeviceAllocator, ptr: u64) -> u64 {
 }
 
 fn run(ops: Vec<Op>, conf: &str, capacity: u64) {
-    let sim = Arc::new(SimDriver::new(1, capacity));
+    run_on(Arc::new(SimDriver::new(1, capacity)), ops, conf);
+}
+
+fn run_on(sim: Arc<SimDriver>, ops: Vec<Op>, conf: &str) {
     let mut config = Config::default();
     config.apply(conf).unwrap();
     let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
     let mut live: Vec<Live> = Vec::new();
     let mut freed: Vec<u64> = Vec::new();
     let mut next_canary = 0x5eed_0000_0000_0001u64;
-    let exact_rounding = conf.is_empty();
+    let exact_rounding = conf.is_empty() || conf == "expandable_segments:False";
     for op in ops {
         match op {
             Op::Alloc { size, stream } => match a.malloc(size, STREAMS[stream]) {
@@ -223,7 +229,22 @@ proptest! {
     }
 
     #[test]
+    fn plain_segments(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run(ops, "expandable_segments:False", 512 << 20);
+    }
+
+    #[test]
     fn tight_memory_and_tuning_keys(ops in prop::collection::vec(op_strategy(), 1..300)) {
         run(ops, "max_split_size_mb:24,roundup_power2_divisions:[1:2,16:4,>:8],garbage_collection_threshold:0.7", 160 << 20);
+    }
+
+    #[test]
+    fn tight_memory_plain_segments(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run(ops, "expandable_segments:False,max_split_size_mb:24,garbage_collection_threshold:0.7", 160 << 20);
+    }
+
+    #[test]
+    fn no_vmm_in_the_driver(ops in prop::collection::vec(op_strategy(), 1..200)) {
+        run_on(Arc::new(SimDriver::new(1, 256 << 20).without_vmm()), ops, "");
     }
 }

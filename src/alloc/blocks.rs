@@ -29,6 +29,8 @@ pub struct Block {
     pub pool: PoolKind,
     /// The private pool (CUDA graph) the segment belongs to; `None` = the general cache.
     pub owner: Option<PoolId>,
+    /// Lies in a paged (virtual memory) segment: pages are mapped as blocks need them.
+    pub paged: bool,
     /// Neighbours inside the same segment, by address.
     pub prev: Option<BlockId>,
     pub next: Option<BlockId>,
@@ -42,6 +44,11 @@ pub struct Block {
 impl Block {
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
+    }
+
+    /// A free block spanning a whole plain (not paged) segment: releasable to the driver.
+    pub fn is_whole_plain_segment(&self) -> bool {
+        !self.is_split() && !self.paged
     }
 
     pub fn end(&self) -> DevicePtr {
@@ -116,6 +123,13 @@ impl FreeList {
             .range((stream, size, 0)..)
             .next()
             .filter(|((s, _, _), _)| *s == stream)
+            .map(|((_, size, _), &id)| (*size, id))
+    }
+
+    /// Cached blocks on `stream` of at least `size` bytes, smallest first.
+    pub fn fits(&self, stream: StreamId, size: u64) -> impl Iterator<Item = (u64, BlockId)> + '_ {
+        self.blocks
+            .range((stream, size, 0)..(stream, u64::MAX, DevicePtr::MAX))
             .map(|((_, size, _), &id)| (*size, id))
     }
 

@@ -9,6 +9,7 @@
 
 pub mod blocks;
 pub mod caches;
+mod paged;
 pub mod pools;
 mod release;
 pub mod sizing;
@@ -126,11 +127,45 @@ impl DeviceAllocator {
         };
         let rounded = sizing::round_size(size, &st.config);
         let pool = PoolKind::for_size(rounded);
-        let id = match st.take_cached(owner, pool, stream, rounded) {
+        let mut found = st.take_cached(owner, pool, stream, rounded);
+        if found.is_none() && !st.paged_for.contains_key(&(stream, pool)) {
+            if let Some(page) = self.paging(&st, owner.is_some()) {
+                if self.add_paged_segment(&mut st, stream, pool, page)? {
+                    found = st.take_cached(owner, pool, stream, rounded);
+                }
+            }
+        }
+        let id = match found {
             Some(id) => id,
             None => self.grow(&mut st, owner, pool, stream, size, rounded)?,
         };
+        if st.blocks.get(id).paged {
+            self.back_with_pages(&mut st, id, size, rounded)?;
+        }
         Ok(st.hand_out(id, rounded, size))
+    }
+
+    /// Maps the pages a paged block needs before it is handed out; on failure the block goes
+    /// back to the cache and the caller gets the OOM error.
+    fn back_with_pages(&self, st: &mut State, id: BlockId, size: u64, rounded: u64) -> Result<()> {
+        let block = st.blocks.get_mut(id);
+        // Not free while its pages are found: no merge or reclaim may touch it meanwhile.
+        block.state = BlockState::Allocated;
+        let addr = block.addr;
+        let mapped = self.map_pages(st, addr, rounded);
+        if matches!(mapped, Ok(true)) {
+            return Ok(());
+        }
+        let block = st.blocks.get_mut(id);
+        block.state = BlockState::Free;
+        let pool = block.pool;
+        st.caches.list(None, pool).insert(st.blocks.get(id), id);
+        mapped?;
+        st.stats.num_ooms += 1;
+        Err(Error::new(
+            ErrorKind::OutOfMemory,
+            self.oom_message(st, size, rounded),
+        ))
     }
 
     /// Slow path: a new segment, freeing cache first where needed (PyTorch's retry order).

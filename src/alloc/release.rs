@@ -42,7 +42,7 @@ impl DeviceAllocator {
         let one = large
             .best_fit(stream, wanted)
             .map(|(_, id)| id)
-            .filter(|&id| !st.blocks.get(id).is_split());
+            .filter(|&id| st.blocks.get(id).is_whole_plain_segment());
         let chosen = match one {
             Some(id) => vec![id],
             None => {
@@ -52,7 +52,7 @@ impl DeviceAllocator {
                     if total >= wanted {
                         break;
                     }
-                    if !st.blocks.get(id).is_split() {
+                    if st.blocks.get(id).is_whole_plain_segment() {
                         total += st.blocks.get(id).size;
                         picked.push(id);
                     }
@@ -78,7 +78,8 @@ impl DeviceAllocator {
         self.drain_awaiting(st)?;
         self.sync_device()?;
         let lists = st.caches.releasable();
-        self.release_whole_segments(st, &lists)
+        self.release_whole_segments(st, &lists)?;
+        self.release_paged_cache(st)
     }
 
     /// Releases every cached block that spans a whole segment in the given free lists.
@@ -94,7 +95,7 @@ impl DeviceAllocator {
             };
             let whole: Vec<BlockId> = list
                 .ids()
-                .filter(|&id| !st.blocks.get(id).is_split())
+                .filter(|&id| st.blocks.get(id).is_whole_plain_segment())
                 .collect();
             for id in whole {
                 self.release_segment(st, id)?;
@@ -203,7 +204,7 @@ impl DeviceAllocator {
         let now = large.lookups;
         let mut candidates: Vec<(u64, BlockId)> = large
             .ids()
-            .filter(|&id| !st.blocks.get(id).is_split())
+            .filter(|&id| st.blocks.get(id).is_whole_plain_segment())
             .map(|id| (now - st.blocks.get(id).cached_at, id))
             .collect();
         let mut chosen = Vec::new();

@@ -3,6 +3,7 @@
 
 use super::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::caches::{Caches, PoolId};
+use super::paged::PagedSegment;
 use super::sizing::{self, PoolKind};
 use super::stats::DeviceStats;
 use crate::config::Config;
@@ -38,6 +39,9 @@ pub struct State {
     pub deferred: Vec<BlockId>,
     pub stats: DeviceStats,
     pub shut_down: bool,
+    /// Paged segments by base address, and which one serves each (stream, pool).
+    pub paged: BTreeMap<DevicePtr, PagedSegment>,
+    pub paged_for: HashMap<(StreamId, PoolKind), DevicePtr>,
 }
 
 impl State {
@@ -53,6 +57,8 @@ impl State {
             deferred: Vec::new(),
             stats: DeviceStats::default(),
             shut_down: false,
+            paged: BTreeMap::new(),
+            paged_for: HashMap::new(),
         }
     }
 
@@ -73,14 +79,17 @@ impl State {
         let list = self.caches.list(owner, pool);
         list.lookups += 1;
         let (found, id) = list.best_fit(stream, rounded)?;
-        // Oversize blocks serve only oversize requests, and only ones close to their size.
-        if rounded < max_split && found >= max_split {
-            return None;
+        if !self.blocks.get(id).paged {
+            // Oversize blocks serve only oversize requests, and only ones close to their size
+            // (paged blocks are exempt: their unused pages are not held).
+            if rounded < max_split && found >= max_split {
+                return None;
+            }
+            if rounded >= max_split && found >= rounded.saturating_add(max_rounding) {
+                return None;
+            }
         }
-        if rounded >= max_split && found >= rounded.saturating_add(max_rounding) {
-            return None;
-        }
-        list.remove(self.blocks.get(id));
+        self.caches.list(owner, pool).remove(self.blocks.get(id));
         Some(id)
     }
 
@@ -100,6 +109,7 @@ impl State {
             stream,
             pool,
             owner,
+            paged: false,
             prev: None,
             next: None,
             state: BlockState::Free,
@@ -147,9 +157,16 @@ impl State {
     /// Splits off what `rounded` does not need, marks the block live, and counts it.
     pub fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64) -> DevicePtr {
         let block = self.blocks.get(id);
-        let (pool, owner) = (block.pool, block.owner);
-        let already_split = block.is_split();
-        if sizing::should_split(pool, block.size, rounded, &self.config) {
+        let (pool, owner, paged) = (block.pool, block.owner, block.paged);
+        // Paged blocks always split (unused pages are not held) and count no inactive
+        // splits: a paged segment is one long split by nature.
+        let already_split = block.is_split() && !paged;
+        let split = if paged {
+            block.size - rounded >= sizing::MIN_BLOCK_SIZE
+        } else {
+            sizing::should_split(pool, block.size, rounded, &self.config)
+        };
+        if split {
             let rest = Block {
                 addr: block.addr + rounded,
                 size: block.size - rounded,
@@ -157,6 +174,7 @@ impl State {
                 stream: block.stream,
                 pool,
                 owner,
+                paged,
                 prev: Some(id),
                 next: block.next,
                 state: BlockState::Free,
@@ -177,7 +195,7 @@ impl State {
             if already_split {
                 // The inactive piece shrinks by what was handed out.
                 self.stats.inactive_split_bytes.decrease(pool, rounded);
-            } else {
+            } else if !paged {
                 self.stats.inactive_split.increase(pool, 1);
                 self.stats.inactive_split_bytes.increase(pool, rest_size);
             }
@@ -223,7 +241,7 @@ impl State {
     /// Returns a no-longer-used block to its free list, merging free neighbours.
     pub fn cache(&mut self, id: BlockId) {
         let block = self.blocks.get(id);
-        let (pool, owner) = (block.pool, block.owner);
+        let (pool, owner, paged) = (block.pool, block.owner, block.paged);
         let (original_size, requested) = (block.size, block.requested);
         let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         for neighbour in [block.prev, block.next].into_iter().flatten() {
@@ -245,8 +263,10 @@ impl State {
             net_bytes += block.size as i64;
         }
         let s = &mut self.stats;
-        s.inactive_split.adjust(pool, net_blocks);
-        s.inactive_split_bytes.adjust(pool, net_bytes);
+        if !paged {
+            s.inactive_split.adjust(pool, net_blocks);
+            s.inactive_split_bytes.adjust(pool, net_bytes);
+        }
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, original_size);
         s.requested_bytes.decrease(pool, requested);
@@ -307,13 +327,14 @@ impl State {
         let mut cursor = Some(seg.first);
         while let Some(id) = cursor {
             let b = self.blocks.get(id);
-            if b.addr == ptr && b.state != BlockState::Allocated {
-                return Error::new(
-                    ErrorKind::DoubleFree,
-                    format!("{ptr:#x} on device {device} is not live: it was already freed"),
-                );
-            }
             if ptr < b.end() {
+                // Inside a free block: freed already (and maybe merged with a neighbour).
+                if b.state != BlockState::Allocated {
+                    return Error::new(
+                        ErrorKind::DoubleFree,
+                        format!("{ptr:#x} on device {device} is not live: it was already freed"),
+                    );
+                }
                 break;
             }
             cursor = b.next;

@@ -11,6 +11,8 @@ const S1: StreamId = StreamId(0x51de);
 fn setup(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
     let sim = Arc::new(SimDriver::new(1, capacity));
     let mut config = Config::default();
+    // These tests pin down the plain-segment (PyTorch-compatible) behaviour.
+    config.apply("expandable_segments:False").unwrap();
     config.apply(conf).unwrap();
     let alloc = DeviceAllocator::new(0, sim.clone(), config).unwrap();
     (sim, alloc)
@@ -403,6 +405,133 @@ fn record_stream_during_capture_is_deferred_to_its_end() {
         ErrorKind::InvalidArgument
     );
     a.release_pool(pool).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+fn paged(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let alloc = DeviceAllocator::new(0, sim.clone(), config).unwrap();
+    (sim, alloc)
+}
+
+#[test]
+fn paged_segments_map_pages_on_demand_and_reuse_them() {
+    let (sim, a) = paged(1 << 30, "");
+    let p = a.malloc(4 * MIB + MIB / 2, S0).unwrap();
+    assert_eq!(
+        stats(&a).reserved_bytes.all().current,
+        (6 * MIB) as i64,
+        "three 2 MiB pages"
+    );
+    assert_eq!(sim.counters(0).maps, 3);
+    assert_eq!(sim.counters(0).reserve_calls, 1);
+    a.free(p).unwrap();
+    let q = a.malloc(4 * MIB + MIB / 2, S0).unwrap();
+    assert_eq!(q, p);
+    assert_eq!(
+        sim.counters(0).maps,
+        3,
+        "cached pages are reused without driver calls"
+    );
+    // A request sharing the last page needs no new page either.
+    let r = a.malloc(MIB + 1, S0).unwrap();
+    assert_eq!(r, p + 4 * MIB + MIB / 2);
+    assert_eq!(sim.counters(0).maps, 3);
+    a.free(q).unwrap();
+    a.free(r).unwrap();
+    a.empty_cache().unwrap();
+    let c = sim.counters(0);
+    assert_eq!((c.bytes_in_use, c.live_reservations, c.unmaps), (0, 0, 3));
+    assert_eq!(stats(&a).segment.all().current, 0);
+}
+
+#[test]
+fn growth_reuses_pages_under_free_blocks_instead_of_reserving_more() {
+    let (sim, a) = paged(1 << 30, "");
+    let hole = a.malloc(40 * MIB, S0).unwrap();
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    a.free(hole).unwrap();
+    // 60 MiB does not fit the 40 MiB hole: it goes after `keep`, and pages move from the hole.
+    let big = a.malloc(60 * MIB, S0).unwrap();
+    assert!(big > keep);
+    let s = stats(&a);
+    let live = 64 * MIB;
+    let reserved = s.reserved_bytes.all().current as u64;
+    assert!(
+        reserved <= live + live / 32 + 8 * MIB,
+        "reserved {reserved} for {live} live"
+    );
+    assert!(
+        sim.counters(0).unmaps >= 10,
+        "pages were moved from the hole"
+    );
+    assert_eq!(reserved, sim.counters(0).bytes_in_use);
+    a.free(big).unwrap();
+    a.free(keep).unwrap();
+}
+
+#[test]
+fn paged_oom_reclaims_everything_then_fails_cleanly() {
+    let (sim, a) = paged(64 * MIB, "");
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    let other_stream = a.malloc(50 * MIB, S1).unwrap();
+    assert!(
+        sim.counters(0).unmaps > 0,
+        "the other stream's cached pages were taken"
+    );
+    let err = a.malloc(30 * MIB, S0).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfMemory);
+    assert!(err.message.contains("50.00 MiB live"), "{}", err.message);
+    assert_eq!(stats(&a).num_ooms, 1);
+    a.free(other_stream).unwrap();
+    let q = a.malloc(30 * MIB, S0).unwrap();
+    a.free(q).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn memory_fraction_caps_paged_memory() {
+    let (_sim, a) = paged(100 * MIB, "per_process_memory_fraction:0.5");
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    assert_eq!(
+        a.malloc(20 * MIB, S0).unwrap_err().kind,
+        ErrorKind::OutOfMemory
+    );
+    a.free(p).unwrap();
+    let q = a.malloc(48 * MIB, S0).unwrap();
+    a.free(q).unwrap();
+}
+
+#[test]
+fn without_vmm_the_driver_gets_plain_segments() {
+    let sim = Arc::new(SimDriver::new(1, 1 << 30).without_vmm());
+    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    let p = a.malloc(5 * MIB, S0).unwrap();
+    assert_eq!(stats(&a).reserved_bytes.all().current, LARGE_BUFFER as i64);
+    assert_eq!(sim.counters(0).allocate_calls, 1);
+    assert_eq!(sim.counters(0).maps, 0);
+    a.free(p).unwrap();
+}
+
+#[test]
+fn private_pools_stay_on_plain_segments_under_vmm() {
+    let (sim, a) = paged(1 << 30, "");
+    a.begin_allocate_to_pool((9, 9), Box::new(|_| true))
+        .unwrap();
+    let p = a.malloc(4096, S0).unwrap();
+    a.end_allocate_to_pool((9, 9)).unwrap();
+    assert_eq!(
+        sim.counters(0).allocate_calls,
+        1,
+        "graph memory never moves"
+    );
+    a.free(p).unwrap();
+    a.release_pool((9, 9)).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }

@@ -115,7 +115,7 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
 
 fn print_table(reports: &[ReplayReport]) {
     println!(
-        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>11} {:>9}  OOM",
+        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>9} {:>13} {:>9}  OOM",
         "trace",
         "events",
         "peak live",
@@ -123,7 +123,8 @@ fn print_table(reports: &[ReplayReport]) {
         "ratio",
         "PyTorch rsv",
         "ratio",
-        "dev alloc/free",
+        "segs+/-",
+        "maps/unmaps",
         "ns/event",
     );
     for r in reports {
@@ -145,7 +146,7 @@ fn print_table(reports: &[ReplayReport]) {
             None => "no".into(),
         };
         println!(
-            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>14} {:>9.0}  {}",
+            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>9} {:>13} {:>9.0}  {}",
             r.trace,
             r.events,
             human_bytes(r.peak_live_bytes),
@@ -154,6 +155,7 @@ fn print_table(reports: &[ReplayReport]) {
             torch,
             torch_ratio,
             format!("{}/{}", r.device_allocs, r.device_frees),
+            format!("{}/{}", r.maps, r.unmaps),
             r.ns_per_event,
             oom
         );

@@ -4,7 +4,7 @@
 //! opens the library itself and checks every symbol used here; only then does it call cudarc.
 //! Allocations go to each device's *primary context*, the one the CUDA runtime and PyTorch use.
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, StreamId};
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle, StreamId};
 use cudarc::driver::sys;
 use std::ffi::CStr;
 use std::sync::{Mutex, OnceLock};
@@ -27,10 +27,25 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
+    "cuStreamSynchronize",
+    "cuDeviceGetAttribute",
 ];
 
-/// Opens libcuda the way cudarc will, and checks the symbols we need are there.
-fn check_library() -> Result<(), String> {
+/// Virtual memory management entry points; without them the allocator uses plain segments.
+const VMM_SYMBOLS: &[&str] = &[
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+];
+
+/// Opens libcuda the way cudarc will, and checks the symbols we need are there. Returns
+/// whether the virtual memory management symbols are present too.
+fn check_library() -> Result<bool, String> {
     let mut tried = Vec::new();
     for name in ["cuda", "nvcuda"]
         .iter()
@@ -50,9 +65,13 @@ fn check_library() -> Result<(), String> {
                 ));
             }
         }
+        // SAFETY: as above, presence only.
+        let vmm = VMM_SYMBOLS
+            .iter()
+            .all(|symbol| unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()).is_ok() });
         // Keep it loaded: cudarc opens the same file and gets this handle's copy.
         std::mem::forget(lib);
-        return Ok(());
+        return Ok(vmm);
     }
     Err(format!(
         "the CUDA driver library was not found (tried {}); is the NVIDIA driver installed?",
@@ -94,6 +113,9 @@ unsafe impl<T> Sync for Handle<T> {}
 
 struct CudaDevice {
     device: sys::CUdevice,
+    ordinal: i32,
+    /// Mapping granularity when the device supports virtual memory management.
+    vmm_granularity: Option<u64>,
     context: OnceLock<Result<Handle<sys::CUcontext>, DriverError>>,
     /// Events are reused: creating one costs a driver call.
     spare_events: Mutex<Vec<Handle<sys::CUevent>>>,
@@ -138,7 +160,7 @@ impl Drop for ContextGuard {
 
 impl CudaDriver {
     pub fn new() -> DriverResult<Self> {
-        check_library().map_err(DriverError::Unavailable)?;
+        let vmm_symbols = check_library().map_err(DriverError::Unavailable)?;
         // SAFETY: the library and its symbols were checked above.
         check("cuInit", unsafe { sys::cuInit(0) })
             .map_err(|e| DriverError::Unavailable(format!("cuInit failed: {e}")))?;
@@ -154,8 +176,15 @@ impl CudaDriver {
             check("cuDeviceGet", unsafe {
                 sys::cuDeviceGet(&mut device, ordinal)
             })?;
+            let vmm_granularity = if vmm_symbols {
+                vmm_granularity_of(device, ordinal)
+            } else {
+                None
+            };
             devices.push(CudaDevice {
                 device,
+                ordinal,
+                vmm_granularity,
                 context: OnceLock::new(),
                 spare_events: Mutex::new(Vec::new()),
             });
@@ -189,6 +218,39 @@ impl CudaDriver {
             .clone()?;
         ContextGuard::enter(context.0)
     }
+}
+
+fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct for which all-zero is a valid (default) value.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    prop
+}
+
+/// The device's minimum mapping granularity, if it supports virtual memory management.
+fn vmm_granularity_of(device: sys::CUdevice, ordinal: i32) -> Option<u64> {
+    let mut supported = 0;
+    let attribute =
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+    // SAFETY: reads one device attribute.
+    check("cuDeviceGetAttribute", unsafe {
+        sys::cuDeviceGetAttribute(&mut supported, attribute, device)
+    })
+    .ok()?;
+    if supported == 0 {
+        return None;
+    }
+    let prop = allocation_prop(ordinal);
+    let mut granularity = 0usize;
+    let option = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    // SAFETY: `prop` describes pinned device memory on this device.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(&mut granularity, &prop, option)
+    })
+    .ok()?;
+    (granularity > 0).then_some(granularity as u64)
 }
 
 impl Driver for CudaDriver {
@@ -282,5 +344,81 @@ impl Driver for CudaDriver {
         let _ctx = self.enter(device)?;
         // SAFETY: waits for the current (primary) context's work.
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: `stream` is the caller's stream handle on this device.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream.0 as sys::CUstream)
+        })
+    }
+
+    fn vmm_granularity(&self, device: usize) -> Option<u64> {
+        self.devices.get(device)?.vmm_granularity
+    }
+
+    fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        let _ctx = self.enter(device)?;
+        let alignment = self.dev(device)?.vmm_granularity.unwrap_or(0) as usize;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: reserves address space only.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut ptr, size as usize, alignment, 0, 0)
+        })?;
+        Ok(ptr)
+    }
+
+    fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: `ptr`/`size` came from reserve_address and nothing is mapped there.
+        check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(ptr, size as usize)
+        })
+    }
+
+    fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
+        let _ctx = self.enter(device)?;
+        let prop = allocation_prop(self.dev(device)?.ordinal);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: creates pinned device memory of a granularity multiple.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut handle, size as usize, &prop, 0)
+        })?;
+        Ok(PhysHandle(handle))
+    }
+
+    fn release_physical(&self, device: usize, handle: PhysHandle, _size: u64) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: the handle came from create_physical and is mapped nowhere.
+        check("cuMemRelease", unsafe { sys::cuMemRelease(handle.0) })
+    }
+
+    fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: `va` is a granule of a reserved range and `handle` a granule of memory.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(va, size as usize, 0, handle.0, 0)
+        })?;
+        // SAFETY: zero is a valid value for this plain C struct.
+        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        access.location = allocation_prop(self.dev(device)?.ordinal).location;
+        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: grants this device read/write access to the range just mapped.
+        let granted = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, size as usize, &access, 1)
+        });
+        if let Err(e) = granted {
+            // SAFETY: undoes the mapping made above.
+            unsafe { sys::cuMemUnmap(va, size as usize) };
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
+        // SAFETY: the caller made sure no queued work uses the range.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(va, size as usize) })
     }
 }

@@ -40,6 +40,17 @@ impl fmt::Display for DriverError {
 
 pub type DriverResult<T> = Result<T, DriverError>;
 
+/// A piece of physical device memory (virtual memory management), mapped with `map`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
+fn vmm_unsupported(call: &'static str) -> DriverError {
+    DriverError::Failed {
+        call,
+        detail: "this driver has no virtual memory management".into(),
+    }
+}
+
 /// What the caching allocator needs from a device. Implementations are thread-safe; every
 /// call names the device so one driver serves them all.
 pub trait Driver: Send + Sync {
@@ -62,4 +73,52 @@ pub trait Driver: Send + Sync {
     fn destroy_event(&self, device: usize, event: EventId);
     /// Blocks until all work on the device has completed.
     fn synchronize(&self, device: usize) -> DriverResult<()>;
+
+    /// Blocks until the work queued on `stream` has completed.
+    fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()>;
+
+    // Virtual memory management: address ranges whose pages are backed by physical memory
+    // mapped and unmapped one granule at a time. Drivers without it return `None` here.
+
+    /// The mapping granularity, or `None` when the device lacks virtual memory management.
+    fn vmm_granularity(&self, device: usize) -> Option<u64> {
+        let _ = device;
+        None
+    }
+
+    /// Reserves `size` bytes of address space (nothing mapped).
+    fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        let _ = (device, size);
+        Err(vmm_unsupported("reserve_address"))
+    }
+
+    /// Returns an address range from `reserve_address`; nothing may be mapped in it.
+    fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ = (device, ptr, size);
+        Err(vmm_unsupported("free_address"))
+    }
+
+    /// Allocates one granule of physical memory.
+    fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
+        let _ = (device, size);
+        Err(vmm_unsupported("create_physical"))
+    }
+
+    /// Frees physical memory that is no longer mapped anywhere.
+    fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
+        let _ = (device, handle, size);
+        Err(vmm_unsupported("release_physical"))
+    }
+
+    /// Maps `handle` at `va` (a granule inside a reserved range) with read/write access.
+    fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let _ = (device, va, size, handle);
+        Err(vmm_unsupported("map"))
+    }
+
+    /// Unmaps `[va, va+size)`. No queued work may still use it.
+    fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ = (device, va, size);
+        Err(vmm_unsupported("unmap"))
+    }
 }

@@ -2,7 +2,7 @@
 //! catch overlapping blocks), a capacity and allocation granularity, and streams whose
 //! completion tests control (a paused stream leaves its events pending until resumed or waited on).
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, StreamId};
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle, StreamId};
 use dashmap::DashMap;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +22,14 @@ pub struct SimCounters {
     pub release_calls: u64,
     pub failed_allocations: u64,
     pub synchronize_calls: u64,
+    pub stream_synchronize_calls: u64,
+    /// Virtual memory management calls.
+    pub reserve_calls: u64,
+    pub live_reservations: u64,
+    pub physical_creates: u64,
+    pub physical_releases: u64,
+    pub maps: u64,
+    pub unmaps: u64,
 }
 
 #[derive(Default)]
@@ -37,6 +45,16 @@ struct StreamState {
 struct SimMemory {
     /// Host mappings standing in for device segments: address → charged size.
     mappings: HashMap<DevicePtr, u64>,
+    /// Reserved address ranges (virtual memory management): start → size.
+    reservations: HashMap<DevicePtr, u64>,
+    /// Physical granules: slots of the device's memory file. Free slots are reused.
+    physical: Option<host::PhysicalFile>,
+    free_slots: Vec<u64>,
+    next_slot: u64,
+    /// Live slots, with the address each is mapped at (if any).
+    live_slots: HashMap<u64, Option<DevicePtr>>,
+    /// Mapped granules: address → slot.
+    mapped: HashMap<DevicePtr, u64>,
     counters: SimCounters,
 }
 
@@ -44,6 +62,13 @@ struct SimDeviceState {
     capacity: u64,
     memory: Mutex<SimMemory>,
     streams: Mutex<HashMap<StreamId, StreamState>>,
+}
+
+fn sim_error(call: &'static str, detail: impl Into<String>) -> DriverError {
+    DriverError::Failed {
+        call,
+        detail: detail.into(),
+    }
 }
 
 struct SimEvent {
@@ -56,6 +81,8 @@ pub struct SimDriver {
     devices: Vec<SimDeviceState>,
     events: DashMap<u64, SimEvent>,
     next_event: AtomicU64,
+    /// Whether the virtual memory management calls are offered (to test the fallback).
+    vmm: bool,
 }
 
 impl SimDriver {
@@ -71,7 +98,14 @@ impl SimDriver {
             devices,
             events: DashMap::new(),
             next_event: AtomicU64::new(1),
+            vmm: true,
         }
+    }
+
+    /// Turns the virtual memory management calls off, like a driver without them.
+    pub fn without_vmm(mut self) -> Self {
+        self.vmm = false;
+        self
     }
 
     /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`) and `CCALLOC_SIM_DEVICES` (default 1).
@@ -95,7 +129,11 @@ impl SimDriver {
                 })?,
             Err(_) => 1,
         };
-        Ok(Self::new(devices, capacity))
+        let sim = Self::new(devices, capacity);
+        Ok(match std::env::var("CCALLOC_SIM_VMM").as_deref() {
+            Ok("0") | Ok("false") | Ok("off") => sim.without_vmm(),
+            _ => sim,
+        })
     }
 
     fn device(&self, device: usize) -> DriverResult<&SimDeviceState> {
@@ -130,10 +168,18 @@ impl SimDriver {
             return false;
         };
         let memory = d.memory.lock().unwrap();
-        memory
+        let end = ptr.saturating_add(len);
+        let in_segment = memory
             .mappings
             .iter()
-            .any(|(&start, &size)| ptr >= start && ptr.saturating_add(len) <= start + size)
+            .any(|(&start, &size)| ptr >= start && end <= start + size);
+        // Or every granule it spans is mapped.
+        let first = ptr - ptr % SIM_GRANULARITY;
+        let in_pages = len > 0
+            && (first..end)
+                .step_by(SIM_GRANULARITY as usize)
+                .all(|va| memory.mapped.contains_key(&va));
+        in_segment || in_pages
     }
 }
 
@@ -250,13 +296,162 @@ impl Driver for SimDriver {
         d.memory.lock().unwrap().counters.synchronize_calls += 1;
         Ok(())
     }
+
+    fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
+        let d = self.device(device)?;
+        let mut streams = d.streams.lock().unwrap();
+        let state = streams.entry(stream).or_default();
+        state.finished = state.queued;
+        d.memory.lock().unwrap().counters.stream_synchronize_calls += 1;
+        Ok(())
+    }
+
+    fn vmm_granularity(&self, device: usize) -> Option<u64> {
+        (self.vmm && device < self.devices.len()).then_some(SIM_GRANULARITY)
+    }
+
+    fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        let d = self.device(device)?;
+        if !self.vmm || size == 0 || !size.is_multiple_of(SIM_GRANULARITY) {
+            return Err(sim_error("reserve_address", format!("bad size {size}")));
+        }
+        let ptr = host::reserve(size).ok_or_else(|| sim_error("reserve_address", "mmap failed"))?;
+        let mut memory = d.memory.lock().unwrap();
+        memory.reservations.insert(ptr, size);
+        memory.counters.reserve_calls += 1;
+        memory.counters.live_reservations += 1;
+        Ok(ptr)
+    }
+
+    fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        let d = self.device(device)?;
+        let mut memory = d.memory.lock().unwrap();
+        if memory.reservations.get(&ptr) != Some(&size) {
+            return Err(sim_error(
+                "free_address",
+                format!("{ptr:#x}+{size} is not a reservation"),
+            ));
+        }
+        if memory.mapped.keys().any(|&va| va >= ptr && va < ptr + size) {
+            return Err(sim_error(
+                "free_address",
+                format!("{ptr:#x} still has mapped granules"),
+            ));
+        }
+        memory.reservations.remove(&ptr);
+        memory.counters.live_reservations -= 1;
+        host::unmap(ptr, size);
+        Ok(())
+    }
+
+    fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
+        let d = self.device(device)?;
+        if size != SIM_GRANULARITY {
+            return Err(sim_error(
+                "create_physical",
+                "the sim creates one granule at a time",
+            ));
+        }
+        let mut memory = d.memory.lock().unwrap();
+        if memory.counters.bytes_in_use + size > d.capacity {
+            memory.counters.failed_allocations += 1;
+            return Err(DriverError::OutOfMemory);
+        }
+        if memory.physical.is_none() {
+            let file = host::PhysicalFile::new(d.capacity)
+                .ok_or_else(|| sim_error("create_physical", "memfd_create failed"))?;
+            memory.physical = Some(file);
+        }
+        let slot = match memory.free_slots.pop() {
+            Some(slot) => slot,
+            None => {
+                memory.next_slot += 1;
+                memory.next_slot - 1
+            }
+        };
+        memory.live_slots.insert(slot, None);
+        let c = &mut memory.counters;
+        c.bytes_in_use += size;
+        c.peak_bytes_in_use = c.peak_bytes_in_use.max(c.bytes_in_use);
+        c.physical_creates += 1;
+        Ok(PhysHandle(slot))
+    }
+
+    fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
+        let d = self.device(device)?;
+        let mut memory = d.memory.lock().unwrap();
+        match memory.live_slots.get(&handle.0) {
+            None => {
+                return Err(sim_error(
+                    "release_physical",
+                    format!("unknown handle {}", handle.0),
+                ))
+            }
+            Some(Some(va)) => {
+                return Err(sim_error(
+                    "release_physical",
+                    format!("the granule is still mapped at {va:#x}"),
+                ))
+            }
+            Some(None) => {
+                memory.live_slots.remove(&handle.0);
+            }
+        }
+        if let Some(file) = &memory.physical {
+            file.discard(handle.0 * SIM_GRANULARITY, size);
+        }
+        memory.free_slots.push(handle.0);
+        let c = &mut memory.counters;
+        c.bytes_in_use -= size;
+        c.physical_releases += 1;
+        Ok(())
+    }
+
+    fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let d = self.device(device)?;
+        let mut memory = d.memory.lock().unwrap();
+        let inside = memory
+            .reservations
+            .iter()
+            .any(|(&start, &len)| va >= start && va + size <= start + len);
+        if !inside || size != SIM_GRANULARITY || memory.live_slots.get(&handle.0) != Some(&None) {
+            return Err(sim_error("map", format!("bad mapping of {va:#x}+{size}")));
+        }
+        if memory.mapped.contains_key(&va) {
+            return Err(sim_error("map", format!("{va:#x} is already mapped")));
+        }
+        let file = memory.physical.as_ref().expect("a live slot has a file");
+        if !file.map_at(va, handle.0 * SIM_GRANULARITY, size) {
+            return Err(sim_error("map", "mmap failed"));
+        }
+        memory.mapped.insert(va, handle.0);
+        memory.live_slots.insert(handle.0, Some(va));
+        memory.counters.maps += 1;
+        Ok(())
+    }
+
+    fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        let d = self.device(device)?;
+        let mut memory = d.memory.lock().unwrap();
+        let Some(slot) = memory
+            .mapped
+            .remove(&va)
+            .filter(|_| size == SIM_GRANULARITY)
+        else {
+            return Err(sim_error("unmap", format!("{va:#x} is not mapped")));
+        };
+        memory.live_slots.insert(slot, None);
+        host::reserve_at(va, size);
+        memory.counters.unmaps += 1;
+        Ok(())
+    }
 }
 
 impl Drop for SimDriver {
     fn drop(&mut self) {
         for d in &self.devices {
             let memory = d.memory.lock().unwrap();
-            for (&ptr, &size) in &memory.mappings {
+            for (&ptr, &size) in memory.mappings.iter().chain(memory.reservations.iter()) {
                 host::unmap(ptr, size);
             }
         }
@@ -286,6 +481,96 @@ mod host {
         // SAFETY: `ptr`/`size` describe a mapping made by `map` and removed from the table first.
         unsafe {
             libc::munmap(ptr as *mut libc::c_void, size as usize);
+        }
+    }
+
+    /// Address space with no access, standing in for a reserved device range.
+    pub fn reserve(size: u64) -> Option<u64> {
+        let len = usize::try_from(size).ok()?;
+        // SAFETY: a fresh inaccessible mapping; no existing memory is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        (ptr != libc::MAP_FAILED).then_some(ptr as u64)
+    }
+
+    /// Puts an inaccessible reservation back over `[ptr, ptr+size)` (an unmapped granule).
+    pub fn reserve_at(ptr: u64, size: u64) {
+        // SAFETY: the range lies inside a reservation of ours; MAP_FIXED replaces only it.
+        unsafe {
+            libc::mmap(
+                ptr as *mut libc::c_void,
+                size as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            );
+        }
+    }
+
+    /// The device's physical memory: a sparse memory file; granules are offsets in it, so
+    /// data follows a granule from one mapping to the next, as on a GPU.
+    pub struct PhysicalFile {
+        fd: libc::c_int,
+    }
+
+    impl PhysicalFile {
+        pub fn new(capacity: u64) -> Option<Self> {
+            // SAFETY: plain system calls on a fresh file descriptor.
+            unsafe {
+                let fd = libc::memfd_create(c"ccalloc-sim-physical".as_ptr(), libc::MFD_CLOEXEC);
+                if fd < 0 {
+                    return None;
+                }
+                if libc::ftruncate(fd, capacity as libc::off_t) != 0 {
+                    libc::close(fd);
+                    return None;
+                }
+                Some(Self { fd })
+            }
+        }
+
+        pub fn map_at(&self, va: u64, offset: u64, size: u64) -> bool {
+            // SAFETY: `va` is a granule inside one of our reservations; MAP_FIXED replaces it.
+            let ptr = unsafe {
+                libc::mmap(
+                    va as *mut libc::c_void,
+                    size as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    self.fd,
+                    offset as libc::off_t,
+                )
+            };
+            ptr as u64 == va
+        }
+
+        /// Gives a released granule's pages back to the host.
+        pub fn discard(&self, offset: u64, size: u64) {
+            // SAFETY: punches a hole in our own file.
+            unsafe {
+                libc::fallocate(
+                    self.fd,
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset as libc::off_t,
+                    size as libc::off_t,
+                );
+            }
+        }
+    }
+
+    impl Drop for PhysicalFile {
+        fn drop(&mut self) {
+            // SAFETY: closes the descriptor we own.
+            unsafe { libc::close(self.fd) };
         }
     }
 }

@@ -108,6 +108,28 @@ pub extern "C" fn ccalloc_device_count(out_count: *mut i32) -> ccalloc_status {
     })
 }
 
+/// Whether ccalloc is initialized (and not shut down). Never fails.
+#[no_mangle]
+pub extern "C" fn ccalloc_is_initialized() -> bool {
+    runtime::global().is_ok()
+}
+
+/// Bytes of memory `device` has in all.
+#[no_mangle]
+pub extern "C" fn ccalloc_device_total_memory(device: i32, out_bytes: *mut u64) -> ccalloc_status {
+    guard(|| {
+        require_out(out_bytes, "out_bytes")?;
+        let total = runtime::global()?.device(device as i64)?.total_memory();
+        write_out(out_bytes, "out_bytes", total)
+    })
+}
+
+/// Puts every setting back to its default, then applies `CCALLOC_CONF` again.
+#[no_mangle]
+pub extern "C" fn ccalloc_reset_config() -> ccalloc_status {
+    guard(|| runtime::global()?.reset_config())
+}
+
 /// Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
 /// sim). Size 0 fails with `CCALLOC_INVALID_SIZE`.
 #[no_mangle]
@@ -262,9 +284,11 @@ fn sim_of(rt: &Runtime) -> Result<&crate::driver::sim::SimDriver, Error> {
 }
 
 /// `torch.cuda.memory.CUDAPluggableAllocator`'s allocation function. Starts ccalloc on first
-/// use; returns NULL for size 0 and on failure (message in `ccalloc_last_error()`).
+/// use and returns NULL for size 0. On failure it throws a C++ `std::runtime_error` with the
+/// message (PyTorch raises it as a Python RuntimeError; it does not check for NULL): call it
+/// only from C++, and use `ccalloc_malloc` from C.
 #[no_mangle]
-pub extern "C" fn ccalloc_torch_alloc(
+pub extern "C-unwind" fn ccalloc_torch_alloc(
     size: usize,
     device: c_int,
     stream: cudaStream_t,
@@ -279,10 +303,11 @@ pub extern "C" fn ccalloc_torch_alloc(
         out = ptr as *mut c_void;
         Ok(())
     });
-    if status != ccalloc_status::CCALLOC_OK && size != 0 {
-        tracing::warn!("ccalloc_torch_alloc({size}, {device}) failed");
+    if status == ccalloc_status::CCALLOC_OK || size == 0 {
+        return out;
     }
-    out
+    // SAFETY: this thread's NUL-terminated last error; the shim copies it before throwing.
+    unsafe { ccalloc_shim_throw(boundary::last_error_ptr()) }
 }
 
 /// `CUDAPluggableAllocator`'s free function. Errors cannot be returned through this
@@ -305,6 +330,8 @@ fn log_torch_failure(call: &str, status: ccalloc_status) {
     if status != ccalloc_status::CCALLOC_OK {
         // SAFETY: the pointer is this thread's NUL-terminated last-error string.
         let message = unsafe { CStr::from_ptr(boundary::last_error_ptr()) }.to_string_lossy();
+        // PyTorch's hooks have no way to report failure: say it on stderr, where it is seen.
+        eprintln!("ccalloc: {call}: {status:?}: {message}");
         tracing::error!("{call}: {status:?}: {message}");
     }
 }
@@ -433,13 +460,17 @@ pub extern "C" fn ccalloc_release_pool(device: i32, pool: ccalloc_pool_id) -> cc
     })
 }
 
+extern "C-unwind" {
+    fn ccalloc_shim_throw(message: *const c_char) -> !;
+}
+
 extern "C" {
     fn ccalloc_shim_filter_clone(filter: *const c_void) -> *mut c_void;
     fn ccalloc_shim_filter_call(filter: *mut c_void, stream: cudaStream_t) -> bool;
     fn ccalloc_shim_filter_drop(filter: *mut c_void);
 }
 
-/// PyTorch's `_set_begin_allocate_to_pool` hook. Its C++ type is
+/// PyTorch's `set_begin_allocate_to_pool` hook. Its C++ type is
 /// `void(int, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>)`: the pair arrives in
 /// registers and the std::function, passed by value, as a pointer to the caller's copy.
 #[no_mangle]
@@ -464,7 +495,7 @@ pub unsafe extern "C" fn ccalloc_torch_begin_allocate_to_pool(
     log_torch_failure("ccalloc_torch_begin_allocate_to_pool", status);
 }
 
-/// PyTorch's `_set_end_allocate_to_pool_fn` hook: `void(int, MempoolId_t)`.
+/// PyTorch's `set_end_allocate_to_pool_fn` hook: `void(int, MempoolId_t)`.
 #[no_mangle]
 pub extern "C" fn ccalloc_torch_end_allocate_to_pool(device: c_int, pool: ccalloc_pool_id) {
     log_torch_failure(
@@ -473,7 +504,7 @@ pub extern "C" fn ccalloc_torch_end_allocate_to_pool(device: c_int, pool: ccallo
     );
 }
 
-/// PyTorch's `_set_release_pool` hook: `void(int, MempoolId_t)`.
+/// PyTorch's `set_release_pool` hook: `void(int, MempoolId_t)`.
 #[no_mangle]
 pub extern "C" fn ccalloc_torch_release_pool(device: c_int, pool: ccalloc_pool_id) {
     log_torch_failure(

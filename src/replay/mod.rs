@@ -58,8 +58,14 @@ pub struct ReplayReport {
     /// What PyTorch's allocator reserved at its peak, where the trace records its segments.
     pub pytorch_peak_reserved_bytes: Option<u64>,
     pub pytorch_ratio: Option<f64>,
+    /// Plain device allocations and frees (segments).
     pub device_allocs: u64,
     pub device_frees: u64,
+    /// Paged segments: physical pages created and released, pages mapped and unmapped.
+    pub physical_creates: u64,
+    pub physical_releases: u64,
+    pub maps: u64,
+    pub unmaps: u64,
     pub ns_per_event: f64,
     pub oom: Option<OomPoint>,
     /// Frees of addresses the trace never allocated (skipped).
@@ -173,6 +179,10 @@ pub fn replay(
         pytorch_ratio: torch_peak.map(ratio),
         device_allocs: counters.allocate_calls,
         device_frees: counters.release_calls,
+        physical_creates: counters.physical_creates,
+        physical_releases: counters.physical_releases,
+        maps: counters.maps,
+        unmaps: counters.unmaps,
         ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
         oom,
         unmatched_frees: unmatched,

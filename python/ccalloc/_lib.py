@@ -1,0 +1,441 @@
+"""ctypes binding of ``libccalloc.so`` (the C API in ``include/ccalloc.h``).
+
+Nothing here runs at import time: the library is looked up and loaded on the first call of
+:func:`load`, so ``import ccalloc`` works where the library is missing and the error
+(:class:`LibraryNotFoundError`) comes with the first call that needs it.
+
+Search order (the first hit wins):
+
+1. ``$CCALLOC_LIBRARY``: an explicit path. When set it is the only candidate: a wrong value
+   is reported, never silently replaced by another copy.
+2. ``libccalloc.so`` inside this package (copied there before ``pip install``).
+3. ``<repo>/target/release/libccalloc.so`` and then ``<repo>/target/debug/libccalloc.so``,
+   relative to this file (a source checkout, ``python/ccalloc/../../target/...``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import sys
+import threading
+from ctypes import (
+    POINTER,
+    c_bool,
+    c_char_p,
+    c_double,
+    c_int,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from typing import Dict, List, Optional, Tuple
+
+__all__ = [
+    "ENV_LIBRARY",
+    "LIBRARY_NAME",
+    "FUNCTIONS",
+    "Status",
+    "CcallocError",
+    "LibraryNotFoundError",
+    "ccalloc_stat",
+    "ccalloc_stat_array",
+    "ccalloc_stats",
+    "ccalloc_pool_id",
+    "ccalloc_stream_filter",
+    "ccalloc_release_fn",
+    "candidate_paths",
+    "load",
+    "library_path",
+    "last_error",
+    "status_name",
+    "error_for",
+]
+
+ENV_LIBRARY = "CCALLOC_LIBRARY"
+
+if sys.platform == "darwin":
+    LIBRARY_NAME = "libccalloc.dylib"
+elif sys.platform == "win32":
+    LIBRARY_NAME = "ccalloc.dll"
+else:
+    LIBRARY_NAME = "libccalloc.so"
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_REPO_DIR = os.path.dirname(os.path.dirname(_PACKAGE_DIR))
+
+
+# --------------------------------------------------------------------------------------------
+# Status codes and exceptions
+# --------------------------------------------------------------------------------------------
+
+
+class Status(enum.IntEnum):
+    """``enum ccalloc_status`` (the value of every C call; ``OK`` is 0)."""
+
+    OK = 0
+    INVALID_ARGUMENT = 1
+    NOT_INITIALIZED = 2
+    SHUT_DOWN = 3
+    OUT_OF_MEMORY = 4
+    UNKNOWN_POINTER = 5
+    DOUBLE_FREE = 6
+    WRONG_DEVICE = 7
+    INVALID_DEVICE = 8
+    INVALID_SIZE = 9
+    CONFIG_ERROR = 10
+    DRIVER_UNAVAILABLE = 11
+    DRIVER_ERROR = 12
+    BUSY = 13
+    INTERNAL_ERROR = 14
+
+    @property
+    def c_name(self) -> str:
+        """The name in ``ccalloc.h``, e.g. ``"CCALLOC_OUT_OF_MEMORY"``."""
+        return "CCALLOC_" + self.name
+
+
+class LibraryNotFoundError(OSError):
+    """``libccalloc.so`` could not be found or loaded (or lacks a symbol this package needs)."""
+
+
+class CcallocError(RuntimeError):
+    """A ccalloc call failed.
+
+    ``status`` is the :class:`Status` (an ``int`` when the library returned a code this
+    package does not know), ``message`` the text of ``ccalloc_last_error()``.
+    Subclasses exist for each status; several also derive from the matching built-in
+    (``MemoryError``, ``ValueError``) so generic handlers catch them.
+    """
+
+    status: "Status | int" = -1
+
+    def __init__(self, status: "Status | int", message: str = ""):
+        try:
+            status = Status(status)
+        except ValueError:
+            pass
+        self.status = status
+        self.message = message
+        name = status.c_name if isinstance(status, Status) else f"status {status}"
+        super().__init__(f"{message} [{name}]" if message else name)
+
+    def __reduce__(self):
+        return (type(self), (int(self.status), self.message))
+
+
+class InvalidArgumentError(CcallocError, ValueError):
+    """``CCALLOC_INVALID_ARGUMENT``: a NULL pointer, NaN or otherwise unusable argument."""
+
+
+class NotInitializedError(CcallocError):
+    """``CCALLOC_NOT_INITIALIZED`` (the Python API calls ``init()`` itself, so rarely seen)."""
+
+
+class ShutDownError(CcallocError):
+    """``CCALLOC_SHUT_DOWN``: ``shutdown()`` was called; call ``init()`` to start again."""
+
+
+class OutOfMemoryError(CcallocError, MemoryError):
+    """``CCALLOC_OUT_OF_MEMORY``: the device or the memory limit cannot hold the request."""
+
+
+class UnknownPointerError(CcallocError, ValueError):
+    """``CCALLOC_UNKNOWN_POINTER``: not allocated by ccalloc, or points inside a block."""
+
+
+class DoubleFreeError(CcallocError, ValueError):
+    """``CCALLOC_DOUBLE_FREE``: the block was already freed."""
+
+
+class WrongDeviceError(CcallocError, ValueError):
+    """``CCALLOC_WRONG_DEVICE``: the pointer belongs to another device."""
+
+
+class InvalidDeviceError(CcallocError, ValueError):
+    """``CCALLOC_INVALID_DEVICE``: no such device."""
+
+
+class InvalidSizeError(CcallocError, ValueError):
+    """``CCALLOC_INVALID_SIZE``: size 0."""
+
+
+class ConfigError(CcallocError, ValueError):
+    """``CCALLOC_CONFIG_ERROR``: unknown config key, bad value, or bad ``CCALLOC_*`` variable."""
+
+
+class DriverUnavailableError(CcallocError):
+    """``CCALLOC_DRIVER_UNAVAILABLE``: no usable CUDA driver (try ``CCALLOC_BACKEND=sim``)."""
+
+
+class DriverError(CcallocError):
+    """``CCALLOC_DRIVER_ERROR``: a CUDA driver call failed."""
+
+
+class BusyError(CcallocError):
+    """``CCALLOC_BUSY``: shutdown refused while allocations are live."""
+
+
+class InternalError(CcallocError):
+    """``CCALLOC_INTERNAL_ERROR``: a bug in ccalloc (a panic caught at the C boundary)."""
+
+
+_ERROR_CLASSES: Dict[int, type] = {
+    Status.INVALID_ARGUMENT: InvalidArgumentError,
+    Status.NOT_INITIALIZED: NotInitializedError,
+    Status.SHUT_DOWN: ShutDownError,
+    Status.OUT_OF_MEMORY: OutOfMemoryError,
+    Status.UNKNOWN_POINTER: UnknownPointerError,
+    Status.DOUBLE_FREE: DoubleFreeError,
+    Status.WRONG_DEVICE: WrongDeviceError,
+    Status.INVALID_DEVICE: InvalidDeviceError,
+    Status.INVALID_SIZE: InvalidSizeError,
+    Status.CONFIG_ERROR: ConfigError,
+    Status.DRIVER_UNAVAILABLE: DriverUnavailableError,
+    Status.DRIVER_ERROR: DriverError,
+    Status.BUSY: BusyError,
+    Status.INTERNAL_ERROR: InternalError,
+}
+
+ERROR_CLASSES = dict(_ERROR_CLASSES)
+
+
+def error_for(status: int, message: str) -> CcallocError:
+    """The exception for a failed call's ``status`` and message."""
+    return _ERROR_CLASSES.get(int(status), CcallocError)(status, message)
+
+
+# --------------------------------------------------------------------------------------------
+# Structures (field by field as in ccalloc.h)
+# --------------------------------------------------------------------------------------------
+
+
+class ccalloc_stat(ctypes.Structure):
+    """``ccalloc_stat``: one counter, as in ``torch.cuda.memory_stats()``."""
+
+    _fields_ = [
+        ("current", c_int64),
+        ("peak", c_int64),
+        ("allocated", c_int64),
+        ("freed", c_int64),
+    ]
+
+
+class ccalloc_stat_array(ctypes.Structure):
+    """``ccalloc_stat_array``: a counter for all blocks and per pool."""
+
+    _fields_ = [
+        ("all", ccalloc_stat),
+        ("small_pool", ccalloc_stat),
+        ("large_pool", ccalloc_stat),
+    ]
+
+
+class ccalloc_stats(ctypes.Structure):
+    """``ccalloc_stats``: per-device statistics with PyTorch's names and meanings."""
+
+    _fields_ = [
+        ("allocation", ccalloc_stat_array),
+        ("segment", ccalloc_stat_array),
+        ("active", ccalloc_stat_array),
+        ("inactive_split", ccalloc_stat_array),
+        ("allocated_bytes", ccalloc_stat_array),
+        ("reserved_bytes", ccalloc_stat_array),
+        ("active_bytes", ccalloc_stat_array),
+        ("inactive_split_bytes", ccalloc_stat_array),
+        ("requested_bytes", ccalloc_stat_array),
+        ("oversize_allocations", ccalloc_stat),
+        ("oversize_segments", ccalloc_stat),
+        ("num_alloc_retries", c_uint64),
+        ("num_ooms", c_uint64),
+        ("num_sync_all_streams", c_uint64),
+        ("num_device_alloc", c_uint64),
+        ("num_device_free", c_uint64),
+        ("max_split_size", c_int64),
+    ]
+
+
+class ccalloc_pool_id(ctypes.Structure):
+    """``ccalloc_pool_id``: names a private pool (PyTorch's ``MempoolId_t`` layout)."""
+
+    _fields_ = [
+        ("first", c_uint64),
+        ("second", c_uint64),
+    ]
+
+
+# ``bool (*)(void *ctx, cudaStream_t stream)``: whether an allocation on ``stream`` goes to
+# the private pool. A Python callback must stay referenced until ``release(ctx)`` is called.
+ccalloc_stream_filter = ctypes.CFUNCTYPE(c_bool, c_void_p, c_void_p)
+
+# ``void (*)(void *ctx)``: releases the caller's ``ctx`` when ccalloc no longer needs it.
+ccalloc_release_fn = ctypes.CFUNCTYPE(None, c_void_p)
+
+
+# --------------------------------------------------------------------------------------------
+# Function table: every function declared in ccalloc.h, (argtypes, restype)
+# --------------------------------------------------------------------------------------------
+
+_status = c_uint32  # ccalloc_status is uint32_t in C (before C23) and repr(u32) in Rust
+_stream = c_void_p  # cudaStream_t
+
+FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
+    "ccalloc_init": ([], _status),
+    "ccalloc_shutdown": ([], _status),
+    "ccalloc_version": ([], c_char_p),
+    "ccalloc_last_error": ([], c_char_p),
+    "ccalloc_status_name": ([c_uint32], c_char_p),
+    "ccalloc_backend": ([POINTER(c_char_p)], _status),
+    "ccalloc_device_count": ([POINTER(c_int32)], _status),
+    "ccalloc_is_initialized": ([], c_bool),
+    "ccalloc_device_total_memory": ([c_int32, POINTER(c_uint64)], _status),
+    "ccalloc_reset_config": ([], _status),
+    "ccalloc_malloc": ([c_size_t, c_int32, _stream, POINTER(c_void_p)], _status),
+    "ccalloc_free": ([c_void_p, c_int32], _status),
+    "ccalloc_record_stream": ([c_void_p, c_int32, _stream], _status),
+    "ccalloc_empty_cache": ([c_int32], _status),
+    "ccalloc_set_memory_fraction": ([c_double, c_int32], _status),
+    "ccalloc_get_memory_fraction": ([c_int32, POINTER(c_double)], _status),
+    "ccalloc_set_config": ([c_char_p], _status),
+    "ccalloc_get_stats": ([c_int32, POINTER(ccalloc_stats)], _status),
+    "ccalloc_reset_peak_stats": ([c_int32], _status),
+    "ccalloc_reset_accumulated_stats": ([c_int32], _status),
+    "ccalloc_sim_pause_stream": ([c_int32, _stream, c_bool], _status),
+    "ccalloc_sim_device_bytes": ([c_int32, POINTER(c_uint64)], _status),
+    # Private pools (CUDA graphs).
+    "ccalloc_begin_allocate_to_pool": (
+        [c_int32, ccalloc_pool_id, ccalloc_stream_filter, c_void_p, ccalloc_release_fn],
+        _status,
+    ),
+    "ccalloc_end_allocate_to_pool": ([c_int32, ccalloc_pool_id], _status),
+    "ccalloc_release_pool": ([c_int32, ccalloc_pool_id], _status),
+    # PyTorch CUDAPluggableAllocator entry points (their addresses are handed to PyTorch).
+    "ccalloc_torch_alloc": ([c_size_t, c_int, _stream], c_void_p),
+    "ccalloc_torch_free": ([c_void_p, c_size_t, c_int, _stream], None),
+    "ccalloc_torch_init": ([c_int], None),
+    "ccalloc_torch_empty_cache": ([], None),
+    "ccalloc_torch_set_memory_fraction": ([c_double, c_int], None),
+    "ccalloc_torch_record_stream": ([c_void_p, _stream], None),
+    "ccalloc_torch_begin_allocate_to_pool": ([c_int, ccalloc_pool_id, c_void_p], None),
+    "ccalloc_torch_end_allocate_to_pool": ([c_int, ccalloc_pool_id], None),
+    "ccalloc_torch_release_pool": ([c_int, ccalloc_pool_id], None),
+}
+
+# The C++ shim's internal helpers; cbindgen.toml keeps them out of the header.
+HEADER_INTERNAL: Tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[str] = None
+
+
+def candidate_paths() -> List[Tuple[str, str]]:
+    """``(where, path)`` pairs in search order (only ``$CCALLOC_LIBRARY`` when it is set)."""
+    explicit = os.environ.get(ENV_LIBRARY)
+    if explicit:
+        return [(f"${ENV_LIBRARY}", explicit)]
+    return [
+        ("package", os.path.join(_PACKAGE_DIR, LIBRARY_NAME)),
+        ("target/release", os.path.join(_REPO_DIR, "target", "release", LIBRARY_NAME)),
+        ("target/debug", os.path.join(_REPO_DIR, "target", "debug", LIBRARY_NAME)),
+    ]
+
+
+def _find() -> str:
+    candidates = candidate_paths()
+    for _, path in candidates:
+        if os.path.isfile(path):
+            return os.path.realpath(path)
+    if os.environ.get(ENV_LIBRARY):
+        raise LibraryNotFoundError(
+            f"ccalloc: {ENV_LIBRARY}={candidates[0][1]!r} does not name an existing file. "
+            f"Point it at a built {LIBRARY_NAME} (e.g. <repo>/target/release/{LIBRARY_NAME}) "
+            f"or unset it to search the default places."
+        )
+    looked = "\n".join(f"  - {path} ({where})" for where, path in candidates)
+    raise LibraryNotFoundError(
+        f"ccalloc: {LIBRARY_NAME} not found. Looked in ${ENV_LIBRARY} (unset) and:\n{looked}\n"
+        f"Build it with `cargo build --release` in the ccalloc repository, copy it into the "
+        f"package directory before `pip install`, or set {ENV_LIBRARY} to its path."
+    )
+
+
+def _bind(lib: ctypes.CDLL, path: str) -> None:
+    for name, (argtypes, restype) in FUNCTIONS.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise LibraryNotFoundError(
+                f"ccalloc: {path} has no symbol {name}: it was built from another ccalloc "
+                f"version than this Python package. Rebuild it (`cargo build --release`)."
+            ) from None
+        fn.argtypes = argtypes
+        fn.restype = restype
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (found, loaded and bound on first call; later calls are cheap).
+
+    Raises :class:`LibraryNotFoundError` when it cannot be found or loaded. A failure is not
+    remembered: a later call searches again (e.g. after ``CCALLOC_LIBRARY`` was set).
+    """
+    global _lib, _lib_path
+    lib = _lib
+    if lib is not None:
+        return lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = _find()
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise LibraryNotFoundError(f"ccalloc: found {path} but could not load it: {e}") from e
+        _bind(lib, path)
+        _lib_path = path
+        _lib = lib
+        return lib
+
+
+def library_path() -> str:
+    """The absolute path of the library in use (loading it if needed).
+
+    ``ccalloc.torch`` hands this path to ``CUDAPluggableAllocator``, whose ``dlopen`` then
+    returns this same, already loaded library (one allocator state per process).
+    """
+    load()
+    assert _lib_path is not None
+    return _lib_path
+
+
+def _decode(raw: Optional[bytes]) -> str:
+    return raw.decode("utf-8", errors="replace") if raw else ""
+
+
+def last_error() -> str:
+    """``ccalloc_last_error()``: this thread's last failure message ("" if none)."""
+    return _decode(load().ccalloc_last_error())
+
+
+def status_name(status: int) -> str:
+    """``ccalloc_status_name()``, e.g. ``"CCALLOC_OUT_OF_MEMORY"``."""
+    return _decode(load().ccalloc_status_name(int(status)))
+
+
+def check(status: int) -> None:
+    """Raises the matching :class:`CcallocError` unless ``status`` is ``OK``.
+
+    Must run on the thread that made the failing call (the message is thread-local); ctypes
+    calls run on the calling thread, so calling this right after the call is enough.
+    """
+    if status != Status.OK:
+        raise error_for(status, last_error())

@@ -1,0 +1,321 @@
+//! Paged segments: ccalloc's answer to "reserved but unallocated" memory.
+//!
+//! With the driver's virtual memory management, each (stream, pool) gets one address range
+//! as large as the device, carved into blocks like any segment, but backed by physical memory
+//! only where blocks need it, one granule (page) at a time. Pages of free blocks stay mapped
+//! (so steady-state reuse costs no driver call) until growth would push reserved memory past
+//! what is live plus a small slack; then pages under free blocks are unmapped and reused
+//! where they are needed, or given back. Reserved memory therefore tracks live memory, while
+//! a training loop that repeats its sizes never maps or unmaps after its first iterations.
+
+use super::blocks::{Block, BlockState};
+use super::sizing::PoolKind;
+use super::state::{Segment, State};
+use super::{driver_error, DeviceAllocator};
+use crate::driver::{DevicePtr, PhysHandle, StreamId};
+use crate::error::Result;
+use std::ops::Range;
+
+/// Growth may keep this share of live bytes as cached pages before reclaiming (1/32 ≈ 3%)…
+const SLACK_SHIFT: u32 = 5;
+/// …but never fewer than this many pages.
+const MIN_SLACK_PAGES: u64 = 4;
+
+/// The page table of one paged segment.
+pub struct PagedSegment {
+    pub base: DevicePtr,
+    pub size: u64,
+    pub page: u64,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    pub pages: Vec<Option<PhysHandle>>,
+    pub mapped: usize,
+}
+
+impl PagedSegment {
+    /// Pages that `[addr, addr+len)` touches.
+    fn touched(&self, addr: DevicePtr, len: u64) -> Range<usize> {
+        let start = (addr - self.base) / self.page;
+        let end = (addr + len - self.base).div_ceil(self.page);
+        start as usize..end as usize
+    }
+
+    /// Pages lying wholly inside `[addr, addr+len)`.
+    fn inside(&self, addr: DevicePtr, len: u64) -> Range<usize> {
+        let start = (addr - self.base).div_ceil(self.page);
+        let end = (addr + len - self.base) / self.page;
+        start as usize..(end as usize).max(start as usize)
+    }
+
+    fn va(&self, page: usize) -> DevicePtr {
+        self.base + page as u64 * self.page
+    }
+}
+
+/// A mapped page under a free block, chosen to be unmapped.
+struct Victim {
+    segment: DevicePtr,
+    page: usize,
+}
+
+impl DeviceAllocator {
+    /// The page size when requests of this kind use paged segments.
+    pub(super) fn paging(&self, st: &State, private: bool) -> Option<u64> {
+        if private || !st.config.expandable_segments {
+            return None;
+        }
+        self.driver.vmm_granularity(self.device)
+    }
+
+    /// Creates the paged segment of (stream, pool): address space the size of the device,
+    /// cached as one free block with nothing mapped. False when no address space is left.
+    pub(super) fn add_paged_segment(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        pool: PoolKind,
+        page: u64,
+    ) -> Result<bool> {
+        let size = self.total_memory.div_ceil(page) * page;
+        let base = match self.driver.reserve_address(self.device, size) {
+            Ok(base) => base,
+            Err(e) => {
+                tracing::warn!(
+                    device = self.device,
+                    "address reservation failed ({e}); using plain segments"
+                );
+                return Ok(false);
+            }
+        };
+        let cached_at = st.caches.list(None, pool).lookups;
+        let id = st.blocks.insert(Block {
+            addr: base,
+            size,
+            requested: 0,
+            stream,
+            pool,
+            owner: None,
+            paged: true,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            cached_at,
+        });
+        st.caches.list(None, pool).insert(st.blocks.get(id), id);
+        st.segments.insert(base, Segment { size, first: id });
+        let pages = vec![None; (size / page) as usize];
+        st.paged.insert(
+            base,
+            PagedSegment {
+                base,
+                size,
+                page,
+                stream,
+                pool,
+                pages,
+                mapped: 0,
+            },
+        );
+        st.paged_for.insert((stream, pool), base);
+        st.stats.segment.increase(pool, 1);
+        Ok(true)
+    }
+
+    /// Maps every page `[addr, addr+len)` touches. Physical memory comes from new pages
+    /// while reserved stays within live + slack, else from pages under free blocks. Returns
+    /// false when the device (or the memory limit) cannot supply the pages.
+    pub(super) fn map_pages(&self, st: &mut State, addr: DevicePtr, len: u64) -> Result<bool> {
+        let (&base, seg) = st
+            .paged
+            .range(..=addr)
+            .next_back()
+            .expect("a paged block has a segment");
+        let page = seg.page;
+        let missing: Vec<usize> = seg
+            .touched(addr, len)
+            .filter(|&i| seg.pages[i].is_none())
+            .collect();
+        if missing.is_empty() {
+            return Ok(true);
+        }
+        let need = missing.len() as u64;
+        let live_after = st.stats.active_bytes.all().current as u64 + len;
+        let slack = (live_after >> SLACK_SHIFT).max(MIN_SLACK_PAGES * page);
+        let budget = (live_after + slack).min(self.hard_limit(st));
+        // Growth past the budget is paid for with pages from under free blocks (never more
+        // than this request maps: shrinking is left to empty_cache and the OOM path).
+        let over = (st.reserved() + need * page)
+            .saturating_sub(budget)
+            .div_ceil(page)
+            .min(need);
+        let mut spare = if over > 0 {
+            self.reclaim(st, over as usize)?
+        } else {
+            Vec::new()
+        };
+        let mut retried = false;
+        for (n, &i) in missing.iter().enumerate() {
+            let handle = match spare.pop() {
+                Some(h) => h,
+                None => match self.new_page(st, page)? {
+                    Some(h) => h,
+                    None if !retried => {
+                        // Out of memory: take every reclaimable page, and the plain cache.
+                        retried = true;
+                        let left = missing.len() - n;
+                        spare = self.reclaim(st, usize::MAX)?;
+                        if spare.len() < left {
+                            self.release_all_cached(st)?;
+                            st.stats.num_alloc_retries += 1;
+                        }
+                        while spare.len() > left {
+                            let handle = spare.pop().expect("non-empty");
+                            self.release_page(st, handle, page)?;
+                        }
+                        match spare.pop() {
+                            Some(h) => h,
+                            None => match self.new_page(st, page)? {
+                                Some(h) => h,
+                                None => return Ok(false),
+                            },
+                        }
+                    }
+                    None => return Ok(false),
+                },
+            };
+            let seg = st.paged.get_mut(&base).expect("segment exists");
+            let va = seg.va(i);
+            if let Err(e) = self.driver.map(self.device, va, page, handle) {
+                let _ = self.release_page(st, handle, page);
+                return Err(driver_error(self.device, e));
+            }
+            let seg = st.paged.get_mut(&base).expect("segment exists");
+            seg.pages[i] = Some(handle);
+            seg.mapped += 1;
+            let pool = seg.pool;
+            st.stats.reserved_bytes.increase(pool, page);
+        }
+        for handle in spare {
+            self.release_page(st, handle, page)?;
+        }
+        Ok(true)
+    }
+
+    fn hard_limit(&self, st: &State) -> u64 {
+        st.limit.min(self.total_memory)
+    }
+
+    /// A fresh physical page, counted as reserved by no pool until mapped; `None` when the
+    /// device or the limit refuses.
+    fn new_page(&self, st: &mut State, page: u64) -> Result<Option<PhysHandle>> {
+        if st.reserved() + page > self.hard_limit(st) {
+            return Ok(None);
+        }
+        match self.driver.create_physical(self.device, page) {
+            Ok(handle) => {
+                st.stats.num_device_alloc += 1;
+                Ok(Some(handle))
+            }
+            Err(crate::driver::DriverError::OutOfMemory) => Ok(None),
+            Err(e) => Err(driver_error(self.device, e)),
+        }
+    }
+
+    fn release_page(&self, st: &mut State, handle: PhysHandle, page: u64) -> Result<()> {
+        st.stats.num_device_free += 1;
+        self.driver
+            .release_physical(self.device, handle, page)
+            .map_err(|e| driver_error(self.device, e))
+    }
+
+    /// Unmaps up to `want` mapped pages lying wholly under free blocks, after their streams
+    /// have finished the work queued before the frees. Victims come from the largest free
+    /// blocks, highest addresses first: blocks are carved from the low end of a free block,
+    /// so its high pages are the ones least likely to be needed again soon.
+    pub(super) fn reclaim(&self, st: &mut State, want: usize) -> Result<Vec<PhysHandle>> {
+        let mut victims = Vec::new();
+        let mut streams: Vec<StreamId> = Vec::new();
+        'lists: for pool in [PoolKind::Large, PoolKind::Small] {
+            let list = &st.caches.general[pool as usize];
+            let mut free: Vec<_> = list
+                .ids()
+                .map(|id| st.blocks.get(id))
+                .filter(|b| b.paged)
+                .collect();
+            free.sort_by_key(|b| std::cmp::Reverse(b.size));
+            for block in free {
+                let (&base, seg) = st.paged.range(..=block.addr).next_back().expect("segment");
+                for i in seg.inside(block.addr, block.size).rev() {
+                    if seg.pages[i].is_some() {
+                        victims.push(Victim {
+                            segment: base,
+                            page: i,
+                        });
+                        if !streams.contains(&seg.stream) {
+                            streams.push(seg.stream);
+                        }
+                        if victims.len() >= want {
+                            break 'lists;
+                        }
+                    }
+                }
+            }
+        }
+        for stream in streams {
+            self.driver
+                .synchronize_stream(self.device, stream)
+                .map_err(|e| driver_error(self.device, e))?;
+        }
+        let mut handles = Vec::with_capacity(victims.len());
+        for v in victims {
+            let seg = st.paged.get_mut(&v.segment).expect("segment exists");
+            let va = seg.va(v.page);
+            self.driver
+                .unmap(self.device, va, seg.page)
+                .map_err(|e| driver_error(self.device, e))?;
+            handles.push(seg.pages[v.page].take().expect("victims are mapped"));
+            seg.mapped -= 1;
+            let (pool, page) = (seg.pool, seg.page);
+            st.stats.reserved_bytes.decrease(pool, page);
+        }
+        Ok(handles)
+    }
+
+    /// Gives back every page under free blocks and every paged segment left wholly free.
+    /// The caller has synchronized the device.
+    pub(super) fn release_paged_cache(&self, st: &mut State) -> Result<()> {
+        if st.paged.is_empty() {
+            return Ok(());
+        }
+        for handle in self.reclaim(st, usize::MAX)? {
+            let page = st.paged.values().next().expect("non-empty").page;
+            self.release_page(st, handle, page)?;
+        }
+        let empty: Vec<DevicePtr> = st
+            .paged
+            .iter()
+            .filter(|(base, seg)| {
+                let first = st.segments[base].first;
+                let b = st.blocks.get(first);
+                seg.mapped == 0 && b.state == BlockState::Free && b.next.is_none()
+            })
+            .map(|(&base, _)| base)
+            .collect();
+        for base in empty {
+            let seg = st.paged.remove(&base).expect("listed");
+            let segment = st
+                .segments
+                .remove(&base)
+                .expect("paged segments are segments");
+            let block = st.blocks.remove(segment.first);
+            st.caches.list(None, seg.pool).remove(&block);
+            st.paged_for.remove(&(seg.stream, seg.pool));
+            st.stats.segment.decrease(seg.pool, 1);
+            self.driver
+                .free_address(self.device, base, seg.size)
+                .map_err(|e| driver_error(self.device, e))?;
+        }
+        Ok(())
+    }
+}
