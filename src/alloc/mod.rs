@@ -151,8 +151,8 @@ impl DeviceAllocator {
         let block = st.blocks.get_mut(id);
         // Not free while its pages are found: no merge or reclaim may touch it meanwhile.
         block.state = BlockState::Allocated;
-        let addr = block.addr;
-        let mapped = self.map_pages(st, addr, rounded);
+        let (addr, end) = (block.addr, block.end());
+        let mapped = self.map_pages(st, addr, rounded, addr + rounded..end);
         if matches!(mapped, Ok(true)) {
             return Ok(());
         }

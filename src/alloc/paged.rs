@@ -125,7 +125,15 @@ impl DeviceAllocator {
     /// Maps every page `[addr, addr+len)` touches. Physical memory comes from new pages
     /// while reserved stays within live + slack, else from pages under free blocks. Returns
     /// false when the device (or the memory limit) cannot supply the pages.
-    pub(super) fn map_pages(&self, st: &mut State, addr: DevicePtr, len: u64) -> Result<bool> {
+    /// `rest` is the part of the block being handed out that stays free: its pages are the
+    /// first to move (they are in no free list yet).
+    pub(super) fn map_pages(
+        &self,
+        st: &mut State,
+        addr: DevicePtr,
+        len: u64,
+        rest: Range<DevicePtr>,
+    ) -> Result<bool> {
         let (&base, seg) = st
             .paged
             .range(..=addr)
@@ -150,7 +158,7 @@ impl DeviceAllocator {
             .div_ceil(page)
             .min(need);
         let mut spare = if over > 0 {
-            self.reclaim(st, over as usize)?
+            self.reclaim(st, over as usize, rest.clone())?
         } else {
             Vec::new()
         };
@@ -164,7 +172,7 @@ impl DeviceAllocator {
                         // Out of memory: take every reclaimable page, and the plain cache.
                         retried = true;
                         let left = missing.len() - n;
-                        spare = self.reclaim(st, usize::MAX)?;
+                        spare = self.reclaim(st, usize::MAX, rest.clone())?;
                         if spare.len() < left {
                             self.release_all_cached(st)?;
                             st.stats.num_alloc_retries += 1;
@@ -233,31 +241,42 @@ impl DeviceAllocator {
     /// have finished the work queued before the frees. Victims come from the largest free
     /// blocks, highest addresses first: blocks are carved from the low end of a free block,
     /// so its high pages are the ones least likely to be needed again soon.
-    pub(super) fn reclaim(&self, st: &mut State, want: usize) -> Result<Vec<PhysHandle>> {
-        let mut victims = Vec::new();
-        let mut streams: Vec<StreamId> = Vec::new();
-        'lists: for pool in [PoolKind::Large, PoolKind::Small] {
+    pub(super) fn reclaim(
+        &self,
+        st: &mut State,
+        want: usize,
+        also: Range<DevicePtr>,
+    ) -> Result<Vec<PhysHandle>> {
+        let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
+        if !also.is_empty() {
+            ranges.push((also.start, also.end - also.start));
+        }
+        for pool in [PoolKind::Large, PoolKind::Small] {
             let list = &st.caches.general[pool as usize];
             let mut free: Vec<_> = list
                 .ids()
                 .map(|id| st.blocks.get(id))
                 .filter(|b| b.paged)
+                .map(|b| (b.addr, b.size))
                 .collect();
-            free.sort_by_key(|b| std::cmp::Reverse(b.size));
-            for block in free {
-                let (&base, seg) = st.paged.range(..=block.addr).next_back().expect("segment");
-                for i in seg.inside(block.addr, block.size).rev() {
-                    if seg.pages[i].is_some() {
-                        victims.push(Victim {
-                            segment: base,
-                            page: i,
-                        });
-                        if !streams.contains(&seg.stream) {
-                            streams.push(seg.stream);
-                        }
-                        if victims.len() >= want {
-                            break 'lists;
-                        }
+            free.sort_by_key(|&(_, size)| std::cmp::Reverse(size));
+            ranges.extend(free);
+        }
+        let mut victims = Vec::new();
+        let mut streams: Vec<StreamId> = Vec::new();
+        'ranges: for (addr, size) in ranges {
+            let (&base, seg) = st.paged.range(..=addr).next_back().expect("segment");
+            for i in seg.inside(addr, size).rev() {
+                if seg.pages[i].is_some() {
+                    victims.push(Victim {
+                        segment: base,
+                        page: i,
+                    });
+                    if !streams.contains(&seg.stream) {
+                        streams.push(seg.stream);
+                    }
+                    if victims.len() >= want {
+                        break 'ranges;
                     }
                 }
             }
@@ -288,7 +307,7 @@ impl DeviceAllocator {
         if st.paged.is_empty() {
             return Ok(());
         }
-        for handle in self.reclaim(st, usize::MAX)? {
+        for handle in self.reclaim(st, usize::MAX, 0..0)? {
             let page = st.paged.values().next().expect("non-empty").page;
             self.release_page(st, handle, page)?;
         }
