@@ -151,7 +151,7 @@ impl Runtime {
         let mut next = config.clone();
         next.apply(text)?;
         for device in self.started_devices() {
-            device.set_config(next.clone())?;
+            device.apply_config(text)?;
         }
         *config = next;
         Ok(())

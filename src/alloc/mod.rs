@@ -104,15 +104,11 @@ impl DeviceAllocator {
         }
         let mut st = self.lock()?;
         if size > self.total_memory {
+            // Larger than the device: fail at once, without flushing the cache for nothing.
             st.stats.num_ooms += 1;
             return Err(Error::new(
                 ErrorKind::OutOfMemory,
-                format!(
-                    "CUDA out of memory on device {}: tried to allocate {} but the device has {} in all",
-                    self.device,
-                    human_bytes(size),
-                    human_bytes(self.total_memory)
-                ),
+                self.oom_message(&st, size, size),
             ));
         }
         let capturing = st.caches.capturing();
@@ -218,7 +214,7 @@ impl DeviceAllocator {
             String::new()
         };
         format!(
-            "CUDA out of memory on device {}. Tried to allocate {} (a {} segment). The device has {} in all.{} \
+            "CUDA out of memory on device {}. Tried to allocate {} (needing {} more from the device). The device has {} in all.{} \
              ccalloc holds {} reserved: {} live in allocations, {} cached free, largest free block {}. \
              If reserved is much larger than live, fragmentation is the cause: try CCALLOC_CONF=max_split_size_mb:<MB>.",
             self.device,
@@ -304,6 +300,17 @@ impl DeviceAllocator {
         let mut st = self.lock()?;
         st.limit = limit_for(&config, self.total_memory);
         st.config = config;
+        Ok(())
+    }
+
+    /// Applies `key:value,...` to this device's settings; keys not named (such as a memory
+    /// fraction set with `set_memory_fraction`) keep their values.
+    pub fn apply_config(&self, text: &str) -> Result<()> {
+        let mut st = self.lock()?;
+        let mut next = st.config.clone();
+        next.apply(text)?;
+        st.limit = limit_for(&next, self.total_memory);
+        st.config = next;
         Ok(())
     }
 

@@ -47,6 +47,17 @@ impl PagedSegment {
         start as usize..(end as usize).max(start as usize)
     }
 
+    /// Bytes of `[addr, addr+len)` that lie on mapped pages.
+    pub fn mapped_bytes_in(&self, addr: DevicePtr, len: u64) -> u64 {
+        self.touched(addr, len)
+            .filter(|&i| self.pages[i].is_some())
+            .map(|i| {
+                let (start, end) = (self.va(i), self.va(i) + self.page);
+                end.min(addr + len) - start.max(addr)
+            })
+            .sum()
+    }
+
     fn va(&self, page: usize) -> DevicePtr {
         self.base + page as u64 * self.page
     }
@@ -157,57 +168,84 @@ impl DeviceAllocator {
             .saturating_sub(budget)
             .div_ceil(page)
             .min(need);
-        let mut spare = if over > 0 {
+        let mut handles = if over > 0 {
             self.reclaim(st, over as usize, rest.clone())?
         } else {
             Vec::new()
         };
-        let mut retried = false;
-        for (n, &i) in missing.iter().enumerate() {
-            let handle = match spare.pop() {
-                Some(h) => h,
-                None => match self.new_page(st, page)? {
-                    Some(h) => h,
-                    None if !retried => {
-                        // Out of memory: take every reclaimable page, and the plain cache.
-                        retried = true;
-                        let left = missing.len() - n;
-                        spare = self.reclaim(st, usize::MAX, rest.clone())?;
-                        if spare.len() < left {
-                            self.release_all_cached(st)?;
-                            st.stats.num_alloc_retries += 1;
-                        }
-                        while spare.len() > left {
-                            let handle = spare.pop().expect("non-empty");
-                            self.release_page(st, handle, page)?;
-                        }
-                        match spare.pop() {
-                            Some(h) => h,
-                            None => match self.new_page(st, page)? {
-                                Some(h) => h,
-                                None => return Ok(false),
-                            },
-                        }
-                    }
-                    None => return Ok(false),
-                },
-            };
+        self.add_new_pages(st, &mut handles, need as usize, page)?;
+        if handles.len() < need as usize {
+            // Out of memory: take every reclaimable page, then the plain cache too.
+            handles.extend(self.reclaim(st, usize::MAX, rest)?);
+            if handles.len() < need as usize {
+                self.release_all_cached(st)?;
+                st.stats.num_alloc_retries += 1;
+                self.add_new_pages(st, &mut handles, need as usize, page)?;
+            }
+        }
+        // Refused: give back what was gathered, leaving reserved no higher than before.
+        let refused = handles.len() < need as usize;
+        let surplus = if refused {
+            handles.len()
+        } else {
+            handles.len() - need as usize
+        };
+        for handle in handles.drain(handles.len() - surplus..) {
+            self.release_page(st, handle, page)?;
+        }
+        if refused {
+            return Ok(false);
+        }
+        for (n, (&i, &handle)) in missing.iter().zip(&handles).enumerate() {
             let seg = st.paged.get_mut(&base).expect("segment exists");
-            let va = seg.va(i);
-            if let Err(e) = self.driver.map(self.device, va, page, handle) {
-                let _ = self.release_page(st, handle, page);
+            if let Err(e) = self.driver.map(self.device, seg.va(i), page, handle) {
+                // Undo this request's mappings so nothing it touched stays reserved.
+                for &done in &missing[..n] {
+                    self.unmap_page(st, base, done)?;
+                }
+                for &h in &handles {
+                    let _ = self.release_page(st, h, page);
+                }
                 return Err(driver_error(self.device, e));
             }
-            let seg = st.paged.get_mut(&base).expect("segment exists");
             seg.pages[i] = Some(handle);
             seg.mapped += 1;
             let pool = seg.pool;
             st.stats.reserved_bytes.increase(pool, page);
         }
-        for handle in spare {
-            self.release_page(st, handle, page)?;
-        }
         Ok(true)
+    }
+
+    /// Tops `handles` up to `need` with fresh pages while the device and limit allow.
+    fn add_new_pages(
+        &self,
+        st: &mut State,
+        handles: &mut Vec<PhysHandle>,
+        need: usize,
+        page: u64,
+    ) -> Result<()> {
+        while handles.len() < need {
+            // Pages in hand are not mapped yet, but count against the limit all the same.
+            let in_hand = handles.len() as u64 * page;
+            match self.new_page(st, page, in_hand)? {
+                Some(h) => handles.push(h),
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps one page of a paged segment and returns its handle (no longer reserved).
+    fn unmap_page(&self, st: &mut State, base: DevicePtr, i: usize) -> Result<PhysHandle> {
+        let seg = st.paged.get_mut(&base).expect("segment exists");
+        self.driver
+            .unmap(self.device, seg.va(i), seg.page)
+            .map_err(|e| driver_error(self.device, e))?;
+        let handle = seg.pages[i].take().expect("the page is mapped");
+        seg.mapped -= 1;
+        let (pool, page) = (seg.pool, seg.page);
+        st.stats.reserved_bytes.decrease(pool, page);
+        Ok(handle)
     }
 
     fn hard_limit(&self, st: &State) -> u64 {
@@ -216,8 +254,8 @@ impl DeviceAllocator {
 
     /// A fresh physical page, counted as reserved by no pool until mapped; `None` when the
     /// device or the limit refuses.
-    fn new_page(&self, st: &mut State, page: u64) -> Result<Option<PhysHandle>> {
-        if st.reserved() + page > self.hard_limit(st) {
+    fn new_page(&self, st: &mut State, page: u64, in_hand: u64) -> Result<Option<PhysHandle>> {
+        if st.reserved() + in_hand + page > self.hard_limit(st) {
             return Ok(None);
         }
         match self.driver.create_physical(self.device, page) {
@@ -263,7 +301,6 @@ impl DeviceAllocator {
             ranges.extend(free);
         }
         let mut victims = Vec::new();
-        let mut streams: Vec<StreamId> = Vec::new();
         'ranges: for (addr, size) in ranges {
             let (&base, seg) = st.paged.range(..=addr).next_back().expect("segment");
             for i in seg.inside(addr, size).rev() {
@@ -272,31 +309,20 @@ impl DeviceAllocator {
                         segment: base,
                         page: i,
                     });
-                    if !streams.contains(&seg.stream) {
-                        streams.push(seg.stream);
-                    }
                     if victims.len() >= want {
                         break 'ranges;
                     }
                 }
             }
         }
-        for stream in streams {
-            self.driver
-                .synchronize_stream(self.device, stream)
-                .map_err(|e| driver_error(self.device, e))?;
+        // Kernels queued before the frees may still use these pages. The streams that freed
+        // them may have been destroyed since, so wait for the whole device.
+        if !victims.is_empty() {
+            self.sync_device()?;
         }
         let mut handles = Vec::with_capacity(victims.len());
         for v in victims {
-            let seg = st.paged.get_mut(&v.segment).expect("segment exists");
-            let va = seg.va(v.page);
-            self.driver
-                .unmap(self.device, va, seg.page)
-                .map_err(|e| driver_error(self.device, e))?;
-            handles.push(seg.pages[v.page].take().expect("victims are mapped"));
-            seg.mapped -= 1;
-            let (pool, page) = (seg.pool, seg.page);
-            st.stats.reserved_bytes.decrease(pool, page);
+            handles.push(self.unmap_page(st, v.segment, v.page)?);
         }
         Ok(handles)
     }

@@ -307,8 +307,22 @@ impl State {
             .iter()
             .chain(private)
             .flat_map(|l| l.ids())
-            .map(|id| self.blocks.get(id).size)
+            .map(|id| self.held_bytes(id))
             .fold((0, 0), |(sum, max), s| (sum + s, max.max(s)))
+    }
+
+    /// Device memory under a block: all of it, or for a paged block its mapped part.
+    fn held_bytes(&self, id: BlockId) -> u64 {
+        let b = self.blocks.get(id);
+        if !b.paged {
+            return b.size;
+        }
+        let (_, seg) = self
+            .paged
+            .range(..=b.addr)
+            .next_back()
+            .expect("paged block has a segment");
+        seg.mapped_bytes_in(b.addr, b.size)
     }
 
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {

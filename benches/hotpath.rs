@@ -1,0 +1,141 @@
+//! Hot-path benchmarks on the simulated device, the same patterns as the GPU harness
+//! (shared/bench/hotpath.cpp): same-size alloc+free pairs, steady churn (small and mixed
+//! sizes), and several threads each on its own stream. Run: `cargo bench --bench hotpath`.
+
+use ccalloc::driver::sim::SimDriver;
+use ccalloc::{Config, DeviceAllocator, StreamId};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+fn allocator(conf: &str) -> Arc<DeviceAllocator> {
+    let sim = Arc::new(SimDriver::new(1, 80 << 30));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    Arc::new(DeviceAllocator::new(0, sim, config).unwrap())
+}
+
+/// Log-uniform sizes, like the harness.
+struct Sizes(u64);
+impl Sizes {
+    fn next(&mut self, lo: f64, hi: f64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        let u = (self.0 >> 11) as f64 / (1u64 << 53) as f64;
+        (lo.ln() + u * (hi.ln() - lo.ln())).exp().max(1.0) as u64
+    }
+}
+
+fn modes() -> [(&'static str, &'static str); 2] {
+    [("paged", ""), ("plain", "expandable_segments:False")]
+}
+
+fn pair_same(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pair_same");
+    group.throughput(Throughput::Elements(1));
+    for (mode, conf) in modes() {
+        for size in [4u64 << 10, 1 << 20, 32 << 20] {
+            let a = allocator(conf);
+            let s = StreamId(0);
+            group.bench_with_input(BenchmarkId::new(mode, size), &size, |b, &size| {
+                b.iter(|| {
+                    let p = a.malloc(black_box(size), s).unwrap();
+                    a.free(p).unwrap();
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+/// Keeps `live` blocks; each step frees a random one and allocates a new size.
+fn churn_steps(
+    a: &DeviceAllocator,
+    stream: StreamId,
+    live: usize,
+    steps: u64,
+    hi: f64,
+    seed: u64,
+) -> Duration {
+    let mut sizes = Sizes(seed);
+    let mut ptrs: Vec<u64> = (0..live)
+        .map(|_| a.malloc(sizes.next(256.0, hi), stream).unwrap())
+        .collect();
+    let start = Instant::now();
+    for k in 0..steps {
+        let i = (sizes.next(1.0, 1e9) as usize + k as usize) % live;
+        a.free(ptrs[i]).unwrap();
+        ptrs[i] = a.malloc(sizes.next(256.0, hi), stream).unwrap();
+    }
+    let took = start.elapsed();
+    for p in ptrs {
+        a.free(p).unwrap();
+    }
+    took
+}
+
+fn churn(c: &mut Criterion) {
+    let mut group = c.benchmark_group("churn");
+    group.throughput(Throughput::Elements(1));
+    for (mode, conf) in modes() {
+        for (name, live, hi) in [
+            ("small", 2000usize, (1u64 << 20) as f64),
+            ("mixed", 500, (256u64 << 20) as f64),
+        ] {
+            let a = allocator(conf);
+            group.bench_function(BenchmarkId::new(mode, name), |b| {
+                b.iter_custom(|iters| churn_steps(&a, StreamId(0), live, iters, hi, 1))
+            });
+        }
+    }
+    group.finish();
+}
+
+/// Wall time per step over all threads, each churning small blocks on its own stream.
+fn threads(c: &mut Criterion) {
+    let mut group = c.benchmark_group("threads");
+    group.throughput(Throughput::Elements(1));
+    for (mode, conf) in modes() {
+        for n in [1usize, 4, 8] {
+            let a = allocator(conf);
+            group.bench_function(BenchmarkId::new(mode, n), |b| {
+                b.iter_custom(|iters| {
+                    let per_thread = (iters / n as u64).max(1);
+                    let barrier = Arc::new(Barrier::new(n + 1));
+                    let handles: Vec<_> = (0..n)
+                        .map(|t| {
+                            let (a, barrier) = (a.clone(), barrier.clone());
+                            std::thread::spawn(move || {
+                                barrier.wait();
+                                churn_steps(
+                                    &a,
+                                    StreamId(100 + t as u64),
+                                    500,
+                                    per_thread,
+                                    (1u64 << 20) as f64,
+                                    t as u64 + 1,
+                                )
+                            })
+                        })
+                        .collect();
+                    barrier.wait();
+                    let start = Instant::now();
+                    for h in handles {
+                        h.join().unwrap();
+                    }
+                    start.elapsed()
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2)).sample_size(20);
+    targets = pair_same, churn, threads
+}
+criterion_main!(benches);

@@ -1,0 +1,329 @@
+#!/usr/bin/env bash
+# GPU checks of a prebuilt libccalloc, run from the repository root on a machine with an NVIDIA
+# GPU, nvcc and compute-sanitizer (no Rust needed):
+#
+#   gpu/libccalloc.so    the library, built elsewhere (`cargo build --release`), CUDA backend
+#   include/ccalloc.h    its header
+#
+#   bash scripts/gpu_check.sh                 # every step
+#   bash scripts/gpu_check.sh gpu_test sim_c  # only these steps (names as in the table)
+#
+# Steps: environment, build_gpu_test, gpu_test (paged segments, the default), gpu_test_plain
+# (CCALLOC_CONF=expandable_segments:False), sanitizer (memcheck), header_c (ccalloc.h with
+# cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
+# (tests/c/test_api.c on the sim backend against the same library).
+#
+# Logs go to $LOG_DIR (default ${OUT:-/tmp}/gpu_check): one <NN>_<step>.log per step and
+# summary.txt, the table printed at the end; with LOG_LAYOUT=combined, all_steps.log (every
+# step's log, in order) and summary.txt only (where few files may come back). Build outputs
+# go to $BUILD_DIR (default /tmp/ccalloc_gpu_build). Other settings: GPU_ARCH (default sm_90), NVCC, CC, CXX,
+# CUDA_HOME (default: from nvcc's location), SANITIZER (default compute-sanitizer), and time
+# limits in seconds GPU_TEST_TIMEOUT (900), SANITIZER_TIMEOUT (1800), SIM_TEST_TIMEOUT (300).
+#
+# Each step is a function step_<name> registered with `add_step <name> "<description>"`. It
+# runs in a subshell with its output in its log; it returns 0 (PASS), 1 (FAIL) or 2 (SKIP: a
+# tool or an earlier step it needs is missing), and may write one line of key numbers with
+# `info "..."`. A failing step does not stop the others; the script exits 1 if any step failed.
+# To add a step (PyTorch tests, benchmarks), write its function and add_step it at the end of
+# the list below; `needs <step>...` at its start skips it when a step it builds on did not pass.
+
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+
+LIB_DIR="$ROOT/gpu"
+LIB="$LIB_DIR/libccalloc.so"
+LOG_DIR="${LOG_DIR:-${OUT:-/tmp}/gpu_check}"
+BUILD_DIR="${BUILD_DIR:-/tmp/ccalloc_gpu_build}"
+GPU_ARCH="${GPU_ARCH:-sm_90}"
+NVCC="${NVCC:-nvcc}"
+CC="${CC:-gcc}"
+CXX="${CXX:-g++}"
+SANITIZER="${SANITIZER:-compute-sanitizer}"
+GPU_TEST_TIMEOUT="${GPU_TEST_TIMEOUT:-900}"
+SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-1800}"
+SIM_TEST_TIMEOUT="${SIM_TEST_TIMEOUT:-300}"
+if [ -z "${CUDA_HOME:-}" ]; then
+    if command -v "$NVCC" >/dev/null 2>&1; then
+        CUDA_HOME="$(cd "$(dirname "$(command -v "$NVCC")")/.." && pwd)"
+    else
+        CUDA_HOME=/usr/local/cuda
+    fi
+fi
+LOG_LAYOUT="${LOG_LAYOUT:-files}"
+STEP_LOG_DIR="$LOG_DIR"
+[ "$LOG_LAYOUT" = combined ] && STEP_LOG_DIR="$BUILD_DIR/logs"
+mkdir -p "$LOG_DIR" "$BUILD_DIR" "$STEP_LOG_DIR"
+# logs of an earlier run
+rm -f "$LOG_DIR"/[0-9][0-9]_*.log "$STEP_LOG_DIR"/[0-9][0-9]_*.log "$LOG_DIR/summary.txt" "$LOG_DIR/all_steps.log"
+
+# --------------------------------------------------------------------------------------------
+# Step machinery
+
+STEP_NAMES=()
+STEP_DESCS=()
+declare -A STEP_STATUS=()
+declare -A STEP_INFO=()
+declare -A STEP_SECONDS=()
+CURRENT_INFO_FILE=""
+
+add_step() { STEP_NAMES+=("$1"); STEP_DESCS+=("$2"); }
+
+# One line of key numbers for the summary table (call inside a step).
+info() { printf '%s' "$*" >"$CURRENT_INFO_FILE"; }
+
+# Skips the calling step (return 2) unless every named step passed.
+needs() {
+    local dep
+    for dep in "$@"; do
+        if [ "${STEP_STATUS[$dep]:-}" != PASS ]; then
+            echo "skipped: needs step '$dep', which is ${STEP_STATUS[$dep]:-not run}"
+            info "needs $dep (${STEP_STATUS[$dep]:-not run})"
+            return 2
+        fi
+    done
+    return 0
+}
+
+# Fails unless the library and header are where this script expects them.
+need_library() {
+    if [ ! -f "$LIB" ]; then
+        echo "missing $LIB: build it elsewhere (cargo build --release) and copy it there"
+        info "no gpu/libccalloc.so"
+        return 1
+    fi
+    if [ ! -f "$ROOT/include/ccalloc.h" ]; then
+        echo "missing include/ccalloc.h"
+        info "no include/ccalloc.h"
+        return 1
+    fi
+}
+
+need_tool() {
+    if ! command -v "$1" >/dev/null 2>&1; then
+        echo "skipped: $1 not found on PATH"
+        info "$1 not found"
+        return 2
+    fi
+}
+
+# "N passed, M failed" from a test log, as "N M" (empty if absent).
+test_counts() {
+    sed -n 's/^\([0-9][0-9]*\) passed, \([0-9][0-9]*\) failed$/\1 \2/p' "$1" | tail -n 1
+}
+
+# Runs a test program's log check: a summary line with 0 failed and exit status 0.
+judge_test() { # judge_test <exit status> <log> <label>
+    local rc=$1 log=$2 label=$3 counts passed failed
+    counts="$(test_counts "$log")"
+    if [ -z "$counts" ]; then
+        info "$label: no summary line (exit $rc)"
+        return 1
+    fi
+    read -r passed failed <<<"$counts"
+    info "$label: $passed passed, $failed failed, exit $rc"
+    [ "$rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]
+}
+
+run_steps() {
+    local selected=("$@") i name desc log rc start n=0
+    for i in "${!STEP_NAMES[@]}"; do
+        name="${STEP_NAMES[$i]}"
+        desc="${STEP_DESCS[$i]}"
+        if [ ${#selected[@]} -gt 0 ] && ! printf '%s\n' "${selected[@]}" | grep -qx "$name"; then
+            continue
+        fi
+        n=$((n + 1))
+        log="$STEP_LOG_DIR/$(printf '%02d' "$n")_$name.log"
+        CURRENT_INFO_FILE="$BUILD_DIR/.info_$name"
+        : >"$CURRENT_INFO_FILE"
+        echo "---- [$n] $name: $desc (log: $log)"
+        start=$SECONDS
+        (
+            set -o pipefail
+            echo "# step $name: $desc"
+            echo "# $(date -u '+%Y-%m-%d %H:%M:%S UTC') in $ROOT"
+            "step_$name"
+        ) >"$log" 2>&1
+        rc=$?
+        STEP_SECONDS[$name]=$((SECONDS - start))
+        case $rc in
+            0) STEP_STATUS[$name]=PASS ;;
+            2) STEP_STATUS[$name]=SKIP ;;
+            *) STEP_STATUS[$name]=FAIL ;;
+        esac
+        STEP_INFO[$name]="$(cat "$CURRENT_INFO_FILE" 2>/dev/null)"
+        echo "     ${STEP_STATUS[$name]} (${STEP_SECONDS[$name]} s) ${STEP_INFO[$name]}"
+        if [ "${STEP_STATUS[$name]}" = FAIL ]; then
+            echo "     last lines of $log:"
+            grep -E '^FAIL|rror' "$log" | head -n 15 | sed 's/^/       /'
+            tail -n 5 "$log" | sed 's/^/     | /'
+        fi
+    done
+}
+
+print_summary() {
+    local name failed=0 line
+    for name in "${STEP_NAMES[@]}"; do
+        [ "${STEP_STATUS[$name]:-}" = FAIL ] && failed=$((failed + 1))
+    done
+    {
+        echo
+        echo "GPU check summary ($(date -u '+%Y-%m-%d %H:%M:%S UTC'), logs in $LOG_DIR)"
+        printf '%-16s %-6s %6s  %s\n' STEP STATUS SECONDS "KEY NUMBERS"
+        printf '%-16s %-6s %6s  %s\n' ---- ------ ------- -----------
+        for name in "${STEP_NAMES[@]}"; do
+            [ -n "${STEP_STATUS[$name]:-}" ] || continue
+            printf '%-16s %-6s %6s  %s\n' "$name" "${STEP_STATUS[$name]}" "${STEP_SECONDS[$name]}" \
+                "${STEP_INFO[$name]}"
+        done
+        if [ $failed -eq 0 ]; then line="all steps passed or were skipped"; else line="$failed step(s) FAILED"; fi
+        echo "$line"
+    } | tee "$LOG_DIR/summary.txt"
+    [ $failed -eq 0 ]
+}
+
+# --------------------------------------------------------------------------------------------
+# Steps
+
+step_environment() {
+    echo "repo: $ROOT ($(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
+    echo "library: $LIB"
+    ls -l "$LIB" 2>&1
+    echo "CUDA_HOME=$CUDA_HOME GPU_ARCH=$GPU_ARCH"
+    command -v nvidia-smi >/dev/null && nvidia-smi
+    "$NVCC" --version 2>&1
+    "$SANITIZER" --version 2>&1 | head -n 3
+    "$CC" --version 2>&1 | head -n 1
+    local gpu
+    gpu="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+    info "${gpu:-no nvidia-smi}; nvcc $("$NVCC" --version 2>/dev/null | sed -n 's/.*release \([0-9.]*\).*/\1/p')"
+    need_library
+}
+
+step_build_gpu_test() {
+    need_library || return 1
+    need_tool "$NVCC" || return 2
+    local cmd=("$NVCC" -std=c++17 -O2 -lineinfo "-arch=$GPU_ARCH" -Xcompiler -Wall -I "$ROOT/include"
+        "$ROOT/tests/gpu/test_gpu.cu" -o "$BUILD_DIR/test_gpu" -L "$LIB_DIR" -lccalloc
+        -Xlinker -rpath -Xlinker "$LIB_DIR" -lpthread)
+    echo "${cmd[*]}"
+    rm -f "$BUILD_DIR/test_gpu"
+    "${cmd[@]}" || { info "nvcc failed"; return 1; }
+    info "built test_gpu for $GPU_ARCH"
+}
+
+# run_gpu_test <log name> <CCALLOC_CONF> [test_gpu arguments]
+run_gpu_test() {
+    local log="$BUILD_DIR/$1.out" conf=$2 rc
+    shift 2
+    (unset CCALLOC_BACKEND; export CCALLOC_CONF="$conf"
+     timeout "$GPU_TEST_TIMEOUT" "$BUILD_DIR/test_gpu" "$@") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    judge_test "$rc" "$log" "test_gpu${conf:+ ($conf)}"
+}
+
+step_gpu_test() {
+    needs build_gpu_test || return 2
+    run_gpu_test gpu_test ""
+}
+
+step_gpu_test_plain() {
+    needs build_gpu_test || return 2
+    run_gpu_test gpu_test_plain "expandable_segments:False"
+}
+
+step_sanitizer() {
+    needs build_gpu_test || return 2
+    need_tool "$SANITIZER" || return 2
+    local log="$BUILD_DIR/sanitizer.out" rc errors counts
+    # --sanitizer = --quick (memcheck slows kernels a lot), --no-driver-oom (that check makes
+    # cuMemAlloc fail on purpose) and --no-held-kernel (under memcheck the host blocks while a
+    # kernel runs, so a kernel held until the host opens a gate only ends by its timeout).
+    (unset CCALLOC_BACKEND CCALLOC_CONF
+     timeout "$SANITIZER_TIMEOUT" "$SANITIZER" --tool memcheck --leak-check full \
+         "$BUILD_DIR/test_gpu" --sanitizer) 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    errors="$(sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' "$log" | tail -n 1)"
+    counts="$(test_counts "$log")"
+    if [ -n "$counts" ]; then counts="${counts% *} passed, ${counts#* } failed"; fi
+    info "memcheck: ${errors:-?} errors; test_gpu --sanitizer: ${counts:-no summary line}, exit $rc"
+    [ -n "$errors" ] && [ "$errors" -eq 0 ] && [ "$rc" -eq 0 ] && [[ "$counts" == *" passed, 0 failed" ]]
+}
+
+step_header_c() {
+    need_library || return 1
+    need_tool "$CC" || return 2
+    local inc="$CUDA_HOME/include" ok=0 total=0 variant log="$BUILD_DIR/header_cuda.out" rc
+    local variants=("$CC -std=c11 -pedantic" "$CC -std=c11 -pedantic -DCCALLOC_FIRST"
+        "$CXX -x c++ -std=c++17 -pedantic" "$CXX -x c++ -std=c++17 -pedantic -DCCALLOC_FIRST")
+    for variant in "${variants[@]}"; do
+        total=$((total + 1))
+        echo "+ $variant -Wall -Wextra -Werror -isystem $inc -I include -c tests/gpu/header_cuda.c"
+        # shellcheck disable=SC2086
+        if $variant -Wall -Wextra -Werror -isystem "$inc" -I "$ROOT/include" \
+            -c "$ROOT/tests/gpu/header_cuda.c" -o "$BUILD_DIR/header_cuda_$total.o"; then
+            ok=$((ok + 1))
+        else
+            echo "FAIL: $variant"
+        fi
+    done
+    local cudalib="$CUDA_HOME/lib64"
+    [ -d "$cudalib" ] || cudalib="$CUDA_HOME/lib"
+    echo "+ link and run the C build (CUDA headers first)"
+    if ! "$CC" -std=c11 -Wall -Wextra -Werror -isystem "$inc" -I "$ROOT/include" "$ROOT/tests/gpu/header_cuda.c" \
+        -o "$BUILD_DIR/header_cuda" -L "$cudalib" -lcudart -L "$LIB_DIR" -lccalloc \
+        -Wl,-rpath,"$LIB_DIR" -Wl,-rpath,"$cudalib"; then
+        info "compiled $ok/$total variants; link failed"
+        return 1
+    fi
+    (unset CCALLOC_BACKEND CCALLOC_CONF; timeout 120 "$BUILD_DIR/header_cuda") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    judge_test "$rc" "$log" "compiled $ok/$total (C, C++; either order); run"
+    local judged=$?
+    [ "$ok" -eq "$total" ] && [ $judged -eq 0 ]
+}
+
+# run_sim_c <log name> <CCALLOC_CONF>: builds tests/c/test_api.c and runs it on the sim backend.
+run_sim_c() {
+    local log="$BUILD_DIR/$1.out" conf=$2 rc
+    echo "+ $CC -std=c11 -Wall -Wextra -Werror -pedantic -O2 tests/c/test_api.c -lccalloc"
+    "$CC" -std=c11 -Wall -Wextra -Werror -pedantic -O2 -g -I "$ROOT/include" "$ROOT/tests/c/test_api.c" \
+        -o "$BUILD_DIR/test_api" -L "$LIB_DIR" -lccalloc -lpthread -Wl,-rpath,"$LIB_DIR" ||
+        { info "compile failed"; return 1; }
+    (export CCALLOC_BACKEND=sim CCALLOC_SIM_CAPACITY=1GiB CCALLOC_SIM_DEVICES=2 CCALLOC_CONF="$conf"
+     timeout "$SIM_TEST_TIMEOUT" "$BUILD_DIR/test_api") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    judge_test "$rc" "$log" "test_api (sim${conf:+, $conf})"
+}
+
+step_sim_c() {
+    need_library || return 1
+    need_tool "$CC" || return 2
+    run_sim_c test_api ""
+}
+
+step_sim_c_plain() {
+    need_library || return 1
+    need_tool "$CC" || return 2
+    run_sim_c test_api_plain "expandable_segments:False"
+}
+
+# The steps, in order. Append new ones here.
+add_step environment "machine, GPU, tools, library"
+add_step build_gpu_test "nvcc tests/gpu/test_gpu.cu against gpu/libccalloc.so"
+add_step gpu_test "tests/gpu/test_gpu.cu on the CUDA driver (default: paged segments)"
+add_step gpu_test_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
+add_step sanitizer "test_gpu --sanitizer under compute-sanitizer memcheck"
+add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
+add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"
+add_step sim_c_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
+
+run_steps "$@"
+if [ "$LOG_LAYOUT" = combined ]; then
+    for f in "$STEP_LOG_DIR"/[0-9][0-9]_*.log; do
+        [ -f "$f" ] && { echo "======== $(basename "$f")"; cat "$f"; echo; }
+    done >"$LOG_DIR/all_steps.log"
+fi
+print_summary
