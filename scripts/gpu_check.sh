@@ -310,6 +310,44 @@ step_sim_c_plain() {
     run_sim_c test_api_plain "expandable_segments:False"
 }
 
+# PyTorch (python3 there has it): the checks of tests/torch_gpu and the package's GPU tests.
+step_torch_checks() {
+    need_library || return 1
+    need_tool python3 || return 2
+    local log="$BUILD_DIR/torch_checks.out"
+    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" PYTHONUNBUFFERED=1 \
+        timeout "${TORCH_TIMEOUT:-600}" python3 tests/torch_gpu/check_torch.py) 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    info "$(grep -E '^[0-9]+ passed, [0-9]+ failed' "$log" | tail -1)"
+    return $([ "$rc" -eq 0 ] && echo 0 || echo 1)
+}
+
+step_python_gpu() {
+    need_library || return 1
+    python3 -c 'import pytest' 2>/dev/null || { echo "pytest is not installed"; return 2; }
+    local log="$BUILD_DIR/python_gpu.out"
+    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout 600 \
+        python3 -m pytest -q -p no:cacheprovider python/tests) 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    info "$(grep -E '[0-9]+ passed' "$log" | tail -1)"
+    return $([ "$rc" -eq 0 ] && echo 0 || echo 1)
+}
+
+# Benchmarks against PyTorch's allocators (each writes a markdown table into the log).
+step_bench_workloads() {
+    need_library || return 1
+    local log="$BUILD_DIR/bench_workloads.out"
+    (OUT="$LOG_DIR" bash benches/gpu/workloads.sh) 2>&1 | tee "$log"
+    return ${PIPESTATUS[0]}
+}
+
+step_bench_hotpath() {
+    need_library || return 1
+    local log="$BUILD_DIR/bench_hotpath.out"
+    (OUT="$LOG_DIR" bash benches/gpu/hotpath.sh) 2>&1 | tee "$log"
+    return ${PIPESTATUS[0]}
+}
+
 # The steps, in order. Append new ones here.
 add_step environment "machine, GPU, tools, library"
 add_step build_gpu_test "nvcc tests/gpu/test_gpu.cu against gpu/libccalloc.so"
@@ -319,6 +357,10 @@ add_step sanitizer "test_gpu --sanitizer under compute-sanitizer memcheck"
 add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
 add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"
 add_step sim_c_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
+add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats, record_stream, graphs, cudnn, OOM, DDP"
+add_step python_gpu "python/tests with PyTorch on the GPU"
+add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native vs expandable vs ccalloc"
+add_step bench_hotpath "benches/gpu/hotpath.sh: alloc/free timing vs native and cudaMallocAsync"
 
 run_steps "$@"
 if [ "$LOG_LAYOUT" = combined ]; then

@@ -51,7 +51,8 @@ def test_out_of_memory_beyond_capacity(alloc, fresh_stats):
     e = info.value
     assert isinstance(e, MemoryError) and isinstance(e, ccalloc.CcallocError)
     assert e.status is ccalloc.Status.OUT_OF_MEMORY
-    assert "tried to allocate 5.00 GiB but the device has 4.00 GiB in all" in e.message
+    assert "Tried to allocate 5.00 GiB" in e.message and "The device has 4.00 GiB in all" in e.message
+    assert "reserved" in e.message and "largest free block" in e.message
     assert ccalloc.memory_stats()["num_ooms"] == 1
 
 

@@ -301,6 +301,7 @@ impl DeviceAllocator {
             ranges.extend(free);
         }
         let mut victims = Vec::new();
+        let mut streams: Vec<StreamId> = Vec::new();
         'ranges: for (addr, size) in ranges {
             let (&base, seg) = st.paged.range(..=addr).next_back().expect("segment");
             for i in seg.inside(addr, size).rev() {
@@ -309,16 +310,23 @@ impl DeviceAllocator {
                         segment: base,
                         page: i,
                     });
+                    if !streams.contains(&seg.stream) {
+                        streams.push(seg.stream);
+                    }
                     if victims.len() >= want {
                         break 'ranges;
                     }
                 }
             }
         }
-        // Kernels queued before the frees may still use these pages. The streams that freed
-        // them may have been destroyed since, so wait for the whole device.
-        if !victims.is_empty() {
-            self.sync_device()?;
+        // Kernels queued on a segment's stream before its blocks were freed may still use
+        // these pages: wait for those streams (not the whole device, so other streams keep
+        // running). Like PyTorch's expandable segments, this needs the streams alive: destroy
+        // a stream only after `empty_cache` has returned what was freed on it.
+        for stream in streams {
+            self.driver
+                .synchronize_stream(self.device, stream)
+                .map_err(|e| driver_error(self.device, e))?;
         }
         let mut handles = Vec::with_capacity(victims.len());
         for v in victims {

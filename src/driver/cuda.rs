@@ -29,6 +29,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
     "cuStreamSynchronize",
     "cuDeviceGetAttribute",
+    "cuThreadExchangeStreamCaptureMode",
 ];
 
 /// Virtual memory management entry points; without them the allocator uses plain segments.
@@ -92,15 +93,24 @@ fn error_text(code: sys::CUresult) -> String {
     }
 }
 
+/// `CCALLOC_LOG_DRIVER=1` prints every failing driver call to stderr (errors that PyTorch's
+/// hooks cannot report, or that a capture turns into a later, vaguer error).
+static LOG_FAILURES: once_cell::sync::Lazy<bool> =
+    once_cell::sync::Lazy::new(|| std::env::var_os("CCALLOC_LOG_DRIVER").is_some_and(|v| v != "0"));
+
 fn check(call: &'static str, code: sys::CUresult) -> DriverResult<()> {
-    match code {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
+    let result = match code {
+        sys::CUresult::CUDA_SUCCESS => return Ok(()),
         sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(DriverError::OutOfMemory),
         other => Err(DriverError::Failed {
             call,
             detail: error_text(other),
         }),
+    };
+    if *LOG_FAILURES {
+        eprintln!("ccalloc: {call} failed: {code:?}");
     }
+    result
 }
 
 /// A driver handle that is safe to share: the driver API is thread-safe.
@@ -127,8 +137,12 @@ pub struct CudaDriver {
 
 /// Makes a device's primary context current for the duration of a call. A thread with no
 /// context keeps ours afterwards (as the CUDA runtime would); one with another gets it back.
+/// The thread's stream-capture mode is relaxed meanwhile, as PyTorch does around cudaMalloc:
+/// in the default (global) mode, allocating while a stream captures a CUDA graph would fail
+/// and invalidate the capture.
 struct ContextGuard {
     restore: Option<sys::CUcontext>,
+    capture_mode: sys::CUstreamCaptureMode,
 }
 
 impl ContextGuard {
@@ -138,19 +152,29 @@ impl ContextGuard {
         check("cuCtxGetCurrent", unsafe {
             sys::cuCtxGetCurrent(&mut current)
         })?;
-        if current == context {
-            return Ok(Self { restore: None });
-        }
-        // SAFETY: `context` is a retained primary context.
-        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })?;
+        let restore = if current == context {
+            None
+        } else {
+            // SAFETY: `context` is a retained primary context.
+            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })?;
+            (!current.is_null()).then_some(current)
+        };
+        let mut capture_mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: swaps this thread's capture mode; the old one is restored on drop.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut capture_mode)
+        })?;
         Ok(Self {
-            restore: (!current.is_null()).then_some(current),
+            restore,
+            capture_mode,
         })
     }
 }
 
 impl Drop for ContextGuard {
     fn drop(&mut self) {
+        // SAFETY: puts back the mode this thread had before `enter`.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut self.capture_mode) };
         if let Some(previous) = self.restore {
             // SAFETY: `previous` was current on this thread a moment ago.
             unsafe { sys::cuCtxSetCurrent(previous) };

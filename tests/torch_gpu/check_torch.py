@@ -303,6 +303,12 @@ def child_record_stream(torch, alloc, args):
     info = []
 
     def scenario(n, record):
+        # Warm the side stream's cache first: with pages already mapped for these blocks, no
+        # allocation below has to wait for memory held by the busy main stream.
+        with torch.cuda.stream(side):
+            warm = [torch.empty(n, device="cuda") for _ in range(8)]
+        del warm
+        torch.cuda.synchronize()
         with torch.cuda.stream(side):
             x = torch.full((n,), 1.5, device="cuda")  # allocated on (and owned by) the side stream
         main.wait_stream(side)
