@@ -94,6 +94,19 @@ fn check_invariants(a: &DeviceAllocator, sim: &SimDriver, live: &[Live]) {
             b.ptr
         );
     }
+    for seg in a.segments().unwrap() {
+        for pair in seg.blocks.windows(2) {
+            let both_free = pair
+                .iter()
+                .all(|b| b.2 == ccalloc::alloc::blocks::BlockState::Free);
+            assert!(!both_free, "free neighbours left unmerged in {seg:?}");
+            assert_eq!(
+                pair[0].0 + pair[0].1,
+                pair[1].0,
+                "blocks do not tile {seg:?}"
+            );
+        }
+    }
     let s = a.stats().unwrap();
     assert_eq!(s.allocation.all().current, live.len() as i64);
     let bytes: u64 = live.iter().map(|b| b.rounded).sum();
@@ -209,7 +222,13 @@ fn run_on(sim: Arc<SimDriver>, ops: Vec<Op>, conf: &str) {
     }
     a.empty_cache().unwrap();
     let s = a.stats().unwrap();
-    assert_eq!(s.reserved_bytes.all().current, 0);
+    assert_eq!(
+        s.reserved_bytes.all().current,
+        0,
+        "after freeing everything and empty_cache: segments {:?}, device {:?}",
+        a.segments().unwrap(),
+        sim.counters(0)
+    );
     assert_eq!(s.active.all().current, 0);
     assert_eq!(s.requested_bytes.all().current, 0);
     assert_eq!(s.inactive_split_bytes.all().current, 0);

@@ -152,10 +152,7 @@ impl DeviceAllocator {
         if matches!(mapped, Ok(true)) {
             return Ok(());
         }
-        let block = st.blocks.get_mut(id);
-        block.state = BlockState::Free;
-        let pool = block.pool;
-        st.caches.list(None, pool).insert(st.blocks.get(id), id);
+        st.return_untouched(id);
         mapped?;
         st.stats.num_ooms += 1;
         Err(Error::new(

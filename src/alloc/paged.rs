@@ -159,24 +159,33 @@ impl DeviceAllocator {
             return Ok(true);
         }
         let need = missing.len() as u64;
+        // Every page mapped here counts as reserved; parked pages already do.
         let live_after = st.stats.active_bytes.all().current as u64 + len;
         let slack = (live_after >> SLACK_SHIFT).max(MIN_SLACK_PAGES * page);
         let budget = (live_after + slack).min(self.hard_limit(st));
+        let mut handles = self.unpark(st, need as usize, page);
+        let reserved_after = st.reserved() + need * page;
         // Growth past the budget is paid for with pages from under free blocks (never more
-        // than this request maps: shrinking is left to empty_cache and the OOM path).
-        let over = (st.reserved() + need * page)
+        // than this request maps: shrinking is left to empty_cache and the OOM path). When
+        // that means waiting for a busy stream, a batch of `slack` pages is taken at once
+        // and parked, so the next requests need not wait again.
+        let over = reserved_after
             .saturating_sub(budget)
             .div_ceil(page)
-            .min(need);
-        let mut handles = if over > 0 {
-            self.reclaim(st, over as usize, rest.clone())?
-        } else {
-            Vec::new()
-        };
+            .min(need - handles.len() as u64);
+        if over > 0 {
+            let batch = (slack / page) as usize;
+            let mut taken = self.reclaim(st, over as usize, batch, rest.clone())?;
+            let extra = taken.len().saturating_sub(over as usize);
+            for handle in taken.drain(taken.len() - extra..) {
+                self.park(st, handle, page);
+            }
+            handles.extend(taken);
+        }
         self.add_new_pages(st, &mut handles, need as usize, page)?;
         if handles.len() < need as usize {
             // Out of memory: take every reclaimable page, then the plain cache too.
-            handles.extend(self.reclaim(st, usize::MAX, rest)?);
+            handles.extend(self.reclaim(st, usize::MAX, 0, rest)?);
             if handles.len() < need as usize {
                 self.release_all_cached(st)?;
                 st.stats.num_alloc_retries += 1;
@@ -235,6 +244,23 @@ impl DeviceAllocator {
         Ok(())
     }
 
+    /// Keeps an unmapped page for later growth (it stays reserved).
+    fn park(&self, st: &mut State, handle: PhysHandle, page: u64) {
+        st.idle_pages.push(handle);
+        st.stats.reserved_bytes.increase(PoolKind::Large, page);
+    }
+
+    /// Takes up to `want` parked pages (no longer counted until mapped).
+    fn unpark(&self, st: &mut State, want: usize, page: u64) -> Vec<PhysHandle> {
+        let n = want.min(st.idle_pages.len());
+        let at = st.idle_pages.len() - n;
+        let handles: Vec<PhysHandle> = st.idle_pages.drain(at..).collect();
+        st.stats
+            .reserved_bytes
+            .decrease(PoolKind::Large, n as u64 * page);
+        handles
+    }
+
     /// Unmaps one page of a paged segment and returns its handle (no longer reserved).
     fn unmap_page(&self, st: &mut State, base: DevicePtr, i: usize) -> Result<PhysHandle> {
         let seg = st.paged.get_mut(&base).expect("segment exists");
@@ -279,10 +305,12 @@ impl DeviceAllocator {
     /// have finished the work queued before the frees. Victims come from the largest free
     /// blocks, highest addresses first: blocks are carved from the low end of a free block,
     /// so its high pages are the ones least likely to be needed again soon.
+    /// With `batch` > 0, up to that many more pages are taken when a wait is needed anyway.
     pub(super) fn reclaim(
         &self,
         st: &mut State,
         want: usize,
+        batch: usize,
         also: Range<DevicePtr>,
     ) -> Result<Vec<PhysHandle>> {
         let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
@@ -313,7 +341,7 @@ impl DeviceAllocator {
                     if !streams.contains(&seg.stream) {
                         streams.push(seg.stream);
                     }
-                    if victims.len() >= want {
+                    if victims.len() >= want.saturating_add(batch) {
                         break 'ranges;
                     }
                 }
@@ -323,7 +351,21 @@ impl DeviceAllocator {
         // these pages: wait for those streams (not the whole device, so other streams keep
         // running). Like PyTorch's expandable segments, this needs the streams alive: destroy
         // a stream only after `empty_cache` has returned what was freed on it.
+        let mut busy = Vec::new();
         for stream in streams {
+            let idle = self
+                .driver
+                .stream_idle(self.device, stream)
+                .map_err(|e| driver_error(self.device, e))?;
+            if !idle {
+                busy.push(stream);
+            }
+        }
+        if busy.is_empty() {
+            // Nothing to wait for: take only what was asked.
+            victims.truncate(want);
+        }
+        for stream in busy {
             self.driver
                 .synchronize_stream(self.device, stream)
                 .map_err(|e| driver_error(self.device, e))?;
@@ -341,7 +383,12 @@ impl DeviceAllocator {
         if st.paged.is_empty() {
             return Ok(());
         }
-        for handle in self.reclaim(st, usize::MAX, 0..0)? {
+        let page = st.paged.values().next().expect("non-empty").page;
+        let parked = st.idle_pages.len();
+        for handle in self.unpark(st, parked, page) {
+            self.release_page(st, handle, page)?;
+        }
+        for handle in self.reclaim(st, usize::MAX, 0, 0..0)? {
             let page = st.paged.values().next().expect("non-empty").page;
             self.release_page(st, handle, page)?;
         }

@@ -42,6 +42,8 @@ pub struct State {
     /// Paged segments by base address, and which one serves each (stream, pool).
     pub paged: BTreeMap<DevicePtr, PagedSegment>,
     pub paged_for: HashMap<(StreamId, PoolKind), DevicePtr>,
+    /// Unmapped physical pages kept for growth (counted as reserved, large pool).
+    pub idle_pages: Vec<crate::driver::PhysHandle>,
 }
 
 impl State {
@@ -59,6 +61,7 @@ impl State {
             shut_down: false,
             paged: BTreeMap::new(),
             paged_for: HashMap::new(),
+            idle_pages: Vec::new(),
         }
     }
 
@@ -189,6 +192,13 @@ impl State {
             let block = self.blocks.get_mut(id);
             block.next = Some(rest_id);
             block.size = rounded;
+            // A paged block waits unlisted while its pages are mapped; a neighbour freed in
+            // that time could not merge with it, so the rest merges with it now.
+            if let Some(next) = self.blocks.get(rest_id).next {
+                if paged && self.blocks.get(next).state == BlockState::Free {
+                    self.absorb(rest_id, next);
+                }
+            }
             self.caches
                 .list(owner, pool)
                 .insert(self.blocks.get(rest_id), rest_id);
@@ -241,8 +251,34 @@ impl State {
     /// Returns a no-longer-used block to its free list, merging free neighbours.
     pub fn cache(&mut self, id: BlockId) {
         let block = self.blocks.get(id);
-        let (pool, owner, paged) = (block.pool, block.owner, block.paged);
+        let (pool, paged) = (block.pool, block.paged);
         let (original_size, requested) = (block.size, block.requested);
+        let (net_blocks, net_bytes) = self.merge_and_list(id);
+        let s = &mut self.stats;
+        if !paged {
+            s.inactive_split.adjust(pool, net_blocks);
+            s.inactive_split_bytes.adjust(pool, net_bytes);
+        }
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, original_size);
+        s.requested_bytes.decrease(pool, requested);
+    }
+
+    /// Puts back a paged block taken from the cache but never handed out. Its neighbours may
+    /// have been freed meanwhile: they merge, so no two free blocks stay side by side.
+    pub fn return_untouched(&mut self, id: BlockId) {
+        debug_assert!(
+            self.blocks.get(id).paged,
+            "only paged blocks skip split stats"
+        );
+        self.merge_and_list(id);
+    }
+
+    /// Merges free neighbours into `id`, marks it free and lists it in its cache. Returns the
+    /// net change in free split pieces (count, bytes).
+    fn merge_and_list(&mut self, id: BlockId) -> (i64, i64) {
+        let block = self.blocks.get(id);
+        let (pool, owner) = (block.pool, block.owner);
         let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         for neighbour in [block.prev, block.next].into_iter().flatten() {
             if self.blocks.get(neighbour).state != BlockState::Free {
@@ -262,14 +298,7 @@ impl State {
             net_blocks += 1;
             net_bytes += block.size as i64;
         }
-        let s = &mut self.stats;
-        if !paged {
-            s.inactive_split.adjust(pool, net_blocks);
-            s.inactive_split_bytes.adjust(pool, net_bytes);
-        }
-        s.active.decrease(pool, 1);
-        s.active_bytes.decrease(pool, original_size);
-        s.requested_bytes.decrease(pool, requested);
+        (net_blocks, net_bytes)
     }
 
     /// Merges the free `neighbour` into `id`; returns the bytes taken over.
