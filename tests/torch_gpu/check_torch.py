@@ -436,10 +436,15 @@ def child_cuda_graph(torch, alloc, args):
                 f"after del graph + empty_cache {r2 / MiB:.1f} MiB; allocated before capture {a0}, "
                 f"with graph {a1}, after {a2} (leftover {a2 - a0} B: library workspaces made during capture, if any)")
     info.append(f"{len(inputs)} replays with allocations between them: max |graph - eager| = {worst:g}")
-    released = r2 < r1
+    # Library workspaces created meanwhile stay allocated; what must go is the graph's cached
+    # memory: after empty_cache, reserved may exceed allocated only by partial pages.
+    cached_with_graph, cached_after = r1 - a1, r2 - a2
+    released = cached_after < max(cached_with_graph, 1) or cached_after <= 8 * MiB
+    info.append(f"cached (reserved - allocated): with graph {cached_with_graph / MiB:.1f} MiB, "
+                f"after {cached_after / MiB:.1f} MiB")
     if not released:
         ok = False
-        info.append("memory_reserved() did not drop after deleting the graph and emptying the cache")
+        info.append("the graph's memory stayed cached after deleting the graph and emptying the cache")
     if r1 <= r0:
         info.append("note: capture did not grow reserved memory (pool served from cache?)")
     detail = (f"{len(inputs)} replays match eager (max diff {worst:g}); graph pool freed: reserved "
