@@ -142,7 +142,9 @@ fn as_u64(value: Option<&Value>) -> Option<u64> {
 }
 
 fn load_pickle(path: &Path, name: &str, raw: &[u8]) -> Result<Vec<Trace>> {
-    let options = serde_pickle::DeOptions::new().replace_unresolved_globals();
+    let options = serde_pickle::DeOptions::new()
+        .replace_unresolved_globals()
+        .replace_recursive_structures();
     let value = serde_pickle::value_from_slice(raw, options)
         .map_err(|e| bad(path, format!("pickle: {e}")))?;
     let Value::Dict(snapshot) = value else {

@@ -1,0 +1,94 @@
+//! The replay tool's inputs: PyTorch snapshot pickles (several pickle protocols) and the CSV
+//! traces, replayed through ccalloc on the simulated device.
+
+use ccalloc::replay::{replay, trace, ReplayOptions};
+use std::path::Path;
+
+const MIB: u64 = 1 << 20;
+
+fn data(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+#[test]
+fn pytorch_snapshot_pickles_replay() {
+    for protocol in [2, 4, 5] {
+        let traces = trace::load(&data(&format!("snapshot_p{protocol}.pickle"))).unwrap();
+        // Device 1's trace is empty, so only device 0 is replayed (named after its device).
+        assert_eq!(traces.len(), 1, "protocol {protocol}");
+        let t = &traces[0];
+        assert_eq!(t.name, format!("snapshot_p{protocol}:cuda0"));
+        assert_eq!(t.events.len(), 14, "the 'snapshot' action is skipped");
+        let r = replay(t, &ReplayOptions::default(), |_, _| {}).unwrap();
+        // The block from before recording (3 MiB) is freed first; then 5 + 4 MiB + 1000 B.
+        assert_eq!(r.peak_live_bytes, 9 * MIB + 1000);
+        assert_eq!(r.allocs, 4);
+        assert_eq!(r.events, 9, "4 allocs, 4 frees, and the early block's free");
+        assert_eq!(r.unmatched_frees, 0);
+        assert_eq!(r.pytorch_peak_reserved_bytes, Some(22 * MIB));
+        assert!(r.peak_reserved_bytes >= r.peak_live_bytes);
+        assert!(r.oom.is_none());
+    }
+}
+
+#[test]
+fn csv_sample_replays_within_its_targets() {
+    let traces = trace::load(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("samples/mlp_sidestream.trace.csv.gz"),
+    )
+    .unwrap();
+    let r = replay(&traces[0], &ReplayOptions::default(), |_, _| {}).unwrap();
+    assert_eq!(r.allocs, 4719);
+    assert!(r.ratio <= 1.05, "peak reserved / peak live = {}", r.ratio);
+    let plain = ReplayOptions {
+        conf: "expandable_segments:False".into(),
+        ..ReplayOptions::default()
+    };
+    let p = replay(&traces[0], &plain, |_, _| {}).unwrap();
+    // Plain segments behave like PyTorch's native allocator on the same trace.
+    let torch = p.pytorch_ratio.unwrap();
+    assert!(
+        (p.ratio - torch).abs() < 0.01,
+        "plain {} vs PyTorch {}",
+        p.ratio,
+        torch
+    );
+}
+
+#[test]
+fn capacity_reports_where_a_trace_runs_out() {
+    let traces = trace::load(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("samples/mlp_sidestream.trace.csv.gz"),
+    )
+    .unwrap();
+    let small = ReplayOptions {
+        capacity: 1 << 30,
+        ..ReplayOptions::default()
+    };
+    let r = replay(&traces[0], &small, |_, _| {}).unwrap();
+    let oom = r.oom.expect("2 GiB of live data cannot fit in 1 GiB");
+    assert!(oom.live_bytes + oom.requested_bytes > 1 << 30);
+    assert!(oom.message.contains("out of memory"), "{}", oom.message);
+}
+
+#[test]
+fn bad_inputs_are_reported_not_panicked() {
+    let dir = std::env::temp_dir().join(format!("ccalloc-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, body) in [
+        ("wrong_header.csv", &b"a,b,c\n1,2,3\n"[..]),
+        (
+            "bad_number.csv",
+            &b"action,addr,size,stream\nalloc,12,lots,0\n"[..],
+        ),
+        ("not_a_snapshot.pickle", &b"\x80\x04K\x07."[..]),
+    ] {
+        let path = dir.join(name);
+        std::fs::write(&path, body).unwrap();
+        let err = trace::load(&path).unwrap_err();
+        assert!(err.message.contains(name), "{}", err.message);
+    }
+    assert!(trace::load(&dir.join("missing.csv")).is_err());
+}
