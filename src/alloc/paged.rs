@@ -305,7 +305,7 @@ impl DeviceAllocator {
     /// have finished the work queued before the frees. Victims come from the largest free
     /// blocks, highest addresses first: blocks are carved from the low end of a free block,
     /// so its high pages are the ones least likely to be needed again soon.
-    /// With `batch` > 0, up to that many more pages are taken when a wait is needed anyway.
+    /// With `batch` > 0, up to that many more pages are taken, since the wait is paid anyway.
     pub(super) fn reclaim(
         &self,
         st: &mut State,
@@ -329,7 +329,6 @@ impl DeviceAllocator {
             ranges.extend(free);
         }
         let mut victims = Vec::new();
-        let mut streams: Vec<StreamId> = Vec::new();
         'ranges: for (addr, size) in ranges {
             let (&base, seg) = st.paged.range(..=addr).next_back().expect("segment");
             for i in seg.inside(addr, size).rev() {
@@ -338,37 +337,18 @@ impl DeviceAllocator {
                         segment: base,
                         page: i,
                     });
-                    if !streams.contains(&seg.stream) {
-                        streams.push(seg.stream);
-                    }
                     if victims.len() >= want.saturating_add(batch) {
                         break 'ranges;
                     }
                 }
             }
         }
-        // Kernels queued on a segment's stream before its blocks were freed may still use
-        // these pages: wait for those streams (not the whole device, so other streams keep
-        // running). Like PyTorch's expandable segments, this needs the streams alive: destroy
-        // a stream only after `empty_cache` has returned what was freed on it.
-        let mut busy = Vec::new();
-        for stream in streams {
-            let idle = self
-                .driver
-                .stream_idle(self.device, stream)
-                .map_err(|e| driver_error(self.device, e))?;
-            if !idle {
-                busy.push(stream);
-            }
-        }
-        if busy.is_empty() {
-            // Nothing to wait for: take only what was asked.
-            victims.truncate(want);
-        }
-        for stream in busy {
-            self.driver
-                .synchronize_stream(self.device, stream)
-                .map_err(|e| driver_error(self.device, e))?;
+        // Kernels queued before the frees may still use these pages, so the device finishes
+        // its work first. Not the freeing streams alone: a stream may be destroyed once its
+        // blocks are freed, and waiting on it then would crash. The wait is why a batch is
+        // taken: the pages beyond `want` are parked for the next growth.
+        if !victims.is_empty() {
+            self.sync_device()?;
         }
         let mut handles = Vec::with_capacity(victims.len());
         for v in victims {

@@ -28,7 +28,6 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventSynchronize",
     "cuEventDestroy_v2",
     "cuStreamSynchronize",
-    "cuStreamQuery",
     "cuDeviceGetAttribute",
     "cuThreadExchangeStreamCaptureMode",
 ];
@@ -377,16 +376,6 @@ impl Driver for CudaDriver {
         check("cuStreamSynchronize", unsafe {
             sys::cuStreamSynchronize(stream.0 as sys::CUstream)
         })
-    }
-
-    fn stream_idle(&self, device: usize, stream: StreamId) -> DriverResult<bool> {
-        let _ctx = self.enter(device)?;
-        // SAFETY: `stream` is the caller's stream handle on this device.
-        match unsafe { sys::cuStreamQuery(stream.0 as sys::CUstream) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            other => check("cuStreamQuery", other).map(|_| false),
-        }
     }
 
     fn vmm_granularity(&self, device: usize) -> Option<u64> {

@@ -77,9 +77,6 @@ pub trait Driver: Send + Sync {
     /// Blocks until the work queued on `stream` has completed.
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()>;
 
-    /// Whether all work queued on `stream` has completed (never blocks).
-    fn stream_idle(&self, device: usize, stream: StreamId) -> DriverResult<bool>;
-
     // Virtual memory management: address ranges whose pages are backed by physical memory
     // mapped and unmapped one granule at a time. Drivers without it return `None` here.
 

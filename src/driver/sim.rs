@@ -306,12 +306,6 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    fn stream_idle(&self, device: usize, stream: StreamId) -> DriverResult<bool> {
-        let d = self.device(device)?;
-        let streams = d.streams.lock().unwrap();
-        Ok(streams.get(&stream).is_none_or(|s| s.finished >= s.queued))
-    }
-
     fn vmm_granularity(&self, device: usize) -> Option<u64> {
         (self.vmm && device < self.devices.len()).then_some(SIM_GRANULARITY)
     }

@@ -307,6 +307,10 @@ def child_record_stream(torch, alloc, args):
         # allocation below has to wait for memory held by the busy main stream.
         with torch.cuda.stream(side):
             warm = [torch.empty(n, device="cuda") for _ in range(8)]
+        warm += [torch.empty(n, device="cuda") for _ in range(4)]  # and the main stream's (y)
+        # Launch each kernel once too: CUDA loads kernels lazily, and a first load can wait
+        # for the device, which would end the main stream's sleep early.
+        (torch.full((n,), 1.5, device="cuda") * 2).fill_(-1.0)
         del warm
         torch.cuda.synchronize()
         with torch.cuda.stream(side):
