@@ -8,14 +8,9 @@ const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x51de);
 
+/// Plain segments: these tests pin down the PyTorch-compatible behaviour.
 fn setup(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
-    let sim = Arc::new(SimDriver::new(1, capacity));
-    let mut config = Config::default();
-    // These tests pin down the plain-segment (PyTorch-compatible) behaviour.
-    config.apply("expandable_segments:False").unwrap();
-    config.apply(conf).unwrap();
-    let alloc = DeviceAllocator::new(0, sim.clone(), config).unwrap();
-    (sim, alloc)
+    paged(capacity, &format!("expandable_segments:False,{conf}"))
 }
 
 fn stats(a: &DeviceAllocator) -> DeviceStats {
@@ -409,6 +404,7 @@ fn record_stream_during_capture_is_deferred_to_its_end() {
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
 
+/// The default configuration (paged segments where the driver has them) plus `conf`.
 fn paged(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
     let sim = Arc::new(SimDriver::new(1, capacity));
     let mut config = Config::default();
