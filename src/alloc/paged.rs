@@ -205,24 +205,53 @@ impl DeviceAllocator {
         if refused {
             return Ok(false);
         }
-        for (n, (&i, &handle)) in missing.iter().zip(&handles).enumerate() {
-            let seg = st.paged.get_mut(&base).expect("segment exists");
-            if let Err(e) = self.driver.map(self.device, seg.va(i), page, handle) {
-                // Undo this request's mappings so nothing it touched stays reserved.
-                for &done in &missing[..n] {
-                    self.unmap_page(st, base, done)?;
-                }
-                for &h in &handles {
-                    let _ = self.release_page(st, h, page);
-                }
-                return Err(driver_error(self.device, e));
+        let mut done = 0;
+        let mapped = self.map_run(st, base, &missing, &handles, &mut done);
+        if let Err(e) = mapped {
+            // Undo this request's mappings so nothing it touched stays reserved.
+            for &i in &missing[..done] {
+                self.unmap_page(st, base, i)?;
             }
-            seg.pages[i] = Some(handle);
-            seg.mapped += 1;
-            let pool = seg.pool;
-            st.stats.reserved_bytes.increase(pool, page);
+            for &h in &handles {
+                let _ = self.release_page(st, h, page);
+            }
+            return Err(e);
         }
         Ok(true)
+    }
+
+    /// Maps `handles` at the `missing` pages, then grants access one contiguous run at a time.
+    /// `done` counts the pages mapped, for the caller's rollback.
+    fn map_run(
+        &self,
+        st: &mut State,
+        base: DevicePtr,
+        missing: &[usize],
+        handles: &[PhysHandle],
+        done: &mut usize,
+    ) -> Result<()> {
+        let seg = st.paged.get_mut(&base).expect("segment exists");
+        let page = seg.page;
+        for (&i, &handle) in missing.iter().zip(handles) {
+            self.driver
+                .map(self.device, seg.va(i), page, handle)
+                .map_err(|e| driver_error(self.device, e))?;
+            seg.pages[i] = Some(handle);
+            seg.mapped += 1;
+            st.stats.reserved_bytes.increase(seg.pool, page);
+            *done += 1;
+        }
+        let mut run_start = 0;
+        for k in 1..=missing.len() {
+            if k == missing.len() || missing[k] != missing[k - 1] + 1 {
+                let (first, pages) = (missing[run_start], (k - run_start) as u64);
+                self.driver
+                    .set_access(self.device, seg.va(first), pages * page)
+                    .map_err(|e| driver_error(self.device, e))?;
+                run_start = k;
+            }
+        }
+        Ok(())
     }
 
     /// Tops `handles` up to `need` with fresh pages while the device and limit allow.

@@ -423,21 +423,19 @@ impl Driver for CudaDriver {
         // SAFETY: `va` is a granule of a reserved range and `handle` a granule of memory.
         check("cuMemMap", unsafe {
             sys::cuMemMap(va, size as usize, 0, handle.0, 0)
-        })?;
+        })
+    }
+
+    fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ctx = self.enter(device)?;
         // SAFETY: zero is a valid value for this plain C struct.
         let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
         access.location = allocation_prop(self.dev(device)?.ordinal).location;
         access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: grants this device read/write access to the range just mapped.
-        let granted = check("cuMemSetAccess", unsafe {
+        // SAFETY: grants this device read/write access to a fully mapped range.
+        check("cuMemSetAccess", unsafe {
             sys::cuMemSetAccess(va, size as usize, &access, 1)
-        });
-        if let Err(e) = granted {
-            // SAFETY: undoes the mapping made above.
-            unsafe { sys::cuMemUnmap(va, size as usize) };
-            return Err(e);
-        }
-        Ok(())
+        })
     }
 
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {

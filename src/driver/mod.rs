@@ -110,10 +110,17 @@ pub trait Driver: Send + Sync {
         Err(vmm_unsupported("release_physical"))
     }
 
-    /// Maps `handle` at `va` (a granule inside a reserved range) with read/write access.
+    /// Maps `handle` at `va` (a granule inside a reserved range); usable after `set_access`.
     fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let _ = (device, va, size, handle);
         Err(vmm_unsupported("map"))
+    }
+
+    /// Grants the device read/write access to `[va, va+size)`, which may span many mapped
+    /// granules (one call for a whole run saves a driver call per granule).
+    fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ = (device, va, size);
+        Err(vmm_unsupported("set_access"))
     }
 
     /// Unmaps `[va, va+size)`. No queued work may still use it.

@@ -430,6 +430,22 @@ impl Driver for SimDriver {
         Ok(())
     }
 
+    fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        // Mappings are read/write already; check the range is wholly mapped, as CUDA requires.
+        let d = self.device(device)?;
+        let memory = d.memory.lock().unwrap();
+        let all_mapped = (va..va + size)
+            .step_by(SIM_GRANULARITY as usize)
+            .all(|g| memory.mapped.contains_key(&g));
+        if size == 0 || !all_mapped {
+            return Err(sim_error(
+                "set_access",
+                format!("{va:#x}+{size} is not wholly mapped"),
+            ));
+        }
+        Ok(())
+    }
+
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         let d = self.device(device)?;
         let mut memory = d.memory.lock().unwrap();

@@ -66,6 +66,8 @@ pub struct ReplayReport {
     pub physical_releases: u64,
     pub maps: u64,
     pub unmaps: u64,
+    /// Waits for the device (before memory is released or pages move).
+    pub device_syncs: u64,
     pub ns_per_event: f64,
     pub oom: Option<OomPoint>,
     /// Frees of addresses the trace never allocated (skipped).
@@ -183,6 +185,7 @@ pub fn replay(
         physical_releases: counters.physical_releases,
         maps: counters.maps,
         unmaps: counters.unmaps,
+        device_syncs: counters.synchronize_calls,
         ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
         oom,
         unmatched_frees: unmatched,
