@@ -31,6 +31,9 @@ pub struct Block {
     pub owner: Option<PoolId>,
     /// Lies in a paged (virtual memory) segment: pages are mapped as blocks need them.
     pub paged: bool,
+    /// Counted in `oversize_allocations` when handed out (so the count comes off exactly
+    /// even if `max_split_size` changes meanwhile).
+    pub counted_oversize: bool,
     /// Neighbours inside the same segment, by address.
     pub prev: Option<BlockId>,
     pub next: Option<BlockId>,

@@ -70,6 +70,15 @@ impl Caches {
             .map(|r| r.pool)
     }
 
+    /// A pool may be forgotten once nobody holds it, it has no memory, and no open window
+    /// routes to it (a window still allocates into it).
+    pub fn pool_removable(&self, id: PoolId) -> bool {
+        self.private
+            .get(&id)
+            .is_some_and(|p| p.users == 0 && p.segments == 0)
+            && !self.routes.iter().any(|r| r.pool == id)
+    }
+
     pub fn capturing(&self) -> bool {
         !self.routes.is_empty()
     }

@@ -54,9 +54,11 @@ fn driver_error(device: usize, e: DriverError) -> Error {
 
 impl DeviceAllocator {
     pub fn new(device: usize, driver: Arc<dyn Driver>, config: Config) -> Result<Self> {
+        // Capped at 2^56 bytes (64 PiB) so that size arithmetic can never overflow.
         let total_memory = driver
             .total_memory(device)
-            .map_err(|e| driver_error(device, e))?;
+            .map_err(|e| driver_error(device, e))?
+            .min(1 << 56);
         let limit = limit_for(&config, total_memory);
         Ok(Self {
             device,

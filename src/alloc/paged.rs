@@ -107,6 +107,7 @@ impl DeviceAllocator {
             pool,
             owner: None,
             paged: true,
+            counted_oversize: false,
             prev: None,
             next: None,
             state: BlockState::Free,
@@ -114,7 +115,14 @@ impl DeviceAllocator {
             cached_at,
         });
         st.caches.list(None, pool).insert(st.blocks.get(id), id);
-        st.segments.insert(base, Segment { size, first: id });
+        st.segments.insert(
+            base,
+            Segment {
+                size,
+                first: id,
+                oversize: false,
+            },
+        );
         let pages = vec![None; (size / page) as usize];
         st.paged.insert(
             base,
@@ -164,33 +172,13 @@ impl DeviceAllocator {
         let slack = (live_after >> SLACK_SHIFT).max(MIN_SLACK_PAGES * page);
         let budget = (live_after + slack).min(self.hard_limit(st));
         let mut handles = self.unpark(st, need as usize, page);
-        let reserved_after = st.reserved() + need * page;
-        // Growth past the budget is paid for with pages from under free blocks (never more
-        // than this request maps: shrinking is left to empty_cache and the OOM path). When
-        // that means waiting for a busy stream, a batch of `slack` pages is taken at once
-        // and parked, so the next requests need not wait again.
-        let over = reserved_after
-            .saturating_sub(budget)
-            .div_ceil(page)
-            .min(need - handles.len() as u64);
-        if over > 0 {
-            let batch = (slack / page) as usize;
-            let mut taken = self.reclaim(st, over as usize, batch, rest.clone())?;
-            let extra = taken.len().saturating_sub(over as usize);
-            for handle in taken.drain(taken.len() - extra..) {
+        let gathered = self.gather_pages(st, &mut handles, need, page, budget, slack, rest);
+        if let Err(e) = gathered {
+            // Pages in hand stay ccalloc's (and reserved): parked for the next request.
+            for handle in handles {
                 self.park(st, handle, page);
             }
-            handles.extend(taken);
-        }
-        self.add_new_pages(st, &mut handles, need as usize, page)?;
-        if handles.len() < need as usize {
-            // Out of memory: take every reclaimable page, then the plain cache too.
-            handles.extend(self.reclaim(st, usize::MAX, 0, rest)?);
-            if handles.len() < need as usize {
-                self.release_all_cached(st)?;
-                st.stats.num_alloc_retries += 1;
-                self.add_new_pages(st, &mut handles, need as usize, page)?;
-            }
+            return Err(e);
         }
         // Refused: give back what was gathered, leaving reserved no higher than before.
         let refused = handles.len() < need as usize;
@@ -218,6 +206,51 @@ impl DeviceAllocator {
             return Err(e);
         }
         Ok(true)
+    }
+
+    /// Tops `handles` up to `need` pages. Growth past the budget is paid for with pages from
+    /// under free blocks (never more than this request maps: shrinking is left to
+    /// empty_cache and the OOM path); a wait for the device buys a batch of `slack` pages,
+    /// parked for the next requests. While a CUDA graph is being captured nothing may wait or
+    /// move: only parked and new pages are used.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_pages(
+        &self,
+        st: &mut State,
+        handles: &mut Vec<PhysHandle>,
+        need: u64,
+        page: u64,
+        budget: u64,
+        slack: u64,
+        rest: Range<DevicePtr>,
+    ) -> Result<()> {
+        let capturing = st.caches.capturing();
+        let reserved_after = st.reserved() + need * page;
+        let over = reserved_after
+            .saturating_sub(budget)
+            .div_ceil(page)
+            .min(need - handles.len() as u64);
+        if over > 0 && !capturing {
+            let batch = (slack / page) as usize;
+            let mut taken = self.reclaim(st, over as usize, batch, rest.clone())?;
+            let extra = taken.len().saturating_sub(over as usize);
+            for handle in taken.drain(taken.len() - extra..) {
+                self.park(st, handle, page);
+            }
+            handles.extend(taken);
+        }
+        self.add_new_pages(st, handles, need as usize, page)?;
+        if handles.len() < need as usize && !capturing {
+            // Out of memory: take every reclaimable page, then the plain cache too.
+            let all = self.reclaim(st, usize::MAX, 0, rest)?;
+            handles.extend(all);
+            if handles.len() < need as usize {
+                self.release_all_cached(st)?;
+                st.stats.num_alloc_retries += 1;
+                self.add_new_pages(st, handles, need as usize, page)?;
+            }
+        }
+        Ok(())
     }
 
     /// Maps `handles` at the `missing` pages, then grants access one contiguous run at a time.
@@ -381,7 +414,17 @@ impl DeviceAllocator {
         }
         let mut handles = Vec::with_capacity(victims.len());
         for v in victims {
-            handles.push(self.unmap_page(st, v.segment, v.page)?);
+            match self.unmap_page(st, v.segment, v.page) {
+                Ok(handle) => handles.push(handle),
+                Err(e) => {
+                    // Keep what was already unmapped (reserved, parked) rather than lose it.
+                    let page = st.paged[&v.segment].page;
+                    for handle in handles {
+                        self.park(st, handle, page);
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(handles)
     }

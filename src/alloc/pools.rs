@@ -36,14 +36,25 @@ impl DeviceAllocator {
                 format!("end_allocate_to_pool: no open window for pool {pool:?}"),
             ));
         };
-        st.caches.routes.remove(i);
+        // Dropped after the lock: dropping runs the caller's release callback, which may
+        // call back into ccalloc.
+        let route = st.caches.routes.remove(i);
+        let mut result = Ok(());
         if !st.caches.capturing() {
-            for id in std::mem::take(&mut st.deferred) {
+            while let Some(id) = st.deferred.pop() {
                 let uses = std::mem::take(&mut st.blocks.get_mut(id).stream_uses);
-                self.await_streams(&mut st, id, uses)?;
+                if let Err(e) = self.await_streams(&mut st, id, uses.clone()) {
+                    // Still deferred: retried when the next window closes.
+                    st.blocks.get_mut(id).stream_uses = uses;
+                    st.deferred.push(id);
+                    result = Err(e);
+                    break;
+                }
             }
         }
-        Ok(())
+        drop(st);
+        drop(route);
+        result
     }
 
     /// Drops one hold on `pool`; with none left, its unused segments are released now (if no
@@ -60,7 +71,7 @@ impl DeviceAllocator {
         if p.users > 0 {
             return Ok(());
         }
-        if p.segments == 0 {
+        if st.caches.pool_removable(pool) {
             st.caches.private.remove(&pool);
             return Ok(());
         }

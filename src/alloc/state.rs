@@ -17,11 +17,13 @@ pub struct AwaitingEvents {
     pub events: Vec<EventId>,
 }
 
-/// A device allocation and the first block of its chain.
+/// A device allocation (or a paged segment's address range) and the first block of its chain.
 #[derive(Clone, Copy)]
 pub struct Segment {
     pub size: u64,
     pub first: BlockId,
+    /// Counted in `oversize_segments` (decided once, when the segment was made).
+    pub oversize: bool,
 }
 
 pub struct State {
@@ -81,16 +83,20 @@ impl State {
         let max_rounding = self.config.max_non_split_rounding;
         let list = self.caches.list(owner, pool);
         list.lookups += 1;
-        let (found, id) = list.best_fit(stream, rounded)?;
-        if !self.blocks.get(id).paged {
-            // Oversize blocks serve only oversize requests, and only ones close to their size
-            // (paged blocks are exempt: their unused pages are not held).
-            if rounded < max_split && found >= max_split {
-                return None;
-            }
-            if rounded >= max_split && found >= rounded.saturating_add(max_rounding) {
-                return None;
-            }
+        let (found, mut id) = list.best_fit(stream, rounded)?;
+        // Oversize blocks serve only oversize requests, and only ones close to their size
+        // (paged blocks are exempt: their unused pages are not held).
+        let refused = !self.blocks.get(id).paged
+            && ((rounded < max_split && found >= max_split)
+                || (rounded >= max_split && found >= rounded.saturating_add(max_rounding)));
+        if refused {
+            // Plain and paged blocks share a list only after `expandable_segments` changed:
+            // a paged block that fits may still serve.
+            let list = self.caches.list_ref(owner, pool);
+            id = list
+                .fits(stream, rounded)
+                .map(|(_, b)| b)
+                .find(|&b| self.blocks.get(b).paged)?;
         }
         self.caches.list(owner, pool).remove(self.blocks.get(id));
         Some(id)
@@ -113,13 +119,22 @@ impl State {
             pool,
             owner,
             paged: false,
+            counted_oversize: false,
             prev: None,
             next: None,
             state: BlockState::Free,
             stream_uses: Vec::new(),
             cached_at: 0,
         });
-        self.segments.insert(addr, Segment { size, first: id });
+        let oversize = size >= self.config.max_split_size;
+        self.segments.insert(
+            addr,
+            Segment {
+                size,
+                first: id,
+                oversize,
+            },
+        );
         if let Some(p) = owner.and_then(|o| self.caches.private.get_mut(&o)) {
             p.segments += 1;
         }
@@ -127,7 +142,7 @@ impl State {
         s.segment.increase(pool, 1);
         s.reserved_bytes.increase(pool, size);
         s.num_device_alloc += 1;
-        if size >= self.config.max_split_size {
+        if oversize {
             s.oversize_segments.increase(1);
         }
         id
@@ -137,7 +152,10 @@ impl State {
     pub fn remove_segment(&mut self, id: BlockId) {
         let block = self.blocks.remove(id);
         debug_assert!(!block.is_split() && block.state == BlockState::Free);
-        self.segments.remove(&block.addr);
+        let segment = self
+            .segments
+            .remove(&block.addr)
+            .expect("a whole block is its segment");
         if let Some(owner) = block.owner {
             let pool = self
                 .caches
@@ -145,14 +163,14 @@ impl State {
                 .get_mut(&owner)
                 .expect("owner pool exists");
             pool.segments -= 1;
-            if pool.segments == 0 && pool.users == 0 {
+            if self.caches.pool_removable(owner) {
                 self.caches.private.remove(&owner);
             }
         }
         let s = &mut self.stats;
         s.segment.decrease(block.pool, 1);
         s.reserved_bytes.decrease(block.pool, block.size);
-        if block.size >= self.config.max_split_size {
+        if segment.oversize {
             s.oversize_segments.decrease(1);
         }
     }
@@ -178,6 +196,7 @@ impl State {
                 pool,
                 owner,
                 paged,
+                counted_oversize: false,
                 prev: Some(id),
                 next: block.next,
                 state: BlockState::Free,
@@ -213,9 +232,11 @@ impl State {
             self.stats.inactive_split.decrease(pool, 1);
             self.stats.inactive_split_bytes.decrease(pool, block.size);
         }
+        let oversize = self.blocks.get(id).size >= self.config.max_split_size;
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Allocated;
         block.requested = requested;
+        block.counted_oversize = oversize;
         let (addr, size) = (block.addr, block.size);
         self.live.insert(addr, id);
         let s = &mut self.stats;
@@ -224,7 +245,7 @@ impl State {
         s.active.increase(pool, 1);
         s.active_bytes.increase(pool, size);
         s.requested_bytes.increase(pool, requested);
-        if size >= self.config.max_split_size {
+        if oversize {
             s.oversize_allocations.increase(1);
         }
         addr
@@ -233,16 +254,15 @@ impl State {
     /// The caller gave the block back: it stops counting as allocated (it stays active until
     /// cached). Returns the streams it was recorded on.
     pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
-        let max_split = self.config.max_split_size;
         let block = self.blocks.get_mut(id);
-        let (pool, size) = (block.pool, block.size);
+        let (pool, size, oversize) = (block.pool, block.size, block.counted_oversize);
         block.state = BlockState::AwaitingEvents;
         let uses = std::mem::take(&mut block.stream_uses);
         self.live.remove(&block.addr);
         let s = &mut self.stats;
         s.allocation.decrease(pool, 1);
         s.allocated_bytes.decrease(pool, size);
-        if size >= max_split {
+        if oversize {
             s.oversize_allocations.decrease(1);
         }
         uses

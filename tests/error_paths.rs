@@ -1,0 +1,240 @@
+//! Regression tests for error paths and corner cases found in review: driver failures in the
+//! middle of moving pages, private pools released while their window is open, captures, and
+//! configuration changes between an allocation and its free.
+
+use ccalloc::driver::sim::SimDriver;
+use ccalloc::driver::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle};
+use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+
+/// The sim device, with the n-th `unmap` or `synchronize` call failing on demand.
+struct Faulty {
+    sim: Arc<SimDriver>,
+    unmaps: AtomicU64,
+    fail_unmap_at: AtomicU64,
+    syncs: AtomicU64,
+    fail_sync_at: AtomicU64,
+}
+
+fn injected(call: &'static str) -> DriverError {
+    DriverError::Failed {
+        call,
+        detail: "injected failure".into(),
+    }
+}
+
+impl Driver for Faulty {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+    fn device_count(&self) -> usize {
+        self.sim.device_count()
+    }
+    fn total_memory(&self, d: usize) -> DriverResult<u64> {
+        self.sim.total_memory(d)
+    }
+    fn allocate(&self, d: usize, s: u64) -> DriverResult<DevicePtr> {
+        self.sim.allocate(d, s)
+    }
+    fn release(&self, d: usize, p: DevicePtr, s: u64) -> DriverResult<()> {
+        self.sim.release(d, p, s)
+    }
+    fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
+        self.sim.record_event(d, s)
+    }
+    fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
+        self.sim.event_done(d, e)
+    }
+    fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
+        self.sim.wait_event(d, e)
+    }
+    fn destroy_event(&self, d: usize, e: EventId) {
+        self.sim.destroy_event(d, e)
+    }
+    fn synchronize(&self, d: usize) -> DriverResult<()> {
+        if self.syncs.fetch_add(1, SeqCst) + 1 == self.fail_sync_at.load(SeqCst) {
+            return Err(injected("synchronize"));
+        }
+        self.sim.synchronize(d)
+    }
+    fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
+        self.sim.synchronize_stream(d, s)
+    }
+    fn vmm_granularity(&self, d: usize) -> Option<u64> {
+        self.sim.vmm_granularity(d)
+    }
+    fn reserve_address(&self, d: usize, s: u64) -> DriverResult<DevicePtr> {
+        self.sim.reserve_address(d, s)
+    }
+    fn free_address(&self, d: usize, p: DevicePtr, s: u64) -> DriverResult<()> {
+        self.sim.free_address(d, p, s)
+    }
+    fn create_physical(&self, d: usize, s: u64) -> DriverResult<PhysHandle> {
+        self.sim.create_physical(d, s)
+    }
+    fn release_physical(&self, d: usize, h: PhysHandle, s: u64) -> DriverResult<()> {
+        self.sim.release_physical(d, h, s)
+    }
+    fn map(&self, d: usize, va: DevicePtr, s: u64, h: PhysHandle) -> DriverResult<()> {
+        self.sim.map(d, va, s, h)
+    }
+    fn set_access(&self, d: usize, va: DevicePtr, s: u64) -> DriverResult<()> {
+        self.sim.set_access(d, va, s)
+    }
+    fn unmap(&self, d: usize, va: DevicePtr, s: u64) -> DriverResult<()> {
+        if self.unmaps.fetch_add(1, SeqCst) + 1 == self.fail_unmap_at.load(SeqCst) {
+            return Err(injected("unmap"));
+        }
+        self.sim.unmap(d, va, s)
+    }
+}
+
+fn faulty(capacity: u64) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let f = Arc::new(Faulty {
+        sim: sim.clone(),
+        unmaps: 0.into(),
+        fail_unmap_at: 0.into(),
+        syncs: 0.into(),
+        fail_sync_at: 0.into(),
+    });
+    let a = DeviceAllocator::new(0, f.clone(), Config::default()).unwrap();
+    (sim, f, a)
+}
+
+/// Reserved must always equal what the device holds; after empty_cache both are 0.
+fn assert_accounted(sim: &SimDriver, a: &DeviceAllocator) {
+    let reserved = a.stats().unwrap().reserved_bytes.all().current as u64;
+    assert_eq!(
+        reserved,
+        sim.counters(0).bytes_in_use,
+        "reserved drifted from the device"
+    );
+}
+
+#[test]
+fn a_failing_unmap_while_moving_pages_loses_no_memory() {
+    let (sim, f, a) = faulty(64 * MIB);
+    let p = a.malloc(40 * MIB, StreamId(0)).unwrap();
+    a.free(p).unwrap();
+    f.fail_unmap_at.store(3, SeqCst);
+    let err = a.malloc(50 * MIB, StreamId(1)).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Driver);
+    assert_accounted(&sim, &a);
+    a.empty_cache().unwrap();
+    assert_accounted(&sim, &a);
+    assert_eq!(sim.counters(0).bytes_in_use, 0, "pages leaked");
+    // And the allocator still works.
+    let q = a.malloc(50 * MIB, StreamId(1)).unwrap();
+    a.free(q).unwrap();
+}
+
+#[test]
+fn a_failing_wait_after_taking_parked_pages_loses_no_memory() {
+    let (sim, f, a) = faulty(1 << 30);
+    let big = a.malloc(200 * MIB, StreamId(0)).unwrap();
+    let keep = a.malloc(8 * MIB, StreamId(0)).unwrap();
+    a.free(big).unwrap();
+    let q = a.malloc(20 * MIB, StreamId(1)).unwrap();
+    f.fail_sync_at.store(f.syncs.load(SeqCst) + 1, SeqCst);
+    let _ = a.malloc(150 * MIB, StreamId(2));
+    assert_accounted(&sim, &a);
+    a.free(keep).unwrap();
+    a.free(q).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0, "pages leaked");
+}
+
+fn sim_allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    (sim.clone(), DeviceAllocator::new(0, sim, config).unwrap())
+}
+
+#[test]
+fn releasing_a_pool_during_its_window_keeps_the_window_working() {
+    let (sim, a) = sim_allocator(1 << 30, "");
+    a.begin_allocate_to_pool((1, 1), Box::new(|_| true))
+        .unwrap();
+    a.release_pool((1, 1)).unwrap();
+    let p = a.malloc(4096, StreamId(0)).unwrap();
+    a.empty_cache().unwrap();
+    let q = a.malloc(4096, StreamId(0)).unwrap();
+    a.end_allocate_to_pool((1, 1)).unwrap();
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn nothing_waits_for_the_device_while_a_graph_is_captured() {
+    let (sim, a) = sim_allocator(1 << 30, "");
+    let s2 = StreamId(2);
+    let first = a.malloc(64 * MIB, s2).unwrap();
+    let _second = a.malloc(64 * MIB, s2).unwrap();
+    a.free(first).unwrap();
+    a.begin_allocate_to_pool((7, 7), Box::new(|s| s == StreamId(1)))
+        .unwrap();
+    let before = sim.counters(0).synchronize_calls;
+    let _third = a.malloc(128 * MIB, s2).unwrap();
+    assert_eq!(
+        sim.counters(0).synchronize_calls,
+        before,
+        "a capture would be invalidated"
+    );
+    a.end_allocate_to_pool((7, 7)).unwrap();
+}
+
+#[test]
+fn oversize_counts_survive_a_max_split_size_change() {
+    let (_sim, a) = sim_allocator(1 << 30, "expandable_segments:False");
+    let p = a.malloc(30 * MIB, StreamId(0)).unwrap();
+    a.apply_config("max_split_size_mb:20").unwrap();
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.oversize_allocations.current, 0);
+    assert_eq!(s.oversize_segments.current, 0);
+}
+
+#[test]
+fn a_refused_plain_block_does_not_hide_the_paged_segment() {
+    let (sim, a) = sim_allocator(1 << 30, "expandable_segments:False,max_split_size_mb:64");
+    let p = a.malloc(100 * MIB, StreamId(0)).unwrap();
+    a.free(p).unwrap();
+    a.apply_config("expandable_segments:True").unwrap();
+    let first = a.malloc(30 * MIB, StreamId(0)).unwrap();
+    let plain_segments = sim.counters(0).allocate_calls;
+    for _ in 0..3 {
+        let q = a.malloc(30 * MIB, StreamId(0)).unwrap();
+        a.free(q).unwrap();
+    }
+    assert_eq!(
+        sim.counters(0).allocate_calls,
+        plain_segments,
+        "no new plain segments"
+    );
+    a.free(first).unwrap();
+}
+
+#[test]
+fn absurd_sizes_on_an_absurd_device_fail_cleanly() {
+    for conf in [
+        "expandable_segments:False",
+        "roundup_power2_divisions:4",
+        "",
+    ] {
+        let (_sim, a) = sim_allocator(u64::MAX / 2, conf);
+        for size in [u64::MAX - 10, (1 << 63) + 12345, (1 << 62) + 1] {
+            assert_eq!(
+                a.malloc(size, StreamId(0)).unwrap_err().kind,
+                ErrorKind::OutOfMemory
+            );
+        }
+    }
+}
