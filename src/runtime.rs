@@ -18,6 +18,9 @@ pub struct Runtime {
     /// Created on first use: retaining a CUDA context costs memory on devices never used.
     devices: Vec<OnceCell<DeviceAllocator>>,
     config: Mutex<Config>,
+    /// Set by `shutdown`: no device is started afterwards (a call racing a shutdown must
+    /// not bring up a fresh allocator in a runtime nobody will release).
+    shut_down: std::sync::atomic::AtomicBool,
 }
 
 impl Runtime {
@@ -30,6 +33,7 @@ impl Runtime {
             sim: None,
             devices,
             config: Mutex::new(config),
+            shut_down: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -90,6 +94,12 @@ impl Runtime {
                 )
             })?;
         cell.get_or_try_init(|| {
+            if self.shut_down.load(Ordering::Acquire) {
+                return Err(Error::new(
+                    ErrorKind::ShutDown,
+                    "ccalloc has been shut down",
+                ));
+            }
             let config = self.config.lock().unwrap().clone();
             DeviceAllocator::new(device as usize, self.driver.clone(), config)
         })
@@ -174,7 +184,11 @@ impl Runtime {
 
     /// Releases everything; refused (nothing changed) while any device has live blocks.
     pub fn shutdown(&self) -> Result<()> {
-        for device in self.started_devices() {
+        // All or nothing: if a device refuses (an allocation raced in, or the driver
+        // failed), the ones already shut down are reopened.
+        let started: Vec<&DeviceAllocator> = self.started_devices().collect();
+        // Refused before anything is released, while any device has live blocks.
+        for device in &started {
             let live = device.stats()?.allocation.all().current;
             if live > 0 {
                 return Err(Error::new(
@@ -186,8 +200,14 @@ impl Runtime {
                 ));
             }
         }
-        self.started_devices()
-            .try_for_each(DeviceAllocator::shutdown)
+        for (i, device) in started.iter().enumerate() {
+            if let Err(e) = device.shutdown() {
+                started[..i].iter().for_each(|d| d.reopen());
+                return Err(e);
+            }
+        }
+        self.shut_down.store(true, Ordering::Release);
+        Ok(())
     }
 }
 

@@ -397,6 +397,13 @@ impl DeviceAllocator {
         st.shut_down = true;
         Ok(())
     }
+
+    /// Undoes `shutdown` (when shutting down several devices fails part-way).
+    pub fn reopen(&self) {
+        if let Ok(mut st) = self.state.lock() {
+            st.shut_down = false;
+        }
+    }
 }
 
 fn limit_for(config: &Config, total_memory: u64) -> u64 {
