@@ -148,12 +148,4 @@ impl FreeList {
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
         self.blocks.values().copied()
     }
-
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
 }

@@ -107,11 +107,7 @@ impl DeviceAllocator {
         let mut st = self.lock()?;
         if size > self.total_memory {
             // Larger than the device: fail at once, without flushing the cache for nothing.
-            st.stats.num_ooms += 1;
-            return Err(Error::new(
-                ErrorKind::OutOfMemory,
-                self.oom_message(&st, size, size),
-            ));
+            return Err(self.out_of_memory(&mut st, size, size));
         }
         let capturing = st.caches.capturing();
         // Querying events is not allowed while a graph is being captured.
@@ -156,11 +152,7 @@ impl DeviceAllocator {
         }
         st.return_untouched(id);
         mapped?;
-        st.stats.num_ooms += 1;
-        Err(Error::new(
-            ErrorKind::OutOfMemory,
-            self.oom_message(st, size, rounded),
-        ))
+        Err(self.out_of_memory(st, size, rounded))
     }
 
     /// Slow path: a new segment, freeing cache first where needed (PyTorch's retry order).
@@ -194,11 +186,13 @@ impl DeviceAllocator {
                 return Ok(id);
             }
         }
+        Err(self.out_of_memory(st, size, segment_size))
+    }
+
+    /// Counts an OOM and describes it: what was asked, reserved, live, cached, largest free.
+    fn out_of_memory(&self, st: &mut State, size: u64, needed: u64) -> Error {
         st.stats.num_ooms += 1;
-        Err(Error::new(
-            ErrorKind::OutOfMemory,
-            self.oom_message(st, size, segment_size),
-        ))
+        Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
     }
 
     fn oom_message(&self, st: &State, size: u64, segment_size: u64) -> String {

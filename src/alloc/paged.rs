@@ -336,7 +336,7 @@ impl DeviceAllocator {
         Ok(handle)
     }
 
-    fn hard_limit(&self, st: &State) -> u64 {
+    pub(super) fn hard_limit(&self, st: &State) -> u64 {
         st.limit.min(self.total_memory)
     }
 

@@ -193,8 +193,8 @@ impl DeviceAllocator {
     /// PyTorch collects only under a fraction), releases the oldest cached whole segments of
     /// the large pool (at least average age) until back under it.
     pub(super) fn collect_garbage(&self, st: &mut State) -> Result<()> {
-        let limit = st.limit.min(self.total_memory);
-        let threshold = (st.config.garbage_collection_threshold * limit as f64) as u64;
+        let threshold =
+            (st.config.garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
         let reserved = st.reserved();
         if reserved <= threshold {
             return Ok(());
