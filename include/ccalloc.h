@@ -163,7 +163,8 @@ ccalloc_status ccalloc_free(void *ptr, int32_t device);
 // Records that a live block is used on `stream` as well as its own.
 ccalloc_status ccalloc_record_stream(void *ptr, int32_t device, cudaStream_t stream);
 
-// Returns every unused cached segment of `device` (-1: all devices) to the driver.
+// Returns every unused cached segment of `device` (-1: all devices) to the driver. During a
+// CUDA graph capture nothing is released (that would invalidate the capture).
 ccalloc_status ccalloc_empty_cache(int32_t device);
 
 // Limits what `device` may reserve to `fraction` (0..=1) of its memory.

@@ -238,3 +238,29 @@ fn absurd_sizes_on_an_absurd_device_fail_cleanly() {
         }
     }
 }
+
+#[test]
+fn empty_cache_and_shutdown_wait_for_a_capture_to_end() {
+    let (sim, a) = sim_allocator(1 << 30, "");
+    let p = a.malloc(8 * MIB, StreamId(0)).unwrap();
+    a.free(p).unwrap();
+    a.begin_allocate_to_pool((3, 3), Box::new(|s| s == StreamId(9)))
+        .unwrap();
+    let syncs = sim.counters(0).synchronize_calls;
+    a.empty_cache().unwrap();
+    assert_eq!(
+        sim.counters(0).synchronize_calls,
+        syncs,
+        "no wait during the capture"
+    );
+    assert!(
+        sim.counters(0).bytes_in_use > 0,
+        "released after the capture, not during it"
+    );
+    assert_eq!(a.shutdown().unwrap_err().kind, ErrorKind::Busy);
+    a.end_allocate_to_pool((3, 3)).unwrap();
+    a.release_pool((3, 3)).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    a.shutdown().unwrap();
+}

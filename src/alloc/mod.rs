@@ -284,8 +284,17 @@ impl DeviceAllocator {
     }
 
     /// Returns every unused segment to the driver.
+    /// While a CUDA graph is being captured nothing is released (waiting for the device
+    /// would invalidate the capture); the cache is emptied by the next call after it.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.lock()?;
+        if st.caches.capturing() {
+            tracing::debug!(
+                device = self.device,
+                "empty_cache during a capture: deferred"
+            );
+            return Ok(());
+        }
         self.release_all_cached(&mut st)
     }
 
@@ -376,6 +385,15 @@ impl DeviceAllocator {
     /// Releases everything; refused while blocks are still live.
     pub fn shutdown(&self) -> Result<()> {
         let mut st = self.lock()?;
+        if st.caches.capturing() {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "device {}: a CUDA graph capture is in progress",
+                    self.device
+                ),
+            ));
+        }
         if !st.live.is_empty() {
             return Err(Error::new(
                 ErrorKind::Busy,

@@ -174,7 +174,8 @@ pub extern "C" fn ccalloc_record_stream(
     })
 }
 
-/// Returns every unused cached segment of `device` (-1: all devices) to the driver.
+/// Returns every unused cached segment of `device` (-1: all devices) to the driver. During a
+/// CUDA graph capture nothing is released (that would invalidate the capture).
 #[no_mangle]
 pub extern "C" fn ccalloc_empty_cache(device: i32) -> ccalloc_status {
     guard(|| for_devices(device, |d| d.empty_cache()))
