@@ -58,6 +58,13 @@ impl PagedSegment {
             .sum()
     }
 
+    /// How many pages `[addr, addr+len)` touches that are not mapped.
+    pub fn unmapped_pages(&self, addr: DevicePtr, len: u64) -> usize {
+        self.touched(addr, len)
+            .filter(|&i| self.pages[i].is_none())
+            .count()
+    }
+
     fn va(&self, page: usize) -> DevicePtr {
         self.base + page as u64 * self.page
     }

@@ -26,6 +26,11 @@ pub struct Segment {
     pub oversize: bool,
 }
 
+/// A paged request may take one of this many fitting blocks…
+const FIT_CANDIDATES: usize = 8;
+/// …no larger than this many times the best fit, if it needs fewer new pages.
+const FIT_MAX_GROWTH: u64 = 2;
+
 pub struct State {
     pub config: Config,
     /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
@@ -84,6 +89,9 @@ impl State {
         let list = self.caches.list(owner, pool);
         list.lookups += 1;
         let (found, mut id) = list.best_fit(stream, rounded)?;
+        if self.blocks.get(id).paged {
+            id = self.fewest_new_pages(owner, pool, stream, rounded, id);
+        }
         // Oversize blocks serve only oversize requests, and only ones close to their size
         // (paged blocks are exempt: their unused pages are not held).
         let refused = !self.blocks.get(id).paged
@@ -100,6 +108,56 @@ impl State {
         }
         self.caches.list(owner, pool).remove(self.blocks.get(id));
         Some(id)
+    }
+
+    /// Among the few smallest paged blocks that fit (and are not much larger than the best
+    /// fit, which keeps address space packed), the one whose start needs the fewest new
+    /// pages (ties: the smallest): growth then reuses pages already mapped instead of moving
+    /// them, which costs driver calls and a wait for the device.
+    fn fewest_new_pages(
+        &self,
+        owner: Option<PoolId>,
+        pool: PoolKind,
+        stream: StreamId,
+        rounded: u64,
+        best: BlockId,
+    ) -> BlockId {
+        let unmapped = |id: BlockId| {
+            let b = self.blocks.get(id);
+            let (_, seg) = self
+                .paged
+                .range(..=b.addr)
+                .next_back()
+                .expect("paged block has a segment");
+            seg.unmapped_pages(b.addr, rounded)
+        };
+        let mut choice = (unmapped(best), best);
+        if choice.0 == 0 {
+            return best;
+        }
+        let best_size = self.blocks.get(best).size;
+        for (size, id) in self
+            .caches
+            .list_ref(owner, pool)
+            .fits(stream, rounded)
+            .take(FIT_CANDIDATES)
+            .skip(1)
+        {
+            if size > best_size.saturating_mul(FIT_MAX_GROWTH) {
+                break;
+            }
+            if !self.blocks.get(id).paged {
+                continue;
+            }
+            let cost = unmapped(id);
+            if cost < choice.0 {
+                choice = (cost, id);
+                if cost == 0 {
+                    break;
+                }
+            }
+        }
+        choice.1
     }
 
     /// Registers a fresh segment as one free block (not yet cached).
