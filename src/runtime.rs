@@ -5,7 +5,7 @@ use crate::alloc::DeviceAllocator;
 use crate::config::Config;
 use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
-use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
+use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use once_cell::sync::OnceCell;
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -53,10 +53,7 @@ impl Runtime {
                 Ok(Self::with_sim(Arc::new(sim), config))
             }
             "cuda" | "" => {
-                let driver = CudaDriver::new().map_err(|e| match e {
-                    DriverError::Unavailable(why) => Error::new(ErrorKind::DriverUnavailable, why),
-                    other => Error::new(ErrorKind::Driver, other.to_string()),
-                })?;
+                let driver = CudaDriver::new().map_err(crate::alloc::driver_error_of)?;
                 Ok(Self::new(Arc::new(driver), config))
             }
             other => Err(Error::new(

@@ -48,10 +48,8 @@ impl Caches {
     }
 
     pub fn list_ref(&self, owner: Option<PoolId>, pool: PoolKind) -> &FreeList {
-        match owner {
-            None => &self.general[pool as usize],
-            Some(id) => &self.private[&id].lists[pool as usize],
-        }
+        self.try_list(owner, pool)
+            .expect("a block's private pool exists while it has segments")
     }
 
     /// Like `list_ref`, for a private pool that may have gone away meanwhile.

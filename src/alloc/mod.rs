@@ -46,9 +46,18 @@ pub struct DeviceAllocator {
 }
 
 fn driver_error(device: usize, e: DriverError) -> Error {
+    let mut error = driver_error_of(e);
+    if error.kind == ErrorKind::Driver {
+        error.message = format!("device {device}: {}", error.message);
+    }
+    error
+}
+
+/// A driver error that concerns no single device (loading the driver, counting devices).
+pub fn driver_error_of(e: DriverError) -> Error {
     match e {
         DriverError::Unavailable(why) => Error::new(ErrorKind::DriverUnavailable, why),
-        other => Error::new(ErrorKind::Driver, format!("device {device}: {other}")),
+        other => Error::new(ErrorKind::Driver, other.to_string()),
     }
 }
 
@@ -122,7 +131,7 @@ impl DeviceAllocator {
         let rounded = sizing::round_size(size, &st.config);
         let pool = PoolKind::for_size(rounded);
         let mut found = st.take_cached(owner, pool, stream, rounded);
-        if found.is_none() && !st.paged_for.contains_key(&(stream, pool)) {
+        if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
             if let Some(page) = self.paging(&st, owner.is_some()) {
                 if self.add_paged_segment(&mut st, stream, pool, page)? {
                     found = st.take_cached(owner, pool, stream, rounded);

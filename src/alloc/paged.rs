@@ -143,7 +143,7 @@ impl DeviceAllocator {
                 mapped: 0,
             },
         );
-        st.paged_for.insert((stream, pool), base);
+        st.paged_for.insert((stream, pool));
         st.stats.segment.increase(pool, 1);
         Ok(true)
     }
@@ -160,11 +160,7 @@ impl DeviceAllocator {
         len: u64,
         rest: Range<DevicePtr>,
     ) -> Result<bool> {
-        let (&base, seg) = st
-            .paged
-            .range(..=addr)
-            .next_back()
-            .expect("a paged block has a segment");
+        let (base, seg) = st.paged_segment(addr);
         let page = seg.page;
         let missing: Vec<usize> = seg
             .touched(addr, len)
@@ -399,7 +395,7 @@ impl DeviceAllocator {
         }
         let mut victims = Vec::new();
         'ranges: for (addr, size) in ranges {
-            let (&base, seg) = st.paged.range(..=addr).next_back().expect("segment");
+            let (base, seg) = st.paged_segment(addr);
             for i in seg.inside(addr, size).rev() {
                 if seg.pages[i].is_some() {
                     victims.push(Victim {
@@ -448,7 +444,6 @@ impl DeviceAllocator {
             self.release_page(st, handle, page)?;
         }
         for handle in self.reclaim(st, usize::MAX, 0, 0..0)? {
-            let page = st.paged.values().next().expect("non-empty").page;
             self.release_page(st, handle, page)?;
         }
         let empty: Vec<DevicePtr> = st

@@ -9,7 +9,7 @@ use super::stats::DeviceStats;
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use crate::error::{Error, ErrorKind};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// A block freed while other streams may still use it; reusable once every event completes.
 pub struct AwaitingEvents {
@@ -48,7 +48,7 @@ pub struct State {
     pub shut_down: bool,
     /// Paged segments by base address, and which one serves each (stream, pool).
     pub paged: BTreeMap<DevicePtr, PagedSegment>,
-    pub paged_for: HashMap<(StreamId, PoolKind), DevicePtr>,
+    pub paged_for: HashSet<(StreamId, PoolKind)>,
     /// Unmapped physical pages kept for growth (counted as reserved, large pool).
     pub idle_pages: Vec<crate::driver::PhysHandle>,
 }
@@ -67,7 +67,7 @@ impl State {
             stats: DeviceStats::default(),
             shut_down: false,
             paged: BTreeMap::new(),
-            paged_for: HashMap::new(),
+            paged_for: HashSet::new(),
             idle_pages: Vec::new(),
         }
     }
@@ -124,11 +124,7 @@ impl State {
     ) -> BlockId {
         let unmapped = |id: BlockId| {
             let b = self.blocks.get(id);
-            let (_, seg) = self
-                .paged
-                .range(..=b.addr)
-                .next_back()
-                .expect("paged block has a segment");
+            let (_, seg) = self.paged_segment(b.addr);
             seg.unmapped_pages(b.addr, rounded)
         };
         let mut choice = (unmapped(best), best);
@@ -424,12 +420,18 @@ impl State {
         if !b.paged {
             return b.size;
         }
-        let (_, seg) = self
-            .paged
-            .range(..=b.addr)
-            .next_back()
-            .expect("paged block has a segment");
+        let (_, seg) = self.paged_segment(b.addr);
         seg.mapped_bytes_in(b.addr, b.size)
+    }
+
+    /// The paged segment holding `addr` (which must lie in one), with its base address.
+    pub fn paged_segment(&self, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
+        let (&base, seg) = self
+            .paged
+            .range(..=addr)
+            .next_back()
+            .expect("a paged block has a segment");
+        (base, seg)
     }
 
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {
