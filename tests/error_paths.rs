@@ -10,13 +10,20 @@ use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
 
-/// The sim device, with the n-th `unmap` or `synchronize` call failing on demand.
+/// The sim device, with the n-th `unmap`, or the n-th wait (`synchronize` or `wait_event`),
+/// failing on demand.
 struct Faulty {
     sim: Arc<SimDriver>,
     unmaps: AtomicU64,
     fail_unmap_at: AtomicU64,
-    syncs: AtomicU64,
-    fail_sync_at: AtomicU64,
+    waits: AtomicU64,
+    fail_wait_at: AtomicU64,
+}
+
+impl Faulty {
+    fn wait_fails(&self) -> bool {
+        self.waits.fetch_add(1, SeqCst) + 1 == self.fail_wait_at.load(SeqCst)
+    }
 }
 
 fn injected(call: &'static str) -> DriverError {
@@ -49,13 +56,16 @@ impl Driver for Faulty {
         self.sim.event_done(d, e)
     }
     fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
+        if self.wait_fails() {
+            return Err(injected("wait_event"));
+        }
         self.sim.wait_event(d, e)
     }
     fn destroy_event(&self, d: usize, e: EventId) {
         self.sim.destroy_event(d, e)
     }
     fn synchronize(&self, d: usize) -> DriverResult<()> {
-        if self.syncs.fetch_add(1, SeqCst) + 1 == self.fail_sync_at.load(SeqCst) {
+        if self.wait_fails() {
             return Err(injected("synchronize"));
         }
         self.sim.synchronize(d)
@@ -98,8 +108,8 @@ fn faulty(capacity: u64) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
         sim: sim.clone(),
         unmaps: 0.into(),
         fail_unmap_at: 0.into(),
-        syncs: 0.into(),
-        fail_sync_at: 0.into(),
+        waits: 0.into(),
+        fail_wait_at: 0.into(),
     });
     let a = DeviceAllocator::new(0, f.clone(), Config::default()).unwrap();
     (sim, f, a)
@@ -138,10 +148,18 @@ fn a_failing_wait_after_taking_parked_pages_loses_no_memory() {
     let big = a.malloc(200 * MIB, StreamId(0)).unwrap();
     let keep = a.malloc(8 * MIB, StreamId(0)).unwrap();
     a.free(big).unwrap();
+    // Moves pages from big's hole, and parks a batch of them.
     let q = a.malloc(20 * MIB, StreamId(1)).unwrap();
-    f.fail_sync_at.store(f.syncs.load(SeqCst) + 1, SeqCst);
-    let _ = a.malloc(150 * MIB, StreamId(2));
+    // Stream 0 is still busy with `mid` when it is freed: moving its pages means a wait
+    // (on its fence, or on the device), and that wait fails.
+    let mid = a.malloc(100 * MIB, StreamId(0)).unwrap();
+    sim.set_stream_paused(0, StreamId(0), true);
+    a.free(mid).unwrap();
+    f.fail_wait_at.store(f.waits.load(SeqCst) + 1, SeqCst);
+    let err = a.malloc(150 * MIB, StreamId(2)).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Driver, "{err:?}");
     assert_accounted(&sim, &a);
+    sim.set_stream_paused(0, StreamId(0), false);
     a.free(keep).unwrap();
     a.free(q).unwrap();
     a.empty_cache().unwrap();

@@ -154,8 +154,8 @@ impl DeviceAllocator {
         let block = st.blocks.get_mut(id);
         // Not free while its pages are found: no merge or reclaim may touch it meanwhile.
         block.state = BlockState::Allocated;
-        let (addr, end) = (block.addr, block.end());
-        let mapped = self.map_pages(st, addr, rounded, addr + rounded..end);
+        let (addr, end, stream) = (block.addr, block.end(), block.stream);
+        let mapped = self.map_pages(st, stream, addr, rounded, addr + rounded..end);
         if matches!(mapped, Ok(true)) {
             return Ok(());
         }
@@ -262,6 +262,11 @@ impl DeviceAllocator {
         let uses = st.take_back(id);
         if uses.is_empty() {
             st.cache(id);
+            let block = st.blocks.get(id);
+            if block.paged {
+                let stream = block.stream;
+                self.fence_freed_pages(&mut st, stream);
+            }
             Ok(())
         } else if st.caches.capturing() {
             st.blocks.get_mut(id).stream_uses = uses;

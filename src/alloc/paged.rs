@@ -10,16 +10,21 @@
 
 use super::blocks::{Block, BlockState};
 use super::sizing::PoolKind;
-use super::state::{Segment, State};
+use super::state::{Fence, Segment, State};
 use super::{driver_error, DeviceAllocator};
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 /// Growth may keep this share of live bytes as cached pages before reclaiming (1/32 ≈ 3%)…
 const SLACK_SHIFT: u32 = 5;
 /// …but never fewer than this many pages.
 const MIN_SLACK_PAGES: u64 = 4;
+/// Fences kept pending per stream; beyond this none are recorded until some complete.
+const MAX_FENCES_PER_STREAM: usize = 64;
+/// Frees record a fence at most this often per stream (an event record costs about a µs).
+const FREE_FENCE_INTERVAL: Duration = Duration::from_micros(50);
 
 /// The page table of one paged segment.
 pub struct PagedSegment {
@@ -29,6 +34,9 @@ pub struct PagedSegment {
     pub stream: StreamId,
     pub pool: PoolKind,
     pub pages: Vec<Option<PhysHandle>>,
+    /// Per page, the `State::free_seq` of the last free of a block on it (0: none since
+    /// mapping): its last use on the device came before that free.
+    pub last_free: Vec<u64>,
     pub mapped: usize,
 }
 
@@ -65,15 +73,25 @@ impl PagedSegment {
             .count()
     }
 
+    /// A block `[addr, addr+len)` was freed at `seq`.
+    pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) {
+        for i in self.touched(addr, len) {
+            self.last_free[i] = seq;
+        }
+    }
+
     fn va(&self, page: usize) -> DevicePtr {
         self.base + page as u64 * self.page
     }
 }
 
-/// A mapped page under a free block, chosen to be unmapped.
+/// A mapped page wholly under a free block: a candidate to unmap.
 struct Victim {
     segment: DevicePtr,
     page: usize,
+    /// The segment's stream, and the last free on the page (see `PagedSegment::last_free`).
+    stream: StreamId,
+    last_free: u64,
 }
 
 impl DeviceAllocator {
@@ -130,7 +148,8 @@ impl DeviceAllocator {
                 oversize: false,
             },
         );
-        let pages = vec![None; (size / page) as usize];
+        let count = (size / page) as usize;
+        let (pages, last_free) = (vec![None; count], vec![0; count]);
         st.paged.insert(
             base,
             PagedSegment {
@@ -140,6 +159,7 @@ impl DeviceAllocator {
                 stream,
                 pool,
                 pages,
+                last_free,
                 mapped: 0,
             },
         );
@@ -156,6 +176,7 @@ impl DeviceAllocator {
     pub(super) fn map_pages(
         &self,
         st: &mut State,
+        stream: StreamId,
         addr: DevicePtr,
         len: u64,
         rest: Range<DevicePtr>,
@@ -172,10 +193,15 @@ impl DeviceAllocator {
         let need = missing.len() as u64;
         // Every page mapped here counts as reserved; parked pages already do.
         let live_after = st.stats.active_bytes.all().current as u64 + len;
-        let slack = (live_after >> SLACK_SHIFT).max(MIN_SLACK_PAGES * page);
-        let budget = (live_after + slack).min(self.hard_limit(st));
+        st.live_high_water = st.live_high_water.max(live_after);
+        let high = st.live_high_water;
+        let slack = (high >> SLACK_SHIFT).max(MIN_SLACK_PAGES * page);
+        let budget = (high + slack).min(self.hard_limit(st));
         let mut handles = self.unpark(st, need as usize, page);
-        let gathered = self.gather_pages(st, &mut handles, need, page, budget, slack, rest);
+        let gathered = self.gather_pages(st, stream, &mut handles, need, page, budget, slack, rest);
+        // Later growth may need the pages freed until now: a fence lets it know when the
+        // device is past them, instead of waiting.
+        self.record_fence(st, stream);
         if let Err(e) = gathered {
             // Pages in hand stay ccalloc's (and reserved): parked for the next request.
             for handle in handles {
@@ -220,6 +246,7 @@ impl DeviceAllocator {
     fn gather_pages(
         &self,
         st: &mut State,
+        stream: StreamId,
         handles: &mut Vec<PhysHandle>,
         need: u64,
         page: u64,
@@ -235,7 +262,7 @@ impl DeviceAllocator {
             .min(need - handles.len() as u64);
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
-            let mut taken = self.reclaim(st, over as usize, batch, rest.clone())?;
+            let mut taken = self.reclaim(st, over as usize, batch, rest.clone(), Some(stream))?;
             let extra = taken.len().saturating_sub(over as usize);
             for handle in taken.drain(taken.len() - extra..) {
                 self.park(st, handle, page);
@@ -245,7 +272,7 @@ impl DeviceAllocator {
         self.add_new_pages(st, handles, need as usize, page)?;
         if handles.len() < need as usize && !capturing {
             // Out of memory: take every reclaimable page, then the plain cache too.
-            let all = self.reclaim(st, usize::MAX, 0, rest)?;
+            let all = self.reclaim(st, usize::MAX, 0, rest, Some(stream))?;
             handles.extend(all);
             if handles.len() < need as usize {
                 self.release_all_cached(st)?;
@@ -366,54 +393,65 @@ impl DeviceAllocator {
             .map_err(|e| driver_error(self.device, e))
     }
 
-    /// Unmaps up to `want` mapped pages lying wholly under free blocks, after their streams
-    /// have finished the work queued before the frees. Victims come from the largest free
-    /// blocks, highest addresses first: blocks are carved from the low end of a free block,
-    /// so its high pages are the ones least likely to be needed again soon.
-    /// With `batch` > 0, up to that many more pages are taken, since the wait is paid anyway.
+    /// Unmaps up to `want` mapped pages lying wholly under free blocks. Kernels queued before
+    /// a block's free may still use its pages, so pages the device is known to be done with
+    /// (see `Fence`) go first; for the rest the host waits on the oldest fence that covers
+    /// them, which leaves the device the work queued since. Among equals, victims come from
+    /// the largest free blocks, highest addresses first: blocks are carved from the low end
+    /// of a free block, so its high pages are the least likely to be needed again soon.
+    /// With `batch` > 0, up to that many more pages that need no further wait are taken.
+    /// `caller`: the stream of the malloc asking (alive, so a fence may be recorded on it);
+    /// `None` when the caller has synchronized the device.
     pub(super) fn reclaim(
         &self,
         st: &mut State,
         want: usize,
         batch: usize,
         also: Range<DevicePtr>,
+        caller: Option<StreamId>,
     ) -> Result<Vec<PhysHandle>> {
-        let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
-        if !also.is_empty() {
-            ranges.push((also.start, also.end - also.start));
+        let candidates = reclaim_candidates(st, also);
+        if candidates.is_empty() {
+            return Ok(Vec::new());
         }
-        for pool in [PoolKind::Large, PoolKind::Small] {
-            let list = &st.caches.general[pool as usize];
-            let mut free: Vec<_> = list
-                .ids()
-                .map(|id| st.blocks.get(id))
-                .filter(|b| b.paged)
-                .map(|b| (b.addr, b.size))
-                .collect();
-            free.sort_by_key(|&(_, size)| std::cmp::Reverse(size));
-            ranges.extend(free);
-        }
-        let mut victims = Vec::new();
-        'ranges: for (addr, size) in ranges {
-            let (base, seg) = st.paged_segment(addr);
-            for i in seg.inside(addr, size).rev() {
-                if seg.pages[i].is_some() {
-                    victims.push(Victim {
-                        segment: base,
-                        page: i,
-                    });
-                    if victims.len() >= want.saturating_add(batch) {
-                        break 'ranges;
-                    }
+        let limit = want.saturating_add(batch);
+        let all_done = match caller {
+            None => true,
+            // Everything is wanted (the OOM path): one wait for the whole device.
+            Some(_) if want == usize::MAX => {
+                self.sync_device(st)?;
+                true
+            }
+            Some(_) => {
+                self.poll_fences(st)?;
+                false
+            }
+        };
+        let (mut victims, mut pending): (Vec<Victim>, Vec<Victim>) = candidates
+            .into_iter()
+            .partition(|v| all_done || st.free_is_done(v.stream, v.last_free));
+        victims.truncate(limit);
+        if let (true, Some(caller)) = (victims.len() < want && !pending.is_empty(), caller) {
+            // The oldest frees first: the device is likeliest to be past them.
+            pending.sort_by_key(|v| v.last_free);
+            let short = (want - victims.len()).min(pending.len());
+            let mut newest: Vec<(StreamId, u64)> = Vec::new();
+            for v in &pending[..short] {
+                match newest.iter_mut().find(|(s, _)| *s == v.stream) {
+                    Some((_, seq)) => *seq = (*seq).max(v.last_free),
+                    None => newest.push((v.stream, v.last_free)),
                 }
             }
-        }
-        // Kernels queued before the frees may still use these pages, so the device finishes
-        // its work first. Not the freeing streams alone: a stream may be destroyed once its
-        // blocks are freed, and waiting on it then would crash. The wait is why a batch is
-        // taken: the pages beyond `want` are parked for the next growth.
-        if !victims.is_empty() {
-            self.sync_device()?;
+            for (stream, seq) in newest {
+                self.wait_for_free(st, stream, seq, caller)?;
+            }
+            let room = limit - victims.len();
+            victims.extend(
+                pending
+                    .into_iter()
+                    .filter(|v| st.free_is_done(v.stream, v.last_free))
+                    .take(room),
+            );
         }
         let mut handles = Vec::with_capacity(victims.len());
         for v in victims {
@@ -432,6 +470,141 @@ impl DeviceAllocator {
         Ok(handles)
     }
 
+    /// After a free on `stream` left whole pages free: a fence, unless one was recorded
+    /// there lately, so that growth can later move those pages without a full wait. The
+    /// stream is alive: the caller has just freed a block of it (PyTorch passes it along).
+    pub(super) fn fence_freed_pages(&self, st: &mut State, stream: StreamId) {
+        let now = Instant::now();
+        if st
+            .fenced_at
+            .get(&stream)
+            .is_some_and(|&at| now.duration_since(at) < FREE_FENCE_INTERVAL)
+        {
+            return;
+        }
+        st.fenced_at.insert(stream, now);
+        self.record_fence(st, stream);
+    }
+
+    /// Records a fence on `stream` (the caller's, so alive) unless one already covers every
+    /// free so far, too many are pending, or a graph is being captured.
+    fn record_fence(&self, st: &mut State, stream: StreamId) {
+        if st.caches.capturing() || st.free_is_done(stream, st.free_seq) {
+            return;
+        }
+        let mut pending = st.fences.iter().filter(|f| f.stream == stream);
+        if pending.clone().any(|f| f.seq >= st.free_seq)
+            || pending.by_ref().count() >= MAX_FENCES_PER_STREAM
+        {
+            return;
+        }
+        match self.driver.record_event(self.device, stream) {
+            Ok(event) => st.fences.push_back(Fence {
+                stream,
+                seq: st.free_seq,
+                event,
+            }),
+            // Only an optimisation: without fences, growth waits instead.
+            Err(e) => tracing::debug!(device = self.device, "fence not recorded: {e}"),
+        }
+    }
+
+    /// Notes the fences that have completed (a stream's complete in order).
+    fn poll_fences(&self, st: &mut State) -> Result<()> {
+        let mut blocked: Vec<StreamId> = Vec::new();
+        let mut i = 0;
+        while i < st.fences.len() {
+            let stream = st.fences[i].stream;
+            let done = !blocked.contains(&stream)
+                && self
+                    .driver
+                    .event_done(self.device, st.fences[i].event)
+                    .map_err(|e| driver_error(self.device, e))?;
+            if done {
+                let fence = st.fences.remove(i).expect("in range");
+                self.retire_fence(st, fence);
+            } else {
+                blocked.push(stream);
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// After a device synchronize: every fence has completed.
+    pub(super) fn retire_all_fences(&self, st: &mut State) {
+        while let Some(fence) = st.fences.pop_front() {
+            self.retire_fence(st, fence);
+        }
+    }
+
+    fn retire_fence(&self, st: &mut State, fence: Fence) {
+        let done = st.done_seq.entry(fence.stream).or_insert(0);
+        *done = (*done).max(fence.seq);
+        self.driver.destroy_event(self.device, fence.event);
+    }
+
+    /// Blocks until the device has done `stream`'s work queued before free `seq`: on the
+    /// oldest fence covering it; else, on the caller's own stream, on a fence recorded now;
+    /// else on the whole device (another stream may have been destroyed since its frees).
+    fn wait_for_free(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        seq: u64,
+        caller: StreamId,
+    ) -> Result<()> {
+        if st.free_is_done(stream, seq) {
+            return Ok(());
+        }
+        let covering = st
+            .fences
+            .iter()
+            .position(|f| f.stream == stream && f.seq >= seq);
+        let fence = match covering {
+            Some(i) => {
+                let fence = &st.fences[i];
+                self.driver
+                    .wait_event(self.device, fence.event)
+                    .map_err(|e| driver_error(self.device, e))?;
+                // It and the stream's older fences are done.
+                let upto = fence.seq;
+                let mut j = 0;
+                while j < st.fences.len() {
+                    if st.fences[j].stream == stream && st.fences[j].seq <= upto {
+                        let older = st.fences.remove(j).expect("in range");
+                        self.retire_fence(st, older);
+                    } else {
+                        j += 1;
+                    }
+                }
+                return Ok(());
+            }
+            None if stream == caller => {
+                let event = self
+                    .driver
+                    .record_event(self.device, stream)
+                    .map_err(|e| driver_error(self.device, e))?;
+                Fence {
+                    stream,
+                    seq: st.free_seq,
+                    event,
+                }
+            }
+            None => {
+                self.sync_device(st)?;
+                return Ok(());
+            }
+        };
+        let waited = self.driver.wait_event(self.device, fence.event);
+        if let Err(e) = waited {
+            self.driver.destroy_event(self.device, fence.event);
+            return Err(driver_error(self.device, e));
+        }
+        self.retire_fence(st, fence);
+        Ok(())
+    }
+
     /// Gives back every page under free blocks and every paged segment left wholly free.
     /// The caller has synchronized the device.
     pub(super) fn release_paged_cache(&self, st: &mut State) -> Result<()> {
@@ -443,7 +616,7 @@ impl DeviceAllocator {
         for handle in self.unpark(st, parked, page) {
             self.release_page(st, handle, page)?;
         }
-        for handle in self.reclaim(st, usize::MAX, 0, 0..0)? {
+        for handle in self.reclaim(st, usize::MAX, 0, 0..0, None)? {
             self.release_page(st, handle, page)?;
         }
         let empty: Vec<DevicePtr> = st
@@ -472,4 +645,39 @@ impl DeviceAllocator {
         }
         Ok(())
     }
+}
+
+/// Mapped pages wholly under free paged blocks, in preference order: `also` (the rest of
+/// the block being carved) first, then the largest free blocks, highest pages first.
+fn reclaim_candidates(st: &State, also: Range<DevicePtr>) -> Vec<Victim> {
+    let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
+    if !also.is_empty() {
+        ranges.push((also.start, also.end - also.start));
+    }
+    for pool in [PoolKind::Large, PoolKind::Small] {
+        let list = &st.caches.general[pool as usize];
+        let mut free: Vec<_> = list
+            .ids()
+            .map(|id| st.blocks.get(id))
+            .filter(|b| b.paged)
+            .map(|b| (b.addr, b.size))
+            .collect();
+        free.sort_by_key(|&(_, size)| std::cmp::Reverse(size));
+        ranges.extend(free);
+    }
+    let mut candidates = Vec::new();
+    for (addr, size) in ranges {
+        let (base, seg) = st.paged_segment(addr);
+        for i in seg.inside(addr, size).rev() {
+            if seg.pages[i].is_some() {
+                candidates.push(Victim {
+                    segment: base,
+                    page: i,
+                    stream: seg.stream,
+                    last_free: seg.last_free[i],
+                });
+            }
+        }
+    }
+    candidates
 }

@@ -76,7 +76,7 @@ impl DeviceAllocator {
             return Ok(());
         }
         if !st.caches.capturing() {
-            self.sync_device()?;
+            self.sync_device(&mut st)?;
             self.release_whole_segments(
                 &mut st,
                 &[(Some(pool), PoolKind::Large), (Some(pool), PoolKind::Small)],

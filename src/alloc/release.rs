@@ -64,7 +64,7 @@ impl DeviceAllocator {
             }
         };
         let released: u64 = chosen.iter().map(|&id| st.blocks.get(id).size).sum();
-        self.sync_device()?;
+        self.sync_device(st)?;
         for id in chosen {
             self.release_segment(st, id)?;
         }
@@ -76,7 +76,8 @@ impl DeviceAllocator {
     pub(super) fn release_all_cached(&self, st: &mut State) -> Result<()> {
         st.stats.num_sync_all_streams += 1;
         self.drain_awaiting(st)?;
-        self.sync_device()?;
+        self.sync_device(st)?;
+        self.retire_all_fences(st);
         let lists = st.caches.releasable();
         self.release_whole_segments(st, &lists)?;
         self.release_paged_cache(st)
@@ -106,10 +107,12 @@ impl DeviceAllocator {
 
     /// Cached blocks may still be read by kernels queued before they were freed (frees are
     /// stream-ordered), so the device finishes its work before segments go back.
-    pub(super) fn sync_device(&self) -> Result<()> {
+    pub(super) fn sync_device(&self, st: &mut State) -> Result<()> {
         self.driver
             .synchronize(self.device)
-            .map_err(|e| driver_error(self.device, e))
+            .map_err(|e| driver_error(self.device, e))?;
+        st.synced_seq = st.free_seq;
+        Ok(())
     }
 
     /// Waits for every pending event and caches its block.
@@ -176,7 +179,7 @@ impl DeviceAllocator {
                     for event in events.drain(..) {
                         self.driver.destroy_event(self.device, event);
                     }
-                    self.sync_device()?;
+                    self.sync_device(st)?;
                     break;
                 }
             }
@@ -227,7 +230,7 @@ impl DeviceAllocator {
         if chosen.is_empty() {
             return Ok(());
         }
-        self.sync_device()?;
+        self.sync_device(st)?;
         for id in chosen {
             self.release_segment(st, id)?;
         }

@@ -9,12 +9,20 @@ use super::stats::DeviceStats;
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use crate::error::{Error, ErrorKind};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 /// A block freed while other streams may still use it; reusable once every event completes.
 pub struct AwaitingEvents {
     pub block: BlockId,
     pub events: Vec<EventId>,
+}
+
+/// An event recorded on `stream` after `seq` frees: once it completes, pages of that
+/// stream's segments last used by blocks freed up to then can be unmapped without waiting.
+pub struct Fence {
+    pub stream: StreamId,
+    pub seq: u64,
+    pub event: EventId,
 }
 
 /// A device allocation (or a paged segment's address range) and the first block of its chain.
@@ -26,10 +34,9 @@ pub struct Segment {
     pub oversize: bool,
 }
 
-/// A paged request may take one of this many fitting blocks…
-const FIT_CANDIDATES: usize = 8;
-/// …no larger than this many times the best fit, if it needs fewer new pages.
-const FIT_MAX_GROWTH: u64 = 2;
+/// A paged request may take any of this many fitting blocks (smallest first), whichever
+/// needs the fewest new pages.
+const FIT_CANDIDATES: usize = 32;
 
 pub struct State {
     pub config: Config,
@@ -51,6 +58,19 @@ pub struct State {
     pub paged_for: HashSet<(StreamId, PoolKind)>,
     /// Unmapped physical pages kept for growth (counted as reserved, large pool).
     pub idle_pages: Vec<crate::driver::PhysHandle>,
+    /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
+    /// may cache pages up to this plus the slack before it moves pages under free blocks.
+    pub live_high_water: u64,
+    /// Counts frees into the cache: the clock of `PagedSegment::last_free` and fences.
+    pub free_seq: u64,
+    /// Fences not yet seen complete, oldest first (in order per stream).
+    pub fences: VecDeque<Fence>,
+    /// Per stream, the newest free whose work is known to be done on the device.
+    pub done_seq: HashMap<StreamId, u64>,
+    /// Every free up to this one is done on the device (it was synchronized after it).
+    pub synced_seq: u64,
+    /// When a free last recorded a fence, per stream (to rate-limit them).
+    pub fenced_at: HashMap<StreamId, std::time::Instant>,
 }
 
 impl State {
@@ -69,6 +89,12 @@ impl State {
             paged: BTreeMap::new(),
             paged_for: HashSet::new(),
             idle_pages: Vec::new(),
+            live_high_water: 0,
+            free_seq: 0,
+            fences: VecDeque::new(),
+            done_seq: HashMap::new(),
+            synced_seq: 0,
+            fenced_at: HashMap::new(),
         }
     }
 
@@ -110,10 +136,9 @@ impl State {
         Some(id)
     }
 
-    /// Among the few smallest paged blocks that fit (and are not much larger than the best
-    /// fit, which keeps address space packed), the one whose start needs the fewest new
-    /// pages (ties: the smallest): growth then reuses pages already mapped instead of moving
-    /// them, which costs driver calls and a wait for the device.
+    /// Among the smallest paged blocks that fit, the one whose start needs the fewest new
+    /// pages (ties: the smallest). A larger block costs nothing here (its unused pages are
+    /// not held), while every page moved costs driver calls and a wait on a fence.
     fn fewest_new_pages(
         &self,
         owner: Option<PoolId>,
@@ -131,17 +156,13 @@ impl State {
         if choice.0 == 0 {
             return best;
         }
-        let best_size = self.blocks.get(best).size;
-        for (size, id) in self
+        for (_, id) in self
             .caches
             .list_ref(owner, pool)
             .fits(stream, rounded)
             .take(FIT_CANDIDATES)
             .skip(1)
         {
-            if size > best_size.saturating_mul(FIT_MAX_GROWTH) {
-                break;
-            }
             if !self.blocks.get(id).paged {
                 continue;
             }
@@ -327,6 +348,12 @@ impl State {
         let block = self.blocks.get(id);
         let (pool, paged) = (block.pool, block.paged);
         let (original_size, requested) = (block.size, block.requested);
+        if paged {
+            self.free_seq += 1;
+            let (addr, seq) = (block.addr, self.free_seq);
+            self.paged_segment_mut(addr)
+                .note_free(addr, original_size, seq);
+        }
         let (net_blocks, net_bytes) = self.merge_and_list(id);
         let s = &mut self.stats;
         if !paged {
@@ -432,6 +459,19 @@ impl State {
             .next_back()
             .expect("a paged block has a segment");
         (base, seg)
+    }
+
+    pub fn paged_segment_mut(&mut self, addr: DevicePtr) -> &mut PagedSegment {
+        self.paged
+            .range_mut(..=addr)
+            .next_back()
+            .expect("a paged block has a segment")
+            .1
+    }
+
+    /// Whether the device is known to be done with page work of `stream` freed at `seq`.
+    pub fn free_is_done(&self, stream: StreamId, seq: u64) -> bool {
+        seq <= self.synced_seq || seq <= self.done_seq.get(&stream).copied().unwrap_or(0)
     }
 
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {

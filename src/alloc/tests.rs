@@ -531,3 +531,67 @@ fn private_pools_stay_on_plain_segments_under_vmm() {
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+#[test]
+fn pages_move_without_any_wait_once_their_fence_has_completed() {
+    let (sim, a) = paged(1 << 30, "");
+    let hole = a.malloc(40 * MIB, S0).unwrap();
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    a.free(hole).unwrap();
+    let big = a.malloc(60 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert!(c.unmaps >= 10, "pages were moved from the hole");
+    assert_eq!(
+        (c.synchronize_calls, c.event_waits),
+        (0, 0),
+        "the fence recorded at the free had completed: no wait"
+    );
+    a.free(big).unwrap();
+    a.free(keep).unwrap();
+}
+
+#[test]
+fn pages_another_stream_may_still_use_move_only_after_its_fence() {
+    let (sim, a) = paged(1 << 30, "");
+    let hole = a.malloc(40 * MIB, S1).unwrap();
+    // S1 is busy: its work queued before the free has not run yet.
+    sim.set_stream_paused(0, S1, true);
+    a.free(hole).unwrap();
+    let big = a.malloc(40 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert!(c.unmaps >= 10, "pages moved from S1's segment to S0's");
+    assert_eq!(
+        (c.synchronize_calls, c.event_waits),
+        (0, 1),
+        "one wait on S1's fence, not on the whole device"
+    );
+    let reserved = stats(&a).reserved_bytes.all().current as u64;
+    assert!(reserved <= 40 * MIB + 40 * MIB / 32 + 8 * MIB, "{reserved}");
+    sim.set_stream_paused(0, S1, false);
+    a.free(big).unwrap();
+}
+
+#[test]
+fn growth_behind_a_lagging_gpu_waits_once_on_a_fence_never_on_the_device() {
+    // Events complete only two recorded events later, like a GPU running behind the host.
+    let sim = Arc::new(SimDriver::new(1, 1 << 30).with_event_lag(2));
+    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    let blocks: Vec<_> = (0..4).map(|_| a.malloc(16 * MIB, S0).unwrap()).collect();
+    let keep = a.malloc(2 * MIB, S0).unwrap();
+    for b in blocks {
+        a.free(b).unwrap();
+        // Frees further apart than the fence interval each record a fence; the first two
+        // complete as the last two are recorded.
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+    // Larger than the 64 MiB hole: it goes after `keep`, with pages from the hole, half of
+    // which the device may still be using.
+    let big = a.malloc(70 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert!(c.unmaps >= 16, "pages moved: {}", c.unmaps);
+    assert_eq!((c.synchronize_calls, c.event_waits), (0, 1));
+    let reserved = stats(&a).reserved_bytes.all().current as u64;
+    assert!(reserved <= 72 * MIB + 72 * MIB / 32 + 8 * MIB, "{reserved}");
+    a.free(big).unwrap();
+    a.free(keep).unwrap();
+}

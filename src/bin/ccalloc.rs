@@ -39,6 +39,10 @@ enum Command {
         /// Write a live-vs-reserved timeline (SVG).
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// How far the simulated GPU runs behind the host: an event completes once this many
+        /// later events were recorded on its stream (0: at once).
+        #[arg(long, default_value_t = 2)]
+        gpu_lag: u64,
     },
 }
 
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
             conf,
             json,
             plot: plot_path,
+            gpu_lag,
         } => {
             let Some(capacity) = parse_bytes(&capacity).filter(|&c| c > 0) else {
                 eprintln!("error: --capacity {capacity:?} is not a size such as 80GiB");
@@ -59,6 +64,7 @@ fn main() -> ExitCode {
             let options = ReplayOptions {
                 capacity,
                 conf,
+                gpu_lag,
                 ..ReplayOptions::default()
             };
             let mut reports = Vec::new();
@@ -115,7 +121,7 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
 
 fn print_table(reports: &[ReplayReport]) {
     println!(
-        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>9} {:>13} {:>9}  OOM",
+        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>9} {:>13} {:>11} {:>9}  OOM",
         "trace",
         "events",
         "peak live",
@@ -125,6 +131,7 @@ fn print_table(reports: &[ReplayReport]) {
         "ratio",
         "segs+/-",
         "maps/unmaps",
+        "syncs/waits",
         "ns/event",
     );
     for r in reports {
@@ -146,7 +153,7 @@ fn print_table(reports: &[ReplayReport]) {
             None => "no".into(),
         };
         println!(
-            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>9} {:>13} {:>9.0}  {}",
+            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>9} {:>13} {:>11} {:>9.0}  {}",
             r.trace,
             r.events,
             human_bytes(r.peak_live_bytes),
@@ -156,6 +163,7 @@ fn print_table(reports: &[ReplayReport]) {
             torch_ratio,
             format!("{}/{}", r.device_allocs, r.device_frees),
             format!("{}/{}", r.maps, r.unmaps),
+            format!("{}/{}", r.device_syncs, r.event_waits),
             r.ns_per_event,
             oom
         );

@@ -23,6 +23,8 @@ pub struct SimCounters {
     pub failed_allocations: u64,
     pub synchronize_calls: u64,
     pub stream_synchronize_calls: u64,
+    /// `wait_event` calls: the host blocked on one event.
+    pub event_waits: u64,
     /// Virtual memory management calls.
     pub reserve_calls: u64,
     pub live_reservations: u64,
@@ -83,6 +85,9 @@ pub struct SimDriver {
     next_event: AtomicU64,
     /// Whether the virtual memory management calls are offered (to test the fallback).
     vmm: bool,
+    /// A stream's event completes only once this many later events were recorded there:
+    /// a device running behind the host, as a busy GPU does.
+    event_lag: u64,
 }
 
 impl SimDriver {
@@ -99,12 +104,20 @@ impl SimDriver {
             events: DashMap::new(),
             next_event: AtomicU64::new(1),
             vmm: true,
+            event_lag: 0,
         }
     }
 
     /// Turns the virtual memory management calls off, like a driver without them.
     pub fn without_vmm(mut self) -> Self {
         self.vmm = false;
+        self
+    }
+
+    /// Events complete only `lag` recorded events later on their stream (or when waited on,
+    /// or at a synchronize): models a GPU that runs behind the host.
+    pub fn with_event_lag(mut self, lag: u64) -> Self {
+        self.event_lag = lag;
         self
     }
 
@@ -239,7 +252,9 @@ impl Driver for SimDriver {
         let state = streams.entry(stream).or_default();
         state.queued += 1;
         if !state.paused {
-            state.finished = state.queued;
+            state.finished = state
+                .finished
+                .max(state.queued.saturating_sub(self.event_lag));
         }
         let id = self.next_event.fetch_add(1, Ordering::Relaxed);
         self.events.insert(
@@ -281,6 +296,7 @@ impl Driver for SimDriver {
         let mut streams = d.streams.lock().unwrap();
         let state = streams.entry(stream).or_default();
         state.finished = state.finished.max(sequence);
+        d.memory.lock().unwrap().counters.event_waits += 1;
         Ok(())
     }
 

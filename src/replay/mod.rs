@@ -22,6 +22,9 @@ pub struct ReplayOptions {
     pub conf: String,
     /// Points kept for the live/reserved timeline.
     pub timeline_points: usize,
+    /// How far the simulated GPU runs behind: an event completes once this many later
+    /// events were recorded on its stream (see `SimDriver::with_event_lag`).
+    pub gpu_lag: u64,
 }
 
 impl Default for ReplayOptions {
@@ -30,6 +33,7 @@ impl Default for ReplayOptions {
             capacity: crate::driver::sim::DEFAULT_CAPACITY,
             conf: String::new(),
             timeline_points: 2000,
+            gpu_lag: 2,
         }
     }
 }
@@ -66,8 +70,10 @@ pub struct ReplayReport {
     pub physical_releases: u64,
     pub maps: u64,
     pub unmaps: u64,
-    /// Waits for the device (before memory is released or pages move).
+    /// Waits for the whole device (before memory is released or pages move)…
     pub device_syncs: u64,
+    /// …and for one event (a fence covering the frees of pages about to move).
+    pub event_waits: u64,
     pub ns_per_event: f64,
     pub oom: Option<OomPoint>,
     /// Frees of addresses the trace never allocated (skipped).
@@ -85,7 +91,7 @@ pub fn replay(
 ) -> Result<ReplayReport> {
     let mut config = Config::default();
     config.apply(&options.conf)?;
-    let sim = Arc::new(SimDriver::new(1, options.capacity));
+    let sim = Arc::new(SimDriver::new(1, options.capacity).with_event_lag(options.gpu_lag));
     let allocator = DeviceAllocator::new(0, sim.clone(), config)?;
 
     let total = trace.events.len();
@@ -186,6 +192,7 @@ pub fn replay(
         maps: counters.maps,
         unmaps: counters.unmaps,
         device_syncs: counters.synchronize_calls,
+        event_waits: counters.event_waits,
         ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
         oom,
         unmatched_frees: unmatched,
