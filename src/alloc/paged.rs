@@ -14,6 +14,7 @@ use super::state::{Fence, Segment, State};
 use super::{driver_error, DeviceAllocator};
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
+use std::collections::BTreeSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -38,6 +39,8 @@ pub struct PagedSegment {
     /// mapping): its last use on the device came before that free.
     pub last_free: Vec<u64>,
     pub mapped: usize,
+    /// The mapped pages' indices, to find mapped runs without walking the whole table.
+    pub mapped_set: BTreeSet<usize>,
 }
 
 impl PagedSegment {
@@ -68,9 +71,43 @@ impl PagedSegment {
 
     /// How many pages `[addr, addr+len)` touches that are not mapped.
     pub fn unmapped_pages(&self, addr: DevicePtr, len: u64) -> usize {
-        self.touched(addr, len)
-            .filter(|&i| self.pages[i].is_none())
-            .count()
+        let touched = self.touched(addr, len);
+        touched.len() - self.mapped_set.range(touched).count()
+    }
+
+    /// Where in the free block `[start, end)` a block of `len` bytes needs the fewest new
+    /// pages: (pages missing, address). Some best place starts at the block's start or end,
+    /// or at the start of a run of mapped pages (sliding a window onto a run start never
+    /// loses a mapped page), so only those are tried, the first `MAX_RUNS` runs at most.
+    pub fn best_place(&self, start: DevicePtr, end: DevicePtr, len: u64) -> (usize, DevicePtr) {
+        const MAX_RUNS: usize = 64;
+        let mut best = (self.unmapped_pages(start, len), start);
+        if best.0 == 0 || end - start == len {
+            return best;
+        }
+        let consider = |best: &mut (usize, DevicePtr), at: DevicePtr| {
+            let missing = self.unmapped_pages(at, len);
+            if missing < best.0 {
+                *best = (missing, at);
+            }
+        };
+        consider(&mut best, end - len);
+        let mut runs = 0;
+        let mut previous: Option<usize> = None;
+        for &i in self.mapped_set.range(self.touched(start, end - start)) {
+            let run_start = previous != Some(i.wrapping_sub(1));
+            previous = Some(i);
+            let at = self.va(i);
+            if !run_start || at <= start {
+                continue;
+            }
+            if at + len > end || runs == MAX_RUNS || best.0 == 0 {
+                break;
+            }
+            runs += 1;
+            consider(&mut best, at);
+        }
+        best
     }
 
     /// A block `[addr, addr+len)` was freed at `seq`.
@@ -161,6 +198,7 @@ impl DeviceAllocator {
                 pages,
                 last_free,
                 mapped: 0,
+                mapped_set: BTreeSet::new(),
             },
         );
         st.paged_for.insert((stream, pool));
@@ -300,6 +338,7 @@ impl DeviceAllocator {
                 .map(self.device, seg.va(i), page, handle)
                 .map_err(|e| driver_error(self.device, e))?;
             seg.pages[i] = Some(handle);
+            seg.mapped_set.insert(i);
             seg.mapped += 1;
             st.stats.reserved_bytes.increase(seg.pool, page);
             *done += 1;
@@ -360,6 +399,7 @@ impl DeviceAllocator {
             .unmap(self.device, seg.va(i), seg.page)
             .map_err(|e| driver_error(self.device, e))?;
         let handle = seg.pages[i].take().expect("the page is mapped");
+        seg.mapped_set.remove(&i);
         seg.mapped -= 1;
         let (pool, page) = (seg.pool, seg.page);
         st.stats.reserved_bytes.decrease(pool, page);

@@ -115,8 +115,11 @@ impl State {
         let list = self.caches.list(owner, pool);
         list.lookups += 1;
         let (found, mut id) = list.best_fit(stream, rounded)?;
+        let mut carve_at = None;
         if self.blocks.get(id).paged {
-            id = self.fewest_new_pages(owner, pool, stream, rounded, id);
+            let (chosen, at) = self.fewest_new_pages(owner, pool, stream, rounded, id);
+            id = chosen;
+            carve_at = (at != self.blocks.get(id).addr).then_some(at);
         }
         // Oversize blocks serve only oversize requests, and only ones close to their size
         // (paged blocks are exempt: their unused pages are not held).
@@ -133,12 +136,17 @@ impl State {
                 .find(|&b| self.blocks.get(b).paged)?;
         }
         self.caches.list(owner, pool).remove(self.blocks.get(id));
+        if let Some(at) = carve_at {
+            self.split_front(id, at);
+        }
         Some(id)
     }
 
-    /// Among the smallest paged blocks that fit, the one whose start needs the fewest new
-    /// pages (ties: the smallest). A larger block costs nothing here (its unused pages are
-    /// not held), while every page moved costs driver calls and a wait on a fence.
+    /// Among the smallest paged blocks that fit, the place that needs the fewest new pages
+    /// (ties: the first found, so the smallest block's start): growth then reuses pages
+    /// already mapped instead of moving them, which costs driver calls and may wait on a
+    /// fence. A larger block, or a place inside one, costs nothing here: unused pages are not
+    /// held. Returns the block and where in it to carve.
     fn fewest_new_pages(
         &self,
         owner: Option<PoolId>,
@@ -146,15 +154,16 @@ impl State {
         stream: StreamId,
         rounded: u64,
         best: BlockId,
-    ) -> BlockId {
-        let unmapped = |id: BlockId| {
+    ) -> (BlockId, DevicePtr) {
+        let place = |id: BlockId| {
             let b = self.blocks.get(id);
             let (_, seg) = self.paged_segment(b.addr);
-            seg.unmapped_pages(b.addr, rounded)
+            seg.best_place(b.addr, b.end(), rounded)
         };
-        let mut choice = (unmapped(best), best);
-        if choice.0 == 0 {
-            return best;
+        let (missing, at) = place(best);
+        let mut choice = (missing, best, at);
+        if missing == 0 {
+            return (best, at);
         }
         for (_, id) in self
             .caches
@@ -166,15 +175,55 @@ impl State {
             if !self.blocks.get(id).paged {
                 continue;
             }
-            let cost = unmapped(id);
-            if cost < choice.0 {
-                choice = (cost, id);
-                if cost == 0 {
+            let (missing, at) = place(id);
+            if missing < choice.0 {
+                choice = (missing, id, at);
+                if missing == 0 {
                     break;
                 }
             }
         }
-        choice.1
+        (choice.1, choice.2)
+    }
+
+    /// Cuts the free, unlisted paged block `id` at `at`: the part before stays free (listed)
+    /// and `id` keeps the rest.
+    fn split_front(&mut self, id: BlockId, at: DevicePtr) {
+        let block = self.blocks.get(id);
+        let (addr, owner, pool) = (block.addr, block.owner, block.pool);
+        debug_assert!(block.paged && at > addr && at < block.end());
+        let front = Block {
+            addr,
+            size: at - addr,
+            requested: 0,
+            stream: block.stream,
+            pool,
+            owner,
+            paged: true,
+            counted_oversize: false,
+            prev: block.prev,
+            next: Some(id),
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            cached_at: block.cached_at,
+        };
+        let front_id = self.blocks.insert(front);
+        match self.blocks.get(front_id).prev {
+            Some(p) => self.blocks.get_mut(p).next = Some(front_id),
+            None => {
+                self.segments
+                    .get_mut(&addr)
+                    .expect("a chain's first block starts a segment")
+                    .first = front_id;
+            }
+        }
+        let block = self.blocks.get_mut(id);
+        block.size -= at - addr;
+        block.addr = at;
+        block.prev = Some(front_id);
+        self.caches
+            .list(owner, pool)
+            .insert(self.blocks.get(front_id), front_id);
     }
 
     /// Registers a fresh segment as one free block (not yet cached).

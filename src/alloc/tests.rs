@@ -595,3 +595,36 @@ fn growth_behind_a_lagging_gpu_waits_once_on_a_fence_never_on_the_device() {
     a.free(big).unwrap();
     a.free(keep).unwrap();
 }
+
+#[test]
+fn best_place_finds_mapped_runs_inside_a_free_block() {
+    use super::paged::PagedSegment;
+    use crate::driver::PhysHandle;
+    let (base, page) = (1u64 << 30, 2 * MIB);
+    let mut seg = PagedSegment {
+        base,
+        size: 16 * page,
+        page,
+        stream: S0,
+        pool: sizing::PoolKind::Large,
+        pages: vec![None; 16],
+        last_free: vec![0; 16],
+        mapped: 0,
+        mapped_set: Default::default(),
+    };
+    for i in [5, 6, 7, 8, 12] {
+        seg.pages[i] = Some(PhysHandle(i as u64));
+        seg.mapped_set.insert(i);
+        seg.mapped += 1;
+    }
+    let va = |i: u64| base + i * page;
+    // A free block from the middle of page 0 to page 15: 4 pages fit on the mapped run.
+    assert_eq!(seg.best_place(base + MIB, va(15), 4 * page), (0, va(5)));
+    // 6 pages: no place without new pages; the run start needs 2.
+    assert_eq!(seg.best_place(base + MIB, va(15), 6 * page).0, 2);
+    // Where the block ends before the run does, its end is the best place.
+    assert_eq!(seg.best_place(va(0), va(7), 4 * page), (2, va(3)));
+    // Its start, when that is as good as anything.
+    assert_eq!(seg.best_place(va(9), va(12), 2 * page), (2, va(9)));
+    assert_eq!(seg.unmapped_pages(va(4), 3 * page), 1);
+}

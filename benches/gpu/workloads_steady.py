@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Steady-state timing of the shared workloads (shared/bench/workloads.py), one allocator per process.
+
+usage:
+  workloads_steady.py run NAME ALLOCATOR [RUNS]    prints STEADY {json}
+  workloads_steady.py summarize FILE.jsonl         a Markdown table of what `run` printed
+
+ALLOCATOR: native | native_expandable | ccalloc.
+
+workloads.py times one cold run: imports (transformers, torchvision), cuBLAS/cuDNN start-up and
+the allocator's first growth fall inside its clock, and those vary by ±15% from run to run,
+more than the 2% being looked for. Here the same workload functions (taken from workloads.py's
+source, unchanged) run once untimed, then RUNS more times, each between two
+torch.cuda.synchronize() calls: what remains is the steady state a training or serving job
+spends its hours in. The model is rebuilt on every run, as workloads.py does.
+
+workloads.py is looked up as in run_workload_ccalloc.py ($CCALLOC_BENCH, $CCALLOC_SHARED/bench,
+<repo>/../shared/bench, <repo>/gpu/shared_bench); the library is $CCALLOC_LIBRARY (default
+<repo>/gpu/libccalloc.so).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WORKLOADS = ("gpt2_train_varlen", "resnet50_train", "bert_infer_varlen", "mlp_sidestream")
+ALLOCATORS = ("native", "native_expandable", "ccalloc")
+
+
+def find_bench() -> str:
+    candidates = []
+    if os.environ.get("CCALLOC_BENCH"):
+        candidates.append(os.environ["CCALLOC_BENCH"])
+    if os.environ.get("CCALLOC_SHARED"):
+        candidates.append(os.path.join(os.environ["CCALLOC_SHARED"], "bench"))
+    candidates += [os.path.join(REPO, "..", "shared", "bench"), os.path.join(REPO, "gpu", "shared_bench")]
+    for folder in candidates:
+        if os.path.isfile(os.path.join(folder, "workloads.py")):
+            return os.path.abspath(folder)
+    sys.exit(f"workloads_steady.py: workloads.py not found in any of {candidates}")
+
+
+def load_workload(name: str, namespace: dict):
+    """The workload's function, compiled from workloads.py's own source (nothing else of it runs)."""
+    path = os.path.join(find_bench(), "workloads.py")
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    if not defs:
+        sys.exit(f"workloads_steady.py: {path} has no function {name}")
+    exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), namespace)
+    return namespace[name]
+
+
+def run(name: str, allocator: str, runs: int) -> int:
+    if allocator == "native_expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    else:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    stats = None
+    if allocator == "ccalloc":
+        os.environ.setdefault("CCALLOC_LIBRARY", os.path.join(REPO, "gpu", "libccalloc.so"))
+        os.environ["CCALLOC_BACKEND"] = "cuda"
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import ccalloc
+        import ccalloc.torch
+
+        ccalloc.torch.enable()
+        stats = ccalloc
+    import random
+
+    import torch
+
+    if stats is None:
+        stats = torch.cuda
+    workload = load_workload(name, {"torch": torch, "random": random})
+    torch.zeros(1, device="cuda")
+    seconds = []
+    for i in range(runs + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        workload()
+        torch.cuda.synchronize()
+        if i > 0:  # run 0 warms up
+            seconds.append(round(time.perf_counter() - t0, 4))
+    result = {
+        "workload": name,
+        "allocator": allocator,
+        "seconds": seconds,
+        "max_memory_reserved": stats.max_memory_reserved(),
+        "max_memory_allocated": stats.max_memory_allocated(),
+    }
+    print("STEADY " + json.dumps(result), flush=True)
+    return 0
+
+
+def summarize(path: str) -> int:
+    rows: dict[tuple[str, str], list[float]] = {}
+    reserved: dict[tuple[str, str], int] = {}
+    with open(path) as f:
+        for line in f:
+            if not line.startswith("STEADY "):
+                continue
+            r = json.loads(line[len("STEADY "):])
+            key = (r["workload"], r["allocator"])
+            rows.setdefault(key, []).extend(r["seconds"])
+            reserved[key] = max(reserved.get(key, 0), r["max_memory_reserved"])
+    names = [w for w in WORKLOADS if any(k[0] == w for k in rows)]
+    allocs = [a for a in ALLOCATORS if any(k[1] == a for k in rows)]
+    print("Steady state (benches/gpu/workloads_steady.py): each process runs the workload once to warm "
+          "up, then times the next runs; median (min) seconds over all timed runs of all processes.\n")
+    head = "| workload | " + " | ".join(f"{a} s" for a in allocs)
+    if "ccalloc" in allocs and "native" in allocs:
+        head += " | ccalloc/native (median) | ccalloc/native (min) | runs per allocator"
+    print(head + " |")
+    print("|---" * (head.count("|") - 0) + "|")
+    verdicts = []
+    for w in names:
+        cells = []
+        for a in allocs:
+            t = rows.get((w, a), [])
+            cells.append(f"{statistics.median(t):.3f} ({min(t):.3f})" if t else "—")
+        line = f"| {w} | " + " | ".join(cells)
+        if "ccalloc" in allocs and "native" in allocs and rows.get((w, "ccalloc")) and rows.get((w, "native")):
+            c, n = rows[(w, "ccalloc")], rows[(w, "native")]
+            med = statistics.median(c) / statistics.median(n)
+            low = min(c) / min(n)
+            verdicts.append((w, med))
+            line += f" | {med:.3f} | {low:.3f} | {len(c)}"
+        print(line + " |")
+    print("\nAll timed runs (s): " + "; ".join(f"{w}/{a}: {', '.join(f'{x:.3f}' for x in t)}"
+                                            for (w, a), t in sorted(rows.items())))
+    if verdicts:
+        worst = max(verdicts, key=lambda v: v[1])
+        ok = all(m <= 1.02 for _, m in verdicts)
+        print(f"\nccalloc median time within 2% of native on every workload: {'YES' if ok else 'NO'} "
+              f"(worst {worst[0]}: {worst[1]:.3f})")
+    return 0
+
+
+def main() -> int:
+    if len(sys.argv) >= 4 and sys.argv[1] == "run":
+        name, allocator = sys.argv[2], sys.argv[3]
+        if name not in WORKLOADS or allocator not in ALLOCATORS:
+            sys.exit(__doc__)
+        return run(name, allocator, int(sys.argv[4]) if len(sys.argv) > 4 else 3)
+    if len(sys.argv) == 3 and sys.argv[1] == "summarize":
+        return summarize(sys.argv[2])
+    sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
