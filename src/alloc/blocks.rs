@@ -136,6 +136,14 @@ impl FreeList {
             .map(|((_, size, _), &id)| (*size, id))
     }
 
+    /// The largest cached block on `stream`, if it holds at least `size` bytes.
+    pub fn largest_fit(&self, stream: StreamId, size: u64) -> Option<BlockId> {
+        self.blocks
+            .range((stream, size, 0)..(stream, u64::MAX, DevicePtr::MAX))
+            .next_back()
+            .map(|(_, &id)| id)
+    }
+
     /// Cached blocks on `stream` of at least `min_size`, largest first.
     pub fn largest_first(&self, stream: StreamId, min_size: u64) -> Vec<BlockId> {
         self.blocks

@@ -37,6 +37,8 @@ pub struct Segment {
 /// A paged request may take any of this many fitting blocks (smallest first), whichever
 /// needs the fewest new pages.
 const FIT_CANDIDATES: usize = 32;
+/// Paged requests at least this large are placed from the top of the address range down.
+const HUGE_BLOCK: u64 = 64 << 20;
 
 pub struct State {
     pub config: Config,
@@ -155,6 +157,7 @@ impl State {
         rounded: u64,
         best: BlockId,
     ) -> (BlockId, DevicePtr) {
+        let huge = rounded >= HUGE_BLOCK;
         let place = |id: BlockId| {
             let b = self.blocks.get(id);
             let (_, seg) = self.paged_segment(b.addr);
@@ -180,6 +183,26 @@ impl State {
                 choice = (missing, id, at);
                 if missing == 0 {
                     break;
+                }
+            }
+        }
+        // Huge blocks stack down from the top of the largest free block (a paged segment's
+        // unused end) unless a place needs fewer pages: they then meet the pages the last
+        // huge blocks left mapped there, whatever sizes the smaller blocks below took.
+        if huge && choice.0 > 0 {
+            if let Some(top) = self
+                .caches
+                .list_ref(owner, pool)
+                .largest_fit(stream, rounded)
+            {
+                let b = self.blocks.get(top);
+                if b.paged {
+                    let at = b.end() - rounded;
+                    let (_, seg) = self.paged_segment(b.addr);
+                    let missing = seg.unmapped_pages(at, rounded);
+                    if missing <= choice.0 {
+                        choice = (missing, top, at);
+                    }
                 }
             }
         }

@@ -1,0 +1,65 @@
+// What the CUDA virtual memory calls cost on this GPU, per call, and whether one cuMemUnmap may
+// cover several separately mapped pages (ccalloc moves pages one granule at a time).
+//   nvcc -O2 -o /tmp/vmm_cost benches/gpu/vmm_cost.cu -lcuda && /tmp/vmm_cost
+#include <cuda.h>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char* s_; cuGetErrorString(r_, &s_); \
+    printf("%s failed: %s\n", #x, s_); return 1; } } while (0)
+
+static double now_us() {
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int main() {
+    CHECK(cuInit(0));
+    CUdevice dev; CHECK(cuDeviceGet(&dev, 0));
+    CUcontext ctx; CHECK(cuDevicePrimaryCtxRetain(&ctx, dev)); CHECK(cuCtxSetCurrent(ctx));
+    CUmemAllocationProp prop = {};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    size_t page = 0;
+    CHECK(cuMemGetAllocationGranularity(&page, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    CUmemAccessDesc access = {};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const int n = 512;
+    CUdeviceptr va; CHECK(cuMemAddressReserve(&va, n * page, 0, 0, 0));
+    std::vector<CUmemGenericAllocationHandle> h(n);
+    double t0 = now_us();
+    for (int i = 0; i < n; i++) CHECK(cuMemCreate(&h[i], page, &prop, 0));
+    double t_create = (now_us() - t0) / n;
+    t0 = now_us();
+    for (int i = 0; i < n; i++) CHECK(cuMemMap(va + i * page, page, 0, h[i], 0));
+    double t_map = (now_us() - t0) / n;
+    t0 = now_us();
+    for (int i = 0; i < n; i++) CHECK(cuMemSetAccess(va + i * page, page, &access, 1));
+    double t_access1 = (now_us() - t0) / n;
+    t0 = now_us();
+    for (int i = 0; i < n; i++) CHECK(cuMemUnmap(va + i * page, page));
+    double t_unmap = (now_us() - t0) / n;
+    // Runs of 16 pages: map each page, one set_access and one unmap per run.
+    const int run = 16;
+    for (int i = 0; i < n; i++) CHECK(cuMemMap(va + i * page, page, 0, h[i], 0));
+    t0 = now_us();
+    for (int i = 0; i < n; i += run) CHECK(cuMemSetAccess(va + i * page, run * page, &access, 1));
+    double t_access16 = (now_us() - t0) / (n / run);
+    t0 = now_us();
+    CUresult multi = CUDA_SUCCESS;
+    for (int i = 0; i < n && multi == CUDA_SUCCESS; i += run) multi = cuMemUnmap(va + i * page, run * page);
+    double t_unmap16 = (now_us() - t0) / (n / run);
+    const char* multi_s; cuGetErrorString(multi, &multi_s);
+    if (multi != CUDA_SUCCESS) for (int i = 0; i < n; i++) cuMemUnmap(va + i * page, page);
+    t0 = now_us();
+    for (int i = 0; i < n; i++) CHECK(cuMemRelease(h[i]));
+    double t_release = (now_us() - t0) / n;
+    CHECK(cuMemAddressFree(va, n * page));
+    printf("VMM_COST {\"page\": %zu, \"create_us\": %.2f, \"map_us\": %.2f, \"set_access_1page_us\": %.2f, "
+           "\"unmap_us\": %.2f, \"set_access_16pages_us\": %.2f, \"unmap_16pages_one_call_us\": %.2f, "
+           "\"unmap_16pages_one_call\": \"%s\", \"release_us\": %.2f}\n",
+           page, t_create, t_map, t_access1, t_unmap, t_access16, t_unmap16, multi_s, t_release);
+    return 0;
+}
