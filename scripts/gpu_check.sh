@@ -11,7 +11,8 @@
 # Steps: environment, build_gpu_test, gpu_test (paged segments, the default), gpu_test_plain
 # (CCALLOC_CONF=expandable_segments:False), sanitizer (memcheck), header_c (ccalloc.h with
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
-# (tests/c/test_api.c on the sim backend against the same library).
+# (tests/c/test_api.c on the sim backend against the same library), torch_checks and
+# python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_steady and vmm_cost (benchmarks).
 #
 # Logs go to $LOG_DIR (default ${OUT:-/tmp}/gpu_check): one <NN>_<step>.log per step and
 # summary.txt, the table printed at the end; with LOG_LAYOUT=combined, all_steps.log (every
@@ -348,6 +349,26 @@ step_bench_hotpath() {
     return ${PIPESTATUS[0]}
 }
 
+step_bench_steady() {
+    need_library || return 1
+    local log="$BUILD_DIR/bench_steady.out"
+    (OUT="$LOG_DIR" bash benches/gpu/steady.sh) 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    info "$(grep -E 'within 2% of native' "$log" | tail -1)"
+    return "$rc"
+}
+
+# What each virtual memory call costs here (paged segments pay them when pages move).
+step_vmm_cost() {
+    need_tool "$NVCC" || return 2
+    local log="$BUILD_DIR/vmm_cost.out"
+    "$NVCC" -O2 -o "$BUILD_DIR/vmm_cost" benches/gpu/vmm_cost.cu -lcuda || return 1
+    "$BUILD_DIR/vmm_cost" | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    info "$(grep -o '"map_us.*unmap_us": [0-9.]*' "$log")"
+    return "$rc"
+}
+
 # The steps, in order. Append new ones here.
 add_step environment "machine, GPU, tools, library"
 add_step build_gpu_test "nvcc tests/gpu/test_gpu.cu against gpu/libccalloc.so"
@@ -361,6 +382,8 @@ add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats,
 add_step python_gpu "python/tests with PyTorch on the GPU"
 add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native vs expandable vs ccalloc"
 add_step bench_hotpath "benches/gpu/hotpath.sh: alloc/free timing vs native and cudaMallocAsync"
+add_step bench_steady "benches/gpu/steady.sh: the four workloads in steady state (warm-up run excluded)"
+add_step vmm_cost "benches/gpu/vmm_cost.cu: microseconds per cuMemCreate/Map/SetAccess/Unmap"
 
 run_steps "$@"
 if [ "$LOG_LAYOUT" = combined ]; then
