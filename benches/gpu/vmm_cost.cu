@@ -57,9 +57,23 @@ int main() {
     for (int i = 0; i < n; i++) CHECK(cuMemRelease(h[i]));
     double t_release = (now_us() - t0) / n;
     CHECK(cuMemAddressFree(va, n * page));
+    // Fences: an event recorded on a stream at a free, queried later.
+    CUstream stream; CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+    std::vector<CUevent> ev(n);
+    for (int i = 0; i < n; i++) CHECK(cuEventCreate(&ev[i], CU_EVENT_DISABLE_TIMING));
+    t0 = now_us();
+    for (int i = 0; i < n; i++) CHECK(cuEventRecord(ev[i], stream));
+    double t_record = (now_us() - t0) / n;
+    t0 = now_us();
+    for (int i = 0; i < n; i++) cuEventQuery(ev[i]);
+    double t_query = (now_us() - t0) / n;
+    CHECK(cuStreamSynchronize(stream));
+    for (int i = 0; i < n; i++) CHECK(cuEventDestroy(ev[i]));
+    CHECK(cuStreamDestroy(stream));
     printf("VMM_COST {\"page\": %zu, \"create_us\": %.2f, \"map_us\": %.2f, \"set_access_1page_us\": %.2f, "
            "\"unmap_us\": %.2f, \"set_access_16pages_us\": %.2f, \"unmap_16pages_one_call_us\": %.2f, "
-           "\"unmap_16pages_one_call\": \"%s\", \"release_us\": %.2f}\n",
-           page, t_create, t_map, t_access1, t_unmap, t_access16, t_unmap16, multi_s, t_release);
+           "\"unmap_16pages_one_call\": \"%s\", \"release_us\": %.2f, \"event_record_us\": %.2f, "
+           "\"event_query_us\": %.2f}\n",
+           page, t_create, t_map, t_access1, t_unmap, t_access16, t_unmap16, multi_s, t_release, t_record, t_query);
     return 0;
 }

@@ -16,7 +16,6 @@ use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
 use std::collections::BTreeSet;
 use std::ops::Range;
-use std::time::{Duration, Instant};
 
 /// Growth may keep this share of live bytes as cached pages before reclaiming (1/32 ≈ 3%)…
 const SLACK_SHIFT: u32 = 5;
@@ -24,8 +23,10 @@ const SLACK_SHIFT: u32 = 5;
 const MIN_SLACK_PAGES: u64 = 4;
 /// Fences kept pending per stream; beyond this none are recorded until some complete.
 const MAX_FENCES_PER_STREAM: usize = 64;
-/// Frees record a fence at most this often per stream (an event record costs about a µs).
-const FREE_FENCE_INTERVAL: Duration = Duration::from_micros(50);
+/// Every this many frees of paged blocks on a stream, the free records a fence: an event
+/// record costs a few µs, and a GPU running behind the host needs no finer marks. (A count,
+/// not a clock, so that replays come out the same every time.)
+const FREES_PER_FENCE: u32 = 16;
 
 /// The page table of one paged segment.
 pub struct PagedSegment {
@@ -510,20 +511,17 @@ impl DeviceAllocator {
         Ok(handles)
     }
 
-    /// After a free on `stream` left whole pages free: a fence, unless one was recorded
-    /// there lately, so that growth can later move those pages without a full wait. The
-    /// stream is alive: the caller has just freed a block of it (PyTorch passes it along).
+    /// After a free of a paged block on `stream`: the first and then every
+    /// `FREES_PER_FENCE`-th record a fence, so that growth can later move the freed pages
+    /// without a full wait. The stream is alive: the caller has just freed a block of it
+    /// (PyTorch passes it along).
     pub(super) fn fence_freed_pages(&self, st: &mut State, stream: StreamId) {
-        let now = Instant::now();
-        if st
-            .fenced_at
-            .get(&stream)
-            .is_some_and(|&at| now.duration_since(at) < FREE_FENCE_INTERVAL)
-        {
-            return;
+        let count = st.frees_since_fence.entry(stream).or_insert(0);
+        let due = *count % FREES_PER_FENCE == 0;
+        *count = count.wrapping_add(1);
+        if due {
+            self.record_fence(st, stream);
         }
-        st.fenced_at.insert(stream, now);
-        self.record_fence(st, stream);
     }
 
     /// Records a fence on `stream` (the caller's, so alive) unless one already covers every

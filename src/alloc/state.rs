@@ -71,8 +71,8 @@ pub struct State {
     pub done_seq: HashMap<StreamId, u64>,
     /// Every free up to this one is done on the device (it was synchronized after it).
     pub synced_seq: u64,
-    /// When a free last recorded a fence, per stream (to rate-limit them).
-    pub fenced_at: HashMap<StreamId, std::time::Instant>,
+    /// Frees of paged blocks per stream, counted to record a fence every so many.
+    pub frees_since_fence: HashMap<StreamId, u32>,
 }
 
 impl State {
@@ -96,7 +96,7 @@ impl State {
             fences: VecDeque::new(),
             done_seq: HashMap::new(),
             synced_seq: 0,
-            fenced_at: HashMap::new(),
+            frees_since_fence: HashMap::new(),
         }
     }
 

@@ -579,13 +579,11 @@ fn growth_behind_a_lagging_gpu_waits_once_on_a_fence_never_on_the_device() {
     let blocks: Vec<_> = (0..4).map(|_| a.malloc(16 * MIB, S0).unwrap()).collect();
     let keep = a.malloc(2 * MIB, S0).unwrap();
     for b in blocks {
+        // The first free records a fence (later ones only every FREES_PER_FENCE frees).
         a.free(b).unwrap();
-        // Frees further apart than the fence interval each record a fence; the first two
-        // complete as the last two are recorded.
-        std::thread::sleep(std::time::Duration::from_micros(200));
     }
-    // Larger than the 64 MiB hole: it goes after `keep`, with pages from the hole, half of
-    // which the device may still be using.
+    // Larger than the 64 MiB hole: it goes after `keep`, with pages from the hole that the
+    // device may still be using: one wait on a fence, none on the whole device.
     let big = a.malloc(70 * MIB, S0).unwrap();
     let c = sim.counters(0);
     assert!(c.unmaps >= 16, "pages moved: {}", c.unmaps);
