@@ -517,7 +517,7 @@ impl DeviceAllocator {
     /// (PyTorch passes it along).
     pub(super) fn fence_freed_pages(&self, st: &mut State, stream: StreamId) {
         let count = st.frees_since_fence.entry(stream).or_insert(0);
-        let due = *count % FREES_PER_FENCE == 0;
+        let due = count.is_multiple_of(FREES_PER_FENCE);
         *count = count.wrapping_add(1);
         if due {
             self.record_fence(st, stream);
