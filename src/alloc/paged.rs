@@ -4,9 +4,16 @@
 //! as large as the device, carved into blocks like any segment, but backed by physical memory
 //! only where blocks need it, one granule (page) at a time. Pages of free blocks stay mapped
 //! (so steady-state reuse costs no driver call) until growth would push reserved memory past
-//! what is live plus a small slack; then pages under free blocks are unmapped and reused
-//! where they are needed, or given back. Reserved memory therefore tracks live memory, while
-//! a training loop that repeats its sizes never maps or unmaps after its first iterations.
+//! the high-water mark of live memory plus a small slack; then pages under free blocks are
+//! unmapped and reused where they are needed, or given back. Reserved memory therefore
+//! tracks live memory, while a training loop that repeats its sizes never maps or unmaps
+//! after its first iterations.
+//!
+//! A page moves only once the device is done with the work queued before its last free:
+//! frees and growth record events ("fences") on their streams, and a move waits on the
+//! oldest fence covering the page, usually one that has completed already. Placement
+//! (`State::take_cached`) prefers places whose pages are mapped, since each move costs tens
+//! of microseconds of driver calls (see `benches/gpu/vmm_cost.cu`).
 
 use super::blocks::{Block, BlockState};
 use super::sizing::PoolKind;

@@ -626,3 +626,33 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
     assert_eq!(seg.best_place(va(9), va(12), 2 * page), (2, va(9)));
     assert_eq!(seg.unmapped_pages(va(4), 3 * page), 1);
 }
+
+#[test]
+fn huge_blocks_stack_down_from_the_top_and_reuse_the_pages_left_there() {
+    let (sim, a) = paged(1 << 30, "");
+    let small = a.malloc(10 * MIB, S0).unwrap();
+    let x = a.malloc(100 * MIB, S0).unwrap();
+    assert!(
+        x > small + 800 * MIB,
+        "a huge block goes to the top of the range"
+    );
+    let maps = sim.counters(0).maps;
+    a.free(x).unwrap();
+    // Smaller but still huge: it ends where x ended, on pages x left mapped.
+    let y = a.malloc(90 * MIB, S0).unwrap();
+    assert_eq!(y, x + 10 * MIB);
+    assert_eq!(sim.counters(0).maps, maps, "no page was mapped");
+    // A smaller block placed where pages are mapped, inside the free space x left.
+    a.free(y).unwrap();
+    let z = a.malloc(20 * MIB, S0).unwrap();
+    assert!(
+        z >= x && z + 20 * MIB <= x + 100 * MIB,
+        "carved inside x's mapped pages"
+    );
+    assert_eq!(sim.counters(0).maps, maps);
+    for p in [small, z] {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
