@@ -25,6 +25,7 @@ fn size_strategy() -> impl Strategy<Value = u64> {
         3 => 4096u64..(1 << 20),
         2 => (1u64 << 20)..(12 << 20),
         1 => (12u64 << 20)..(64 << 20),
+        1 => (60u64 << 20)..(200 << 20),
     ]
 }
 
@@ -40,6 +41,9 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 }
 
 struct Live {
+    /// The stream it was allocated on, and those `record_stream` added.
+    stream: StreamId,
+    uses: Vec<StreamId>,
     ptr: u64,
     size: u64,
     rounded: u64,
@@ -182,6 +186,8 @@ fn run_on(sim: Arc<SimDriver>, ops: Vec<Op>, conf: &str) {
                         );
                     }
                     let b = Live {
+                        stream: STREAMS[stream],
+                        uses: Vec::new(),
                         ptr,
                         size,
                         rounded: block_size,
@@ -195,12 +201,19 @@ fn run_on(sim: Arc<SimDriver>, ops: Vec<Op>, conf: &str) {
             },
             Op::Free { pick } if !live.is_empty() => {
                 let b = live.swap_remove(pick % live.len());
+                // Kernels queued until now on its streams used it: the sim refuses to unmap or
+                // release its pages before they have run.
+                for &s in std::iter::once(&b.stream).chain(&b.uses) {
+                    sim.note_use(0, b.ptr, b.rounded, s);
+                }
                 a.free(b.ptr).unwrap();
                 freed.push(b.ptr);
             }
             Op::RecordStream { pick, stream } if !live.is_empty() => {
-                a.record_stream(live[pick % live.len()].ptr, STREAMS[stream])
-                    .unwrap();
+                let n = live.len();
+                let b = &mut live[pick % n];
+                a.record_stream(b.ptr, STREAMS[stream]).unwrap();
+                b.uses.push(STREAMS[stream]);
             }
             Op::Pause { stream, paused } => sim.set_stream_paused(0, STREAMS[stream], paused),
             Op::EmptyCache => a.empty_cache().unwrap(),
@@ -260,6 +273,17 @@ proptest! {
     #[test]
     fn tight_memory_plain_segments(ops in prop::collection::vec(op_strategy(), 1..300)) {
         run(ops, "expandable_segments:False,max_split_size_mb:24,garbage_collection_threshold:0.7", 160 << 20);
+    }
+
+    /// A GPU running behind the host: pages move only after the work on them has run.
+    #[test]
+    fn gpu_behind_the_host(ops in prop::collection::vec(op_strategy(), 1..400)) {
+        run_on(Arc::new(SimDriver::new(1, 512 << 20).with_event_lag(2)), ops, "");
+    }
+
+    #[test]
+    fn gpu_far_behind_with_room_for_huge_blocks(ops in prop::collection::vec(op_strategy(), 1..400)) {
+        run_on(Arc::new(SimDriver::new(1, 2 << 30).with_event_lag(3)), ops, "");
     }
 
     #[test]

@@ -537,11 +537,20 @@ impl DeviceAllocator {
         if st.caches.capturing() || st.free_is_done(stream, st.free_seq) {
             return;
         }
-        let mut pending = st.fences.iter().filter(|f| f.stream == stream);
-        if pending.clone().any(|f| f.seq >= st.free_seq)
-            || pending.by_ref().count() >= MAX_FENCES_PER_STREAM
+        let pending = |st: &State| st.fences.iter().filter(|f| f.stream == stream).count();
+        if st
+            .fences
+            .iter()
+            .any(|f| f.stream == stream && f.seq >= st.free_seq)
         {
             return;
+        }
+        if pending(st) >= MAX_FENCES_PER_STREAM {
+            // Completed fences are otherwise noticed only when pages move: without this, a
+            // long run with no moves would fill the queue and stop fencing.
+            if self.poll_fences(st).is_err() || pending(st) >= MAX_FENCES_PER_STREAM {
+                return;
+            }
         }
         match self.driver.record_event(self.device, stream) {
             Ok(event) => st.fences.push_back(Fence {
@@ -625,17 +634,20 @@ impl DeviceAllocator {
                 }
                 return Ok(());
             }
-            None if stream == caller => {
-                let event = self
-                    .driver
-                    .record_event(self.device, stream)
-                    .map_err(|e| driver_error(self.device, e))?;
-                Fence {
+            None if stream == caller => match self.driver.record_event(self.device, stream) {
+                Ok(event) => Fence {
                     stream,
                     seq: st.free_seq,
                     event,
+                },
+                Err(e) => {
+                    tracing::warn!(
+                        device = self.device,
+                        "record_event failed ({e}); synchronizing"
+                    );
+                    return self.sync_device(st);
                 }
-            }
+            },
             None => {
                 self.sync_device(st)?;
                 return Ok(());

@@ -656,3 +656,20 @@ fn huge_blocks_stack_down_from_the_top_and_reuse_the_pages_left_there() {
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+#[test]
+fn fences_keep_coming_through_a_long_run_without_page_moves() {
+    let sim = Arc::new(SimDriver::new(1, 1 << 30).with_event_lag(2));
+    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    for _ in 0..3000 {
+        let p = a.malloc(4 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+    }
+    let st = a.state.lock().unwrap();
+    let newest = st.fences.iter().map(|f| f.seq).max().unwrap_or(0);
+    assert!(
+        st.free_seq - newest <= 16,
+        "newest fence covers free {newest} of {}",
+        st.free_seq
+    );
+}

@@ -57,6 +57,9 @@ struct SimMemory {
     live_slots: HashMap<u64, Option<DevicePtr>>,
     /// Mapped granules: address → slot.
     mapped: HashMap<DevicePtr, u64>,
+    /// Granule address → (stream, its queue position) of work that used it, as tests report
+    /// with `note_use`; unmapping before such work has finished is refused.
+    uses: HashMap<DevicePtr, Vec<(StreamId, u64)>>,
     counters: SimCounters,
 }
 
@@ -112,6 +115,19 @@ impl SimDriver {
     pub fn without_vmm(mut self) -> Self {
         self.vmm = false;
         self
+    }
+
+    /// For tests: work queued on `stream` until now uses `[va, va+len)`. Unmapping any of
+    /// those granules fails until that work has finished (the stream has moved past it):
+    /// the check that the allocator never unmaps pages the device may still be using.
+    pub fn note_use(&self, device: usize, va: DevicePtr, len: u64, stream: StreamId) {
+        let Ok(d) = self.device(device) else { return };
+        let queued = d.streams.lock().unwrap().entry(stream).or_default().queued;
+        let mut memory = d.memory.lock().unwrap();
+        let first = va / SIM_GRANULARITY * SIM_GRANULARITY;
+        for g in (first..va + len.max(1)).step_by(SIM_GRANULARITY as usize) {
+            memory.uses.entry(g).or_default().push((stream, queued));
+        }
     }
 
     /// Events complete only `lag` recorded events later on their stream (or when waited on,
@@ -196,6 +212,24 @@ impl SimDriver {
     }
 }
 
+/// Refuses to give up granule `va` while work that `note_use` reported on it is unfinished.
+fn check_unused(
+    streams: &HashMap<StreamId, StreamState>,
+    memory: &SimMemory,
+    va: DevicePtr,
+    call: &'static str,
+) -> DriverResult<()> {
+    for &(stream, queued) in memory.uses.get(&va).into_iter().flatten() {
+        if streams.get(&stream).map_or(0, |s| s.finished) < queued {
+            return Err(sim_error(
+                call,
+                format!("{va:#x} is still in use by work queued on stream {stream:?}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn round_up(value: u64, to: u64) -> u64 {
     value.div_ceil(to) * to
 }
@@ -233,11 +267,25 @@ impl Driver for SimDriver {
 
     fn release(&self, device: usize, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
         let d = self.device(device)?;
+        let streams = d.streams.lock().unwrap();
         let mut memory = d.memory.lock().unwrap();
-        let charged = memory.mappings.remove(&ptr).ok_or(DriverError::Failed {
-            call: "sim release",
-            detail: format!("{ptr:#x} is not a live simulated allocation"),
-        })?;
+        let Some(&charged) = memory.mappings.get(&ptr) else {
+            return Err(DriverError::Failed {
+                call: "sim release",
+                detail: format!("{ptr:#x} is not a live simulated allocation"),
+            });
+        };
+        // Uses are noted per 2 MiB granule of the address space.
+        let granules = (ptr / SIM_GRANULARITY * SIM_GRANULARITY..ptr + charged)
+            .step_by(SIM_GRANULARITY as usize);
+        for g in granules.clone() {
+            check_unused(&streams, &memory, g, "release")?;
+        }
+        drop(streams);
+        for g in granules {
+            memory.uses.remove(&g);
+        }
+        memory.mappings.remove(&ptr);
         host::unmap(ptr, charged);
         let c = &mut memory.counters;
         c.bytes_in_use -= charged;
@@ -464,7 +512,11 @@ impl Driver for SimDriver {
 
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         let d = self.device(device)?;
+        let streams = d.streams.lock().unwrap();
         let mut memory = d.memory.lock().unwrap();
+        check_unused(&streams, &memory, va, "unmap")?;
+        drop(streams);
+        memory.uses.remove(&va);
         let Some(slot) = memory
             .mapped
             .remove(&va)
