@@ -261,11 +261,10 @@ impl DeviceAllocator {
         };
         let uses = st.take_back(id);
         if uses.is_empty() {
-            st.cache(id);
-            let block = st.blocks.get(id);
-            if block.paged {
-                let stream = block.stream;
-                self.fence_freed_pages(&mut st, stream);
+            if st.cache(id) {
+                // Later growth may want these pages: a fence tells it when they are free.
+                let stream = st.blocks.get(id).stream;
+                self.record_fence(&mut st, stream);
             }
             Ok(())
         } else if st.caches.capturing() {

@@ -30,7 +30,7 @@ const SLACK_SHIFT: u32 = 5;
 const MIN_SLACK_PAGES: u64 = 4;
 /// Fences kept pending per stream; beyond this none are recorded until some complete.
 const MAX_FENCES_PER_STREAM: usize = 64;
-/// Every this many frees of paged blocks on a stream, the free records a fence: an event
+/// Every this many frees of paged blocks in a segment, the free records a fence: an event
 /// record costs a few µs, and a GPU running behind the host needs no finer marks. (A count,
 /// not a clock, so that replays come out the same every time.)
 const FREES_PER_FENCE: u32 = 16;
@@ -46,6 +46,8 @@ pub struct PagedSegment {
     /// Per page, the `State::free_seq` of the last free of a block on it (0: none since
     /// mapping): its last use on the device came before that free.
     pub last_free: Vec<u64>,
+    /// Frees since the last one that asked for a fence.
+    pub frees_since_fence: u32,
     pub mapped: usize,
     /// The mapped pages' indices, to find mapped runs without walking the whole table.
     pub mapped_set: BTreeSet<usize>,
@@ -80,6 +82,10 @@ impl PagedSegment {
     /// How many pages `[addr, addr+len)` touches that are not mapped.
     pub fn unmapped_pages(&self, addr: DevicePtr, len: u64) -> usize {
         let touched = self.touched(addr, len);
+        if touched.len() <= 64 {
+            // The hand-out fast path: a look at the table beats a walk of the set.
+            return touched.filter(|&i| self.pages[i].is_none()).count();
+        }
         touched.len() - self.mapped_set.range(touched).count()
     }
 
@@ -118,11 +124,15 @@ impl PagedSegment {
         best
     }
 
-    /// A block `[addr, addr+len)` was freed at `seq`.
-    pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) {
+    /// A block `[addr, addr+len)` was freed at `seq`. Returns whether this free should record
+    /// a fence: the first, then every `FREES_PER_FENCE`-th.
+    pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
         for i in self.touched(addr, len) {
             self.last_free[i] = seq;
         }
+        let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
+        self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
+        due
     }
 
     fn va(&self, page: usize) -> DevicePtr {
@@ -205,6 +215,7 @@ impl DeviceAllocator {
                 pool,
                 pages,
                 last_free,
+                frees_since_fence: 0,
                 mapped: 0,
                 mapped_set: BTreeSet::new(),
             },
@@ -518,26 +529,13 @@ impl DeviceAllocator {
         Ok(handles)
     }
 
-    /// After a free of a paged block on `stream`: the first and then every
-    /// `FREES_PER_FENCE`-th record a fence, so that growth can later move the freed pages
-    /// without a full wait. The stream is alive: the caller has just freed a block of it
-    /// (PyTorch passes it along).
-    pub(super) fn fence_freed_pages(&self, st: &mut State, stream: StreamId) {
-        let count = st.frees_since_fence.entry(stream).or_insert(0);
-        let due = count.is_multiple_of(FREES_PER_FENCE);
-        *count = count.wrapping_add(1);
-        if due {
-            self.record_fence(st, stream);
-        }
-    }
-
-    /// Records a fence on `stream` (the caller's, so alive) unless one already covers every
+    /// Records a fence on `stream` (alive: the caller allocates on it, or has just freed a
+    /// block of it, as PyTorch does) unless one already covers every
     /// free so far, too many are pending, or a graph is being captured.
-    fn record_fence(&self, st: &mut State, stream: StreamId) {
+    pub(super) fn record_fence(&self, st: &mut State, stream: StreamId) {
         if st.caches.capturing() || st.free_is_done(stream, st.free_seq) {
             return;
         }
-        let pending = |st: &State| st.fences.iter().filter(|f| f.stream == stream).count();
         if st
             .fences
             .iter()
@@ -545,12 +543,22 @@ impl DeviceAllocator {
         {
             return;
         }
-        if pending(st) >= MAX_FENCES_PER_STREAM {
-            // Completed fences are otherwise noticed only when pages move: without this, a
-            // long run with no moves would fill the queue and stop fencing.
-            if self.poll_fences(st).is_err() || pending(st) >= MAX_FENCES_PER_STREAM {
-                return;
+        // Retire the stream's completed fences (oldest first: they complete in order).
+        // Otherwise they are noticed only when pages move, and a long run without moves
+        // would fill the queue and stop fencing.
+        while let Some(i) = st.fences.iter().position(|f| f.stream == stream) {
+            if !matches!(
+                self.driver.event_done(self.device, st.fences[i].event),
+                Ok(true)
+            ) {
+                break;
             }
+            let fence = st.fences.remove(i).expect("in range");
+            self.retire_fence(st, fence);
+        }
+        let pending = st.fences.iter().filter(|f| f.stream == stream).count();
+        if pending >= MAX_FENCES_PER_STREAM || st.free_is_done(stream, st.free_seq) {
+            return;
         }
         match self.driver.record_event(self.device, stream) {
             Ok(event) => st.fences.push_back(Fence {

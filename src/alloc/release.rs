@@ -126,7 +126,7 @@ impl DeviceAllocator {
                     return Err(driver_error(self.device, e));
                 }
             }
-            st.cache(pending.block);
+            let _ = st.cache(pending.block);
         }
         Ok(())
     }
@@ -151,7 +151,7 @@ impl DeviceAllocator {
                 for event in pending.events {
                     self.driver.destroy_event(self.device, event);
                 }
-                st.cache(pending.block);
+                let _ = st.cache(pending.block);
             } else {
                 i += 1;
             }
@@ -185,7 +185,7 @@ impl DeviceAllocator {
             }
         }
         if events.is_empty() {
-            st.cache(id);
+            let _ = st.cache(id);
         } else {
             st.awaiting.push(AwaitingEvents { block: id, events });
         }

@@ -71,8 +71,6 @@ pub struct State {
     pub done_seq: HashMap<StreamId, u64>,
     /// Every free up to this one is done on the device (it was synchronized after it).
     pub synced_seq: u64,
-    /// Frees of paged blocks per stream, counted to record a fence every so many.
-    pub frees_since_fence: HashMap<StreamId, u32>,
 }
 
 impl State {
@@ -96,7 +94,6 @@ impl State {
             fences: VecDeque::new(),
             done_seq: HashMap::new(),
             synced_seq: 0,
-            frees_since_fence: HashMap::new(),
         }
     }
 
@@ -416,14 +413,17 @@ impl State {
     }
 
     /// Returns a no-longer-used block to its free list, merging free neighbours.
-    pub fn cache(&mut self, id: BlockId) {
+    /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
+    pub fn cache(&mut self, id: BlockId) -> bool {
         let block = self.blocks.get(id);
         let (pool, paged) = (block.pool, block.paged);
         let (original_size, requested) = (block.size, block.requested);
+        let mut fence_due = false;
         if paged {
             self.free_seq += 1;
             let (addr, seq) = (block.addr, self.free_seq);
-            self.paged_segment_mut(addr)
+            fence_due = self
+                .paged_segment_mut(addr)
                 .note_free(addr, original_size, seq);
         }
         let (net_blocks, net_bytes) = self.merge_and_list(id);
@@ -435,6 +435,7 @@ impl State {
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, original_size);
         s.requested_bytes.decrease(pool, requested);
+        fence_due
     }
 
     /// Puts back a paged block taken from the cache but never handed out. Its neighbours may

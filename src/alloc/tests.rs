@@ -607,6 +607,7 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
         pool: sizing::PoolKind::Large,
         pages: vec![None; 16],
         last_free: vec![0; 16],
+        frees_since_fence: 0,
         mapped: 0,
         mapped_set: Default::default(),
     };
