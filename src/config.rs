@@ -24,6 +24,9 @@ pub struct Config {
     /// Paged segments (virtual memory management) where the driver has it; plain device
     /// allocations otherwise or when false.
     pub expandable_segments: bool,
+    /// Paged segments keep up to this share of the live bytes' high-water mark as cached
+    /// pages before they move pages under free blocks (memory for time).
+    pub page_slack: f64,
 }
 
 impl Default for Config {
@@ -35,13 +38,18 @@ impl Default for Config {
             garbage_collection_threshold: 0.0,
             per_process_memory_fraction: None,
             expandable_segments: true,
+            page_slack: DEFAULT_PAGE_SLACK,
         }
     }
 }
 
+/// 1/32: peak reserved stays within about 3% of peak live bytes.
+pub const DEFAULT_PAGE_SLACK: f64 = 1.0 / 32.0;
+
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 6] = [
+pub const KEYS: [&str; 7] = [
     "expandable_segments",
+    "page_slack",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
@@ -115,6 +123,15 @@ impl Config {
                 self.per_process_memory_fraction = Some(f);
             }
             "roundup_power2_divisions" => self.set_roundup(value)?,
+            "page_slack" => {
+                let f = parse_number::<f64>(key, value)?;
+                if !(0.0..=16.0).contains(&f) {
+                    return Err(config_error(format!(
+                        "page_slack must be within [0, 16] (a share of peak live bytes; got {value})"
+                    )));
+                }
+                self.page_slack = f;
+            }
             "expandable_segments" => {
                 self.expandable_segments = match value {
                     "True" | "true" | "1" => true,
@@ -253,8 +270,9 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let mut c = Config::default();
-        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False")
+        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False,page_slack:0.25")
             .unwrap();
+        assert_eq!(c.page_slack, 0.25);
         assert_eq!(c.max_split_size, 256 * MB);
         assert_eq!(c.max_non_split_rounding, 64 * MB);
         assert_eq!(c.garbage_collection_threshold, 0.6);
@@ -299,6 +317,8 @@ mod tests {
             ("expandable_segments_typo:True", "expandable_segments_typo"),
             ("max_split_size_mb", "key:value"),
             ("expandable_segments:maybe", "expandable_segments"),
+            ("page_slack:-1", "page_slack"),
+            ("page_slack:lots", "page_slack"),
         ] {
             let err = c
                 .apply(&format!("max_non_split_rounding_mb:70,{bad}"))

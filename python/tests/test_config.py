@@ -76,6 +76,7 @@ def test_garbage_collection_threshold_in_a_fresh_process():
         ("per_process_memory_fraction:2", "per_process_memory_fraction must be within [0, 1]"),
         ("roundup_power2_divisions:3", "divisions must be a power of two or 0 (got 3)"),
         ("roundup_power2_divisions:[256:1", "unbalanced '['"),
+        ("page_slack:20", "page_slack must be within [0, 16]"),
     ],
 )
 def test_bad_config(conf, message):

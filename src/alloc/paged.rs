@@ -24,9 +24,8 @@ use crate::error::Result;
 use std::collections::BTreeSet;
 use std::ops::Range;
 
-/// Growth may keep this share of live bytes as cached pages before reclaiming (1/32 ≈ 3%)…
-const SLACK_SHIFT: u32 = 5;
-/// …but never fewer than this many pages.
+/// Growth may keep `page_slack` (config) times the live high-water mark as cached pages
+/// before reclaiming, but never fewer than this many pages.
 const MIN_SLACK_PAGES: u64 = 4;
 /// Fences kept pending per stream; beyond this none are recorded until some complete.
 const MAX_FENCES_PER_STREAM: usize = 64;
@@ -252,7 +251,7 @@ impl DeviceAllocator {
         let live_after = st.stats.active_bytes.all().current as u64 + len;
         st.live_high_water = st.live_high_water.max(live_after);
         let high = st.live_high_water;
-        let slack = (high >> SLACK_SHIFT).max(MIN_SLACK_PAGES * page);
+        let slack = ((high as f64 * st.config.page_slack) as u64).max(MIN_SLACK_PAGES * page);
         let budget = (high + slack).min(self.hard_limit(st));
         let mut handles = self.unpark(st, need as usize, page);
         let gathered = self.gather_pages(st, stream, &mut handles, need, page, budget, slack, rest);

@@ -674,3 +674,29 @@ fn fences_keep_coming_through_a_long_run_without_page_moves() {
         st.free_seq
     );
 }
+
+#[test]
+fn page_slack_trades_memory_for_page_moves() {
+    // A 40 MiB hole, then a 60 MiB request that does not fit it: with the default slack its
+    // pages come from the hole; with page_slack:1 the cache may grow instead.
+    let run = |conf: &str| {
+        let (sim, a) = paged(1 << 30, conf);
+        let hole = a.malloc(40 * MIB, S0).unwrap();
+        let keep = a.malloc(4 * MIB, S0).unwrap();
+        a.free(hole).unwrap();
+        let big = a.malloc(60 * MIB, S0).unwrap();
+        let reserved = stats(&a).reserved_bytes.all().current as u64;
+        let unmaps = sim.counters(0).unmaps;
+        a.free(big).unwrap();
+        a.free(keep).unwrap();
+        (reserved, unmaps)
+    };
+    let (tight, moved) = run("");
+    let (loose, none) = run("page_slack:1");
+    assert!(
+        moved >= 10 && tight <= 64 * MIB + 64 * MIB / 32 + 8 * MIB,
+        "{tight} {moved}"
+    );
+    assert_eq!(none, 0, "nothing moved");
+    assert_eq!(loose, 104 * MIB, "the 40 MiB hole stayed mapped");
+}
