@@ -5,7 +5,7 @@
 #   bash benches/gpu/steady.sh
 #
 # Settings (environment): WORKLOADS (default: the four), ALLOCATORS (default
-# "native ccalloc native_expandable"), PROCESSES per (workload, allocator) (default 1), RUNS
+# "native ccalloc native_expandable"; also ccalloc_slack25: ccalloc with page_slack:0.25), PROCESSES per (workload, allocator) (default 1), RUNS
 # timed per process after one warm-up run (default 2), OUT (results: $OUT/steady.jsonl,
 # $OUT/steady.md, logs in $OUT/steady_logs; default /tmp), RUN_TIMEOUT (s, default 300),
 # CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so), PYTHON.

@@ -5,7 +5,7 @@ usage:
   workloads_steady.py run NAME ALLOCATOR [RUNS]    prints STEADY {json}
   workloads_steady.py summarize FILE.jsonl         a Markdown table of what `run` printed
 
-ALLOCATOR: native | native_expandable | ccalloc.
+ALLOCATOR: native | native_expandable | ccalloc | ccalloc_slack25 (CCALLOC_CONF=page_slack:0.25).
 
 workloads.py times one cold run: imports (transformers, torchvision), cuBLAS/cuDNN start-up and
 the allocator's first growth fall inside its clock, and those vary by ±15% from run to run,
@@ -31,7 +31,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 WORKLOADS = ("gpt2_train_varlen", "resnet50_train", "bert_infer_varlen", "mlp_sidestream")
-ALLOCATORS = ("native", "native_expandable", "ccalloc")
+ALLOCATORS = ("native", "native_expandable", "ccalloc", "ccalloc_slack25")
+# ccalloc settings per allocator name: ccalloc_slack25 trades memory for fewer page moves.
+CCALLOC_CONF = {"ccalloc": "", "ccalloc_slack25": "page_slack:0.25"}
 
 
 def find_bench() -> str:
@@ -65,7 +67,8 @@ def run(name: str, allocator: str, runs: int) -> int:
     else:
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     stats = None
-    if allocator == "ccalloc":
+    if allocator in CCALLOC_CONF:
+        os.environ["CCALLOC_CONF"] = CCALLOC_CONF[allocator]
         os.environ.setdefault("CCALLOC_LIBRARY", os.path.join(REPO, "gpu", "libccalloc.so"))
         os.environ["CCALLOC_BACKEND"] = "cuda"
         sys.path.insert(0, os.path.join(REPO, "python"))
