@@ -34,7 +34,18 @@ fn intact(ptr: u64, size: u64, tag: u8) -> bool {
 
 #[test]
 fn threads_on_their_own_streams_never_share_memory() {
-    let sim = Arc::new(SimDriver::new(1, 8 << 30));
+    stress(Arc::new(SimDriver::new(1, 8 << 30)));
+}
+
+/// The same with a GPU running behind the host: every free reports the block's streams to
+/// the sim, which refuses to unmap pages whose work has not run (so page moves must wait
+/// on the right fences, across threads; a run moves about 2,900 pages).
+#[test]
+fn threads_with_a_gpu_behind_the_host_never_unmap_pages_in_use() {
+    stress(Arc::new(SimDriver::new(1, 8 << 30).with_event_lag(2)));
+}
+
+fn stress(sim: Arc<SimDriver>) {
     let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap());
     let stop = Arc::new(AtomicBool::new(false));
 
@@ -55,7 +66,7 @@ fn threads_on_their_own_streams_never_share_memory() {
 
     let workers: Vec<_> = (0..THREADS)
         .map(|t| {
-            let alloc = alloc.clone();
+            let (alloc, sim) = (alloc.clone(), sim.clone());
             std::thread::spawn(move || {
                 let mut rng = Rng(t + 1);
                 let stream = StreamId(100 + t);
@@ -77,9 +88,11 @@ fn threads_on_their_own_streams_never_share_memory() {
                             intact(ptr, size, tag),
                             "thread {t}: block {ptr:#x} was overwritten"
                         );
+                        sim.note_use(0, ptr, size, stream);
                         if rng.next().is_multiple_of(4) {
                             let other = StreamId(100 + rng.next() % THREADS);
                             alloc.record_stream(ptr, other).unwrap();
+                            sim.note_use(0, ptr, size, other);
                         }
                         alloc.free(ptr).unwrap();
                     }
