@@ -46,8 +46,9 @@ pub struct State {
     pub limit: u64,
     pub blocks: BlockArena,
     pub caches: Caches,
-    /// Blocks handed out, by address.
-    pub live: HashMap<DevicePtr, BlockId>,
+    /// Blocks handed out, by address (FxHash: every alloc and free looks up here, and the
+    /// keys are the allocator's own addresses, not attacker-chosen).
+    pub live: rustc_hash::FxHashMap<DevicePtr, BlockId>,
     pub segments: BTreeMap<DevicePtr, Segment>,
     pub awaiting: Vec<AwaitingEvents>,
     /// Blocks freed during a capture with other streams recorded: their events are recorded
@@ -80,7 +81,7 @@ impl State {
             limit,
             blocks: BlockArena::default(),
             caches: Caches::default(),
-            live: HashMap::new(),
+            live: Default::default(),
             segments: BTreeMap::new(),
             awaiting: Vec::new(),
             deferred: Vec::new(),
