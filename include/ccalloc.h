@@ -157,7 +157,8 @@ ccalloc_status ccalloc_malloc(size_t size, int32_t device, cudaStream_t stream, 
 
 // Frees a block from `ccalloc_malloc`. NULL is a no-op. The block is reused on its
 // allocation stream at once, and on other streams recorded with `ccalloc_record_stream`
-// only after their queued work completes.
+// only after their queued work completes. As with PyTorch's allocator, the block's
+// allocation stream must still exist: ccalloc may record an event on it here.
 ccalloc_status ccalloc_free(void *ptr, int32_t device);
 
 // Records that a live block is used on `stream` as well as its own.

@@ -148,7 +148,8 @@ pub extern "C" fn ccalloc_malloc(
 
 /// Frees a block from `ccalloc_malloc`. NULL is a no-op. The block is reused on its
 /// allocation stream at once, and on other streams recorded with `ccalloc_record_stream`
-/// only after their queued work completes.
+/// only after their queued work completes. As with PyTorch's allocator, the block's
+/// allocation stream must still exist: ccalloc may record an event on it here.
 #[no_mangle]
 pub extern "C" fn ccalloc_free(ptr: *mut c_void, device: i32) -> ccalloc_status {
     guard(|| {
