@@ -482,7 +482,7 @@ impl DeviceAllocator {
                 true
             }
             Some(_) => {
-                self.poll_fences(st)?;
+                self.poll_fences(st, None)?;
                 false
             }
         };
@@ -543,19 +543,10 @@ impl DeviceAllocator {
         {
             return;
         }
-        // Retire the stream's completed fences (oldest first: they complete in order).
-        // Otherwise they are noticed only when pages move, and a long run without moves
-        // would fill the queue and stop fencing.
-        while let Some(i) = st.fences.iter().position(|f| f.stream == stream) {
-            if !matches!(
-                self.driver.event_done(self.device, st.fences[i].event),
-                Ok(true)
-            ) {
-                break;
-            }
-            let fence = st.fences.remove(i).expect("in range");
-            self.retire_fence(st, fence);
-        }
+        // Retire the stream's completed fences: otherwise they are noticed only when pages
+        // move, and a long run without moves would fill the queue and stop fencing. (A
+        // failed query only leaves them queued.)
+        let _ = self.poll_fences(st, Some(stream));
         let pending = st.fences.iter().filter(|f| f.stream == stream).count();
         if pending >= MAX_FENCES_PER_STREAM || st.free_is_done(stream, st.free_seq) {
             return;
@@ -571,12 +562,17 @@ impl DeviceAllocator {
         }
     }
 
-    /// Notes the fences that have completed (a stream's complete in order).
-    fn poll_fences(&self, st: &mut State) -> Result<()> {
+    /// Notes the fences that have completed, of `only` that stream or of all (a stream's
+    /// complete in order, so each is queried only up to its first pending one).
+    fn poll_fences(&self, st: &mut State, only: Option<StreamId>) -> Result<()> {
         let mut blocked: Vec<StreamId> = Vec::new();
         let mut i = 0;
         while i < st.fences.len() {
             let stream = st.fences[i].stream;
+            if only.is_some_and(|s| s != stream) {
+                i += 1;
+                continue;
+            }
             let done = !blocked.contains(&stream)
                 && self
                     .driver
@@ -623,31 +619,17 @@ impl DeviceAllocator {
             .fences
             .iter()
             .position(|f| f.stream == stream && f.seq >= seq);
-        let fence = match covering {
-            Some(i) => {
-                let fence = &st.fences[i];
-                self.driver
-                    .wait_event(self.device, fence.event)
-                    .map_err(|e| driver_error(self.device, e))?;
-                // It and the stream's older fences are done.
-                let upto = fence.seq;
-                let mut j = 0;
-                while j < st.fences.len() {
-                    if st.fences[j].stream == stream && st.fences[j].seq <= upto {
-                        let older = st.fences.remove(j).expect("in range");
-                        self.retire_fence(st, older);
-                    } else {
-                        j += 1;
-                    }
-                }
-                return Ok(());
-            }
+        let i = match covering {
+            Some(i) => i,
             None if stream == caller => match self.driver.record_event(self.device, stream) {
-                Ok(event) => Fence {
-                    stream,
-                    seq: st.free_seq,
-                    event,
-                },
+                Ok(event) => {
+                    st.fences.push_back(Fence {
+                        stream,
+                        seq: st.free_seq,
+                        event,
+                    });
+                    st.fences.len() - 1
+                }
                 Err(e) => {
                     tracing::warn!(
                         device = self.device,
@@ -656,18 +638,13 @@ impl DeviceAllocator {
                     return self.sync_device(st);
                 }
             },
-            None => {
-                self.sync_device(st)?;
-                return Ok(());
-            }
+            None => return self.sync_device(st),
         };
-        let waited = self.driver.wait_event(self.device, fence.event);
-        if let Err(e) = waited {
-            self.driver.destroy_event(self.device, fence.event);
-            return Err(driver_error(self.device, e));
-        }
-        self.retire_fence(st, fence);
-        Ok(())
+        self.driver
+            .wait_event(self.device, st.fences[i].event)
+            .map_err(|e| driver_error(self.device, e))?;
+        // It and the stream's older fences are done now.
+        self.poll_fences(st, Some(stream))
     }
 
     /// Gives back every page under free blocks and every paged segment left wholly free.
