@@ -32,16 +32,8 @@ export PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/ccalloc_torch_extensions}"
 unset PYTORCH_CUDA_ALLOC_CONF CCALLOC_BACKEND CCALLOC_CONF
 
-find_bench() {
-    local c
-    for c in ${CCALLOC_BENCH:+"$CCALLOC_BENCH"} \
-             ${CCALLOC_SHARED:+"$CCALLOC_SHARED/bench" "$CCALLOC_SHARED"} \
-             "$ROOT/../shared/bench" "$ROOT/gpu/shared_bench"; do
-        if [ -f "$c/hotpath.py" ] && [ -f "$c/hotpath.cpp" ]; then (cd "$c" && pwd); return 0; fi
-    done
-    return 1
-}
-BENCH="$(find_bench)" || { echo "hotpath.sh: hotpath.py/hotpath.cpp not found (set CCALLOC_SHARED or CCALLOC_BENCH)" >&2; exit 2; }
+. "$ROOT/benches/gpu/find_bench.sh"
+BENCH="$(find_bench hotpath.py hotpath.cpp)" || { echo "hotpath.sh: hotpath.py/hotpath.cpp not found (set CCALLOC_SHARED or CCALLOC_BENCH)" >&2; exit 2; }
 
 OUT_DIR="${OUT:-/tmp}"
 JSONL="$OUT_DIR/hotpath.jsonl"

@@ -34,16 +34,8 @@ export PYTHONUNBUFFERED=1
 export CCALLOC_BACKEND=cuda
 unset PYTORCH_CUDA_ALLOC_CONF
 
-find_bench() {
-    local c
-    for c in ${CCALLOC_BENCH:+"$CCALLOC_BENCH"} \
-             ${CCALLOC_SHARED:+"$CCALLOC_SHARED/bench" "$CCALLOC_SHARED"} \
-             "$ROOT/../shared/bench" "$ROOT/gpu/shared_bench"; do
-        if [ -f "$c/workloads.py" ]; then (cd "$c" && pwd); return 0; fi
-    done
-    return 1
-}
-BENCH="$(find_bench)" || { echo "workloads.sh: workloads.py not found (set CCALLOC_SHARED or CCALLOC_BENCH)" >&2; exit 2; }
+. "$ROOT/benches/gpu/find_bench.sh"
+BENCH="$(find_bench workloads.py)" || { echo "workloads.sh: workloads.py not found (set CCALLOC_SHARED or CCALLOC_BENCH)" >&2; exit 2; }
 export CCALLOC_BENCH="$BENCH"  # run_workload_ccalloc.py uses the same copy
 
 OUT_DIR="${OUT:-/tmp}"

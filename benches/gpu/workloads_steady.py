@@ -14,8 +14,8 @@ source, unchanged) run once untimed, then RUNS more times, each between two
 torch.cuda.synchronize() calls: what remains is the steady state a training or serving job
 spends its hours in. The model is rebuilt on every run, as workloads.py does.
 
-workloads.py is looked up as in run_workload_ccalloc.py ($CCALLOC_BENCH, $CCALLOC_SHARED/bench,
-<repo>/../shared/bench, <repo>/gpu/shared_bench); the library is $CCALLOC_LIBRARY (default
+workloads.py is looked up by run_workload_ccalloc.find_bench ($CCALLOC_BENCH, $CCALLOC_SHARED/bench,
+$CCALLOC_SHARED, <repo>/../shared/bench, <repo>/gpu/shared_bench); the library is $CCALLOC_LIBRARY (default
 <repo>/gpu/libccalloc.so).
 """
 
@@ -28,25 +28,11 @@ import statistics
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+from run_workload_ccalloc import REPO, find_bench  # this folder: the same lookup of workloads.py
 WORKLOADS = ("gpt2_train_varlen", "resnet50_train", "bert_infer_varlen", "mlp_sidestream")
 ALLOCATORS = ("native", "native_expandable", "ccalloc", "ccalloc_slack25")
 # ccalloc settings per allocator name: ccalloc_slack25 trades memory for fewer page moves.
 CCALLOC_CONF = {"ccalloc": "", "ccalloc_slack25": "page_slack:0.25"}
-
-
-def find_bench() -> str:
-    candidates = []
-    if os.environ.get("CCALLOC_BENCH"):
-        candidates.append(os.environ["CCALLOC_BENCH"])
-    if os.environ.get("CCALLOC_SHARED"):
-        candidates.append(os.path.join(os.environ["CCALLOC_SHARED"], "bench"))
-    candidates += [os.path.join(REPO, "..", "shared", "bench"), os.path.join(REPO, "gpu", "shared_bench")]
-    for folder in candidates:
-        if os.path.isfile(os.path.join(folder, "workloads.py")):
-            return os.path.abspath(folder)
-    sys.exit(f"workloads_steady.py: workloads.py not found in any of {candidates}")
 
 
 def load_workload(name: str, namespace: dict):
