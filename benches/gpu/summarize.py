@@ -127,6 +127,17 @@ def reserved_peak(record):
     return record.get("reserved_bytes.all.peak")
 
 
+def print_failed(failed, describe):
+    """Lists failed runs: `describe(record)`, then the log's path and its last lines."""
+    if not failed:
+        return
+    print(f"Failed runs ({len(failed)}):")
+    for r in failed:
+        tail = " / ".join(r.get("tail", [])[-3:])
+        print(f"- {describe(r)} (log {r.get('log', '?')}) {tail[:300]}")
+    print()
+
+
 def summarize_workloads(opts) -> int:
     path = opts.file or default_path("workloads.jsonl")
     records = read_jsonl(path)
@@ -215,13 +226,8 @@ def summarize_workloads(opts) -> int:
                 runs_line.append(f"{w}/{label}: " + ", ".join(f"{s:.3f}" for s in a["s_all"]))
     print("All timings (s): " + "; ".join(runs_line))
     print()
-    if failed:
-        print(f"Failed runs ({len(failed)}):")
-        for r in failed:
-            tail = " / ".join(r.get("tail", [])[-3:])
-            print(f"- {r.get('workload', '?')} {label_of(r)} rep {r.get('rep', '?')}: "
-                  f"{r.get('error', 'no seconds')} (log {r.get('log', '?')}) {tail[:300]}")
-        print()
+    print_failed(failed, lambda r: f"{r.get('workload', '?')} {label_of(r)} rep {r.get('rep', '?')}: "
+                                   f"{r.get('error', 'no seconds')}")
 
     missing = [w for w, v in verdicts if v is None]
     expected_missing = [w for w in WORKLOAD_ORDER if w not in workloads]
@@ -322,13 +328,8 @@ def summarize_hotpath(opts) -> int:
     print(table(["allocator"] + [name for name, _ in HOTPATH_EXTRA] + ["churn small used / live", "churn mixed used / live"],
                 rows))
     print()
-    if failed:
-        print(f"Failed runs ({len(failed)}):")
-        for r in failed:
-            tail = " / ".join(r.get("tail", [])[-3:])
-            print(f"- {label_of(r)} rep {r.get('rep', '?')}: {r.get('error') or 'choose=' + str(r.get('choose'))} "
-                  f"(log {r.get('log', '?')}) {tail[:300]}")
-        print()
+    print_failed(failed, lambda r: f"{label_of(r)} rep {r.get('rep', '?')}: "
+                                   f"{r.get('error') or 'choose=' + str(r.get('choose'))}")
     if "ccalloc" in by and "native" in by:
         def at_least_as_fast(key):
             a, b = best("ccalloc", key), best("native", key)
