@@ -589,7 +589,7 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// After a device synchronize: every fence has completed.
+    /// After a device synchronize (`sync_device`): every fence has completed.
     pub(super) fn retire_all_fences(&self, st: &mut State) {
         while let Some(fence) = st.fences.pop_front() {
             self.retire_fence(st, fence);

@@ -77,7 +77,6 @@ impl DeviceAllocator {
         st.stats.num_sync_all_streams += 1;
         self.drain_awaiting(st)?;
         self.sync_device(st)?;
-        self.retire_all_fences(st);
         let lists = st.caches.releasable();
         self.release_whole_segments(st, &lists)?;
         self.release_paged_cache(st)
@@ -106,12 +105,14 @@ impl DeviceAllocator {
     }
 
     /// Cached blocks may still be read by kernels queued before they were freed (frees are
-    /// stream-ordered), so the device finishes its work before segments go back.
+    /// stream-ordered), so the device finishes its work before segments go back. Afterwards
+    /// every free so far is done, and so is every fence.
     pub(super) fn sync_device(&self, st: &mut State) -> Result<()> {
         self.driver
             .synchronize(self.device)
             .map_err(|e| driver_error(self.device, e))?;
         st.synced_seq = st.free_seq;
+        self.retire_all_fences(st);
         Ok(())
     }
 
