@@ -57,6 +57,33 @@ impl Block {
     pub fn end(&self) -> DevicePtr {
         self.addr + self.size
     }
+
+    /// A free piece `[addr, addr+size)` of this block's segment, linked between `prev` and
+    /// `next` (the caller fixes the neighbours' links).
+    pub fn free_piece(
+        &self,
+        addr: DevicePtr,
+        size: u64,
+        prev: Option<BlockId>,
+        next: Option<BlockId>,
+        cached_at: u64,
+    ) -> Block {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            stream: self.stream,
+            pool: self.pool,
+            owner: self.owner,
+            paged: self.paged,
+            counted_oversize: false,
+            prev,
+            next,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            cached_at,
+        }
+    }
 }
 
 /// Owns every block; ids stay valid until `remove`, and freed slots are reused.

@@ -213,21 +213,7 @@ impl State {
         let block = self.blocks.get(id);
         let (addr, owner, pool) = (block.addr, block.owner, block.pool);
         debug_assert!(block.paged && at > addr && at < block.end());
-        let front = Block {
-            addr,
-            size: at - addr,
-            requested: 0,
-            stream: block.stream,
-            pool,
-            owner,
-            paged: true,
-            counted_oversize: false,
-            prev: block.prev,
-            next: Some(id),
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            cached_at: block.cached_at,
-        };
+        let front = block.free_piece(addr, at - addr, block.prev, Some(id), block.cached_at);
         let front_id = self.blocks.insert(front);
         match self.blocks.get(front_id).prev {
             Some(p) => self.blocks.get_mut(p).next = Some(front_id),
@@ -333,21 +319,13 @@ impl State {
             sizing::should_split(pool, block.size, rounded, &self.config)
         };
         if split {
-            let rest = Block {
-                addr: block.addr + rounded,
-                size: block.size - rounded,
-                requested: 0,
-                stream: block.stream,
-                pool,
-                owner,
-                paged,
-                counted_oversize: false,
-                prev: Some(id),
-                next: block.next,
-                state: BlockState::Free,
-                stream_uses: Vec::new(),
-                cached_at: self.caches.list_ref(owner, pool).lookups,
-            };
+            let rest = block.free_piece(
+                block.addr + rounded,
+                block.size - rounded,
+                Some(id),
+                block.next,
+                self.caches.list_ref(owner, pool).lookups,
+            );
             let rest_size = rest.size;
             let rest_id = self.blocks.insert(rest);
             if let Some(next) = self.blocks.get(rest_id).next {
