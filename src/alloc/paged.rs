@@ -48,8 +48,8 @@ pub struct PagedSegment {
     pub last_free: Vec<u64>,
     /// Frees since the last one that asked for a fence.
     pub frees_since_fence: u32,
-    pub mapped: usize,
-    /// The mapped pages' indices, to find mapped runs without walking the whole table.
+    /// The mapped pages' indices, to find mapped runs without walking the whole table
+    /// (kept by `set_page` and `take_page` alone).
     pub mapped_set: BTreeSet<usize>,
 }
 
@@ -135,6 +135,18 @@ impl PagedSegment {
         due
     }
 
+    /// Page `i` is now mapped to `handle`.
+    pub fn set_page(&mut self, i: usize, handle: PhysHandle) {
+        self.pages[i] = Some(handle);
+        self.mapped_set.insert(i);
+    }
+
+    /// Page `i` is no longer mapped: its handle.
+    pub fn take_page(&mut self, i: usize) -> PhysHandle {
+        self.mapped_set.remove(&i);
+        self.pages[i].take().expect("the page is mapped")
+    }
+
     fn va(&self, page: usize) -> DevicePtr {
         self.base + page as u64 * self.page
     }
@@ -216,7 +228,6 @@ impl DeviceAllocator {
                 pages,
                 last_free,
                 frees_since_fence: 0,
-                mapped: 0,
                 mapped_set: BTreeSet::new(),
             },
         );
@@ -356,9 +367,7 @@ impl DeviceAllocator {
             self.driver
                 .map(self.device, seg.va(i), page, handle)
                 .map_err(|e| driver_error(self.device, e))?;
-            seg.pages[i] = Some(handle);
-            seg.mapped_set.insert(i);
-            seg.mapped += 1;
+            seg.set_page(i, handle);
             st.stats.reserved_bytes.increase(seg.pool, page);
             *done += 1;
         }
@@ -417,9 +426,7 @@ impl DeviceAllocator {
         self.driver
             .unmap(self.device, seg.va(i), seg.page)
             .map_err(|e| driver_error(self.device, e))?;
-        let handle = seg.pages[i].take().expect("the page is mapped");
-        seg.mapped_set.remove(&i);
-        seg.mapped -= 1;
+        let handle = seg.take_page(i);
         let (pool, page) = (seg.pool, seg.page);
         st.stats.reserved_bytes.decrease(pool, page);
         Ok(handle)
@@ -667,7 +674,7 @@ impl DeviceAllocator {
             .filter(|(base, seg)| {
                 let first = st.segments[base].first;
                 let b = st.blocks.get(first);
-                seg.mapped == 0 && b.state == BlockState::Free && b.next.is_none()
+                seg.mapped_set.is_empty() && b.state == BlockState::Free && b.next.is_none()
             })
             .map(|(&base, _)| base)
             .collect();

@@ -608,13 +608,10 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
         pages: vec![None; 16],
         last_free: vec![0; 16],
         frees_since_fence: 0,
-        mapped: 0,
         mapped_set: Default::default(),
     };
     for i in [5, 6, 7, 8, 12] {
-        seg.pages[i] = Some(PhysHandle(i as u64));
-        seg.mapped_set.insert(i);
-        seg.mapped += 1;
+        seg.set_page(i, PhysHandle(i as u64));
     }
     let va = |i: u64| base + i * page;
     // A free block from the middle of page 0 to page 15: 4 pages fit on the mapped run.
