@@ -124,8 +124,7 @@ impl SimDriver {
         let Ok(d) = self.device(device) else { return };
         let queued = d.streams.lock().unwrap().entry(stream).or_default().queued;
         let mut memory = d.memory.lock().unwrap();
-        let first = va / SIM_GRANULARITY * SIM_GRANULARITY;
-        for g in (first..va + len.max(1)).step_by(SIM_GRANULARITY as usize) {
+        for g in granules(va, va + len.max(1)) {
             memory.uses.entry(g).or_default().push((stream, queued));
         }
     }
@@ -203,13 +202,14 @@ impl SimDriver {
             .iter()
             .any(|(&start, &size)| ptr >= start && end <= start + size);
         // Or every granule it spans is mapped.
-        let first = ptr - ptr % SIM_GRANULARITY;
-        let in_pages = len > 0
-            && (first..end)
-                .step_by(SIM_GRANULARITY as usize)
-                .all(|va| memory.mapped.contains_key(&va));
+        let in_pages = len > 0 && granules(ptr, end).all(|va| memory.mapped.contains_key(&va));
         in_segment || in_pages
     }
+}
+
+/// The (2 MiB-aligned) addresses of the granules that `[start, end)` touches.
+fn granules(start: DevicePtr, end: DevicePtr) -> impl Iterator<Item = DevicePtr> + Clone {
+    (start / SIM_GRANULARITY * SIM_GRANULARITY..end).step_by(SIM_GRANULARITY as usize)
 }
 
 /// Refuses to give up granule `va` while work that `note_use` reported on it is unfinished.
@@ -275,14 +275,11 @@ impl Driver for SimDriver {
                 detail: format!("{ptr:#x} is not a live simulated allocation"),
             });
         };
-        // Uses are noted per 2 MiB granule of the address space.
-        let granules = (ptr / SIM_GRANULARITY * SIM_GRANULARITY..ptr + charged)
-            .step_by(SIM_GRANULARITY as usize);
-        for g in granules.clone() {
+        for g in granules(ptr, ptr + charged) {
             check_unused(&streams, &memory, g, "release")?;
         }
         drop(streams);
-        for g in granules {
+        for g in granules(ptr, ptr + charged) {
             memory.uses.remove(&g);
         }
         memory.mappings.remove(&ptr);
