@@ -57,6 +57,24 @@ int main() {
     for (int i = 0; i < n; i++) CHECK(cuMemRelease(h[i]));
     double t_release = (now_us() - t0) / n;
     CHECK(cuMemAddressFree(va, n * page));
+    // One handle of k pages, mapped and granted in one call each: is the cost per call or per page?
+    for (int k = 1; k <= 64; k *= 4) {
+        const int reps = 8;
+        size_t bytes = (size_t)k * page;
+        CUdeviceptr kva; CHECK(cuMemAddressReserve(&kva, bytes, 0, 0, 0));
+        double c = 0, m = 0, a = 0, u = 0, r = 0;
+        for (int rep = 0; rep < reps; rep++) {
+            CUmemGenericAllocationHandle kh;
+            double s = now_us(); CHECK(cuMemCreate(&kh, bytes, &prop, 0)); c += now_us() - s;
+            s = now_us(); CHECK(cuMemMap(kva, bytes, 0, kh, 0)); m += now_us() - s;
+            s = now_us(); CHECK(cuMemSetAccess(kva, bytes, &access, 1)); a += now_us() - s;
+            s = now_us(); CHECK(cuMemUnmap(kva, bytes)); u += now_us() - s;
+            s = now_us(); CHECK(cuMemRelease(kh)); r += now_us() - s;
+        }
+        CHECK(cuMemAddressFree(kva, bytes));
+        printf("VMM_HANDLE {\"pages\": %d, \"create_us\": %.2f, \"map_us\": %.2f, \"set_access_us\": %.2f, "
+               "\"unmap_us\": %.2f, \"release_us\": %.2f}\n", k, c / reps, m / reps, a / reps, u / reps, r / reps);
+    }
     // Fences: an event recorded on a stream at a free, queried later.
     CUstream stream; CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
     std::vector<CUevent> ev(n);
@@ -75,5 +93,21 @@ int main() {
            "\"unmap_16pages_one_call\": \"%s\", \"release_us\": %.2f, \"event_record_us\": %.2f, "
            "\"event_query_us\": %.2f}\n",
            page, t_create, t_map, t_access1, t_unmap, t_access16, t_unmap16, multi_s, t_release, t_record, t_query);
+    // Does access granted on a range survive an unmap and a remap of another handle there?
+    {
+        CUdeviceptr rva; CHECK(cuMemAddressReserve(&rva, page, 0, 0, 0));
+        CUmemGenericAllocationHandle h1, h2;
+        CHECK(cuMemCreate(&h1, page, &prop, 0)); CHECK(cuMemCreate(&h2, page, &prop, 0));
+        CHECK(cuMemMap(rva, page, 0, h1, 0)); CHECK(cuMemSetAccess(rva, page, &access, 1));
+        CHECK(cuMemsetD8(rva, 1, page)); CHECK(cuCtxSynchronize());
+        CHECK(cuMemUnmap(rva, page)); CHECK(cuMemMap(rva, page, 0, h2, 0));
+        CUresult w = cuMemsetD8(rva, 2, page);
+        CUresult ws = cuCtxSynchronize();
+        const char* w_s; cuGetErrorString(w, &w_s);
+        const char* ws_s; cuGetErrorString(ws, &ws_s);
+        printf("VMM_REMAP_ACCESS {\"memset_after_remap\": \"%s\", \"sync\": \"%s\"}\n", w_s, ws_s);
+        if (ws != CUDA_SUCCESS) return 0;  // the context is gone after a fault
+        cuMemUnmap(rva, page); cuMemRelease(h1); cuMemRelease(h2); cuMemAddressFree(rva, page);
+    }
     return 0;
 }

@@ -59,8 +59,8 @@ pub struct State {
     /// Paged segments by base address, and which one serves each (stream, pool).
     pub paged: BTreeMap<DevicePtr, PagedSegment>,
     pub paged_for: HashSet<(StreamId, PoolKind)>,
-    /// Unmapped physical pages kept for growth (counted as reserved, large pool).
-    pub idle_pages: Vec<crate::driver::PhysHandle>,
+    /// Unmapped physical chunks kept for growth (counted as reserved, large pool).
+    pub idle_chunks: Vec<super::paged::Spare>,
     /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
     /// may cache pages up to this plus the slack before it moves pages under free blocks.
     pub live_high_water: u64,
@@ -89,7 +89,7 @@ impl State {
             shut_down: false,
             paged: BTreeMap::new(),
             paged_for: HashSet::new(),
-            idle_pages: Vec::new(),
+            idle_chunks: Vec::new(),
             live_high_water: 0,
             free_seq: 0,
             fences: VecDeque::new(),

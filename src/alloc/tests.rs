@@ -427,25 +427,31 @@ fn paged_segments_map_pages_on_demand_and_reuse_them() {
         (6 * MIB) as i64,
         "three 2 MiB pages"
     );
-    assert_eq!(sim.counters(0).maps, 3);
-    assert_eq!(sim.counters(0).reserve_calls, 1);
+    let c = sim.counters(0);
+    assert_eq!(
+        (c.maps, c.granules_mapped),
+        (1, 3),
+        "one chunk of three pages"
+    );
+    assert_eq!(c.reserve_calls, 1);
     a.free(p).unwrap();
     let q = a.malloc(4 * MIB + MIB / 2, S0).unwrap();
     assert_eq!(q, p);
     assert_eq!(
         sim.counters(0).maps,
-        3,
+        1,
         "cached pages are reused without driver calls"
     );
     // A request sharing the last page needs no new page either.
     let r = a.malloc(MIB + 1, S0).unwrap();
     assert_eq!(r, p + 4 * MIB + MIB / 2);
-    assert_eq!(sim.counters(0).maps, 3);
+    assert_eq!(sim.counters(0).maps, 1);
     a.free(q).unwrap();
     a.free(r).unwrap();
     a.empty_cache().unwrap();
     let c = sim.counters(0);
-    assert_eq!((c.bytes_in_use, c.live_reservations, c.unmaps), (0, 0, 3));
+    assert_eq!((c.bytes_in_use, c.live_reservations), (0, 0));
+    assert_eq!((c.unmaps, c.granules_unmapped), (1, 3));
     assert_eq!(stats(&a).segment.all().current, 0);
 }
 
@@ -466,7 +472,7 @@ fn growth_reuses_pages_under_free_blocks_instead_of_reserving_more() {
         "reserved {reserved} for {live} live"
     );
     assert!(
-        sim.counters(0).unmaps >= 10,
+        sim.counters(0).granules_unmapped >= 10,
         "pages were moved from the hole"
     );
     assert_eq!(reserved, sim.counters(0).bytes_in_use);
@@ -545,7 +551,7 @@ fn pages_move_without_any_wait_once_their_fence_has_completed() {
     a.free(hole).unwrap();
     let big = a.malloc(60 * MIB, S0).unwrap();
     let c = sim.counters(0);
-    assert!(c.unmaps >= 10, "pages were moved from the hole");
+    assert!(c.granules_unmapped >= 10, "pages were moved from the hole");
     assert_eq!(
         (c.synchronize_calls, c.event_waits),
         (0, 0),
@@ -564,7 +570,10 @@ fn pages_another_stream_may_still_use_move_only_after_its_fence() {
     a.free(hole).unwrap();
     let big = a.malloc(40 * MIB, S0).unwrap();
     let c = sim.counters(0);
-    assert!(c.unmaps >= 10, "pages moved from S1's segment to S0's");
+    assert!(
+        c.granules_unmapped >= 10,
+        "pages moved from S1's segment to S0's"
+    );
     assert_eq!(
         (c.synchronize_calls, c.event_waits),
         (0, 1),
@@ -591,7 +600,7 @@ fn growth_behind_a_lagging_gpu_waits_once_on_a_fence_never_on_the_device() {
     // device may still be using: one wait on a fence, none on the whole device.
     let big = a.malloc(70 * MIB, S0).unwrap();
     let c = sim.counters(0);
-    assert!(c.unmaps >= 16, "pages moved: {}", c.unmaps);
+    assert!(c.granules_unmapped >= 16, "pages moved: {c:?}");
     assert_eq!((c.synchronize_calls, c.event_waits), (0, 1));
     let reserved = stats(&a).reserved_bytes.all().current as u64;
     assert!(within_default_slack(reserved, 72 * MIB), "{reserved}");
@@ -615,9 +624,20 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
         frees_since_fence: 0,
         mapped_set: Default::default(),
     };
-    for i in [5, 6, 7, 8, 12] {
-        seg.set_page(i, PhysHandle(i as u64));
-    }
+    seg.set_chunk(
+        5,
+        super::paged::Spare {
+            handle: PhysHandle(5),
+            pages: 4,
+        },
+    );
+    seg.set_chunk(
+        12,
+        super::paged::Spare {
+            handle: PhysHandle(12),
+            pages: 1,
+        },
+    );
     let va = |i: u64| base + i * page;
     // A free block from the middle of page 0 to page 15: 4 pages fit on the mapped run.
     assert_eq!(seg.best_place(base + MIB, va(15), 4 * page), (0, va(5)));
@@ -688,7 +708,7 @@ fn page_slack_trades_memory_for_page_moves() {
         a.free(hole).unwrap();
         let big = a.malloc(60 * MIB, S0).unwrap();
         let reserved = stats(&a).reserved_bytes.all().current as u64;
-        let unmaps = sim.counters(0).unmaps;
+        let unmaps = sim.counters(0).granules_unmapped;
         a.free(big).unwrap();
         a.free(keep).unwrap();
         (reserved, unmaps)
@@ -701,4 +721,64 @@ fn page_slack_trades_memory_for_page_moves() {
     );
     assert_eq!(none, 0, "nothing moved");
     assert_eq!(loose, 104 * MIB, "the 40 MiB hole stayed mapped");
+}
+
+#[test]
+fn growth_maps_whole_chunks_and_moves_them_whole() {
+    use super::paged::MAX_CHUNK_PAGES;
+    let chunk = MAX_CHUNK_PAGES as u64 * 2 * MIB;
+    let (sim, a) = paged(1 << 30, "");
+    // Two chunks and a half: three mappings, one grant of access per run.
+    let p = a.malloc(2 * chunk + chunk / 2, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!((c.maps, c.physical_creates), (3, 3));
+    assert_eq!(c.granules_mapped, (2 * chunk + chunk / 2) / (2 * MIB));
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    // Too large for the hole: its pages come from the hole's chunks, moved whole and
+    // reused as they are (no new physical memory beyond the slack).
+    let big = a.malloc(3 * chunk, S0).unwrap();
+    let c = sim.counters(0);
+    assert!(c.granules_unmapped >= 2 * chunk / (2 * MIB), "{c:?}");
+    assert!(c.unmaps <= 3, "one unmap per chunk: {c:?}");
+    assert!(
+        c.physical_creates < 3 + 3,
+        "moved chunks were mapped again: {c:?}"
+    );
+    let reserved = stats(&a).reserved_bytes.all().current as u64;
+    assert!(
+        within_default_slack(reserved, 3 * chunk + 4 * MIB),
+        "{reserved}"
+    );
+    assert_eq!(reserved, sim.counters(0).bytes_in_use);
+    a.free(big).unwrap();
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn a_chunk_under_a_live_block_is_never_moved() {
+    use super::paged::MAX_CHUNK_PAGES;
+    let chunk = MAX_CHUNK_PAGES as u64 * 2 * MIB;
+    let (sim, a) = paged(1 << 30, "");
+    let p = a.malloc(chunk, S0).unwrap();
+    let wall = a.malloc(2 * MIB, S0).unwrap();
+    assert_eq!(wall, p + chunk);
+    a.free(p).unwrap();
+    // A small block lands on the mapped chunk and pins all of it.
+    let small = a.malloc(3 * MIB, S0).unwrap();
+    assert!(small >= p && small < p + chunk);
+    sim.note_use(0, small, 3 * MIB, S0);
+    // Growth past the slack (too large for the 13 MiB left of the hole) finds no chunk wholly
+    // under a free block: it makes new memory.
+    let big = a.malloc(2 * chunk, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!(c.unmaps, 0, "{c:?}");
+    assert!(sim.contains(0, small, 3 * MIB), "its pages are mapped");
+    a.free(big).unwrap();
+    a.free(small).unwrap();
+    a.free(wall).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
 }

@@ -420,7 +420,7 @@ impl Driver for CudaDriver {
 
     fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let _ctx = self.enter(device)?;
-        // SAFETY: `va` is a granule of a reserved range and `handle` a granule of memory.
+        // SAFETY: `va` is granule-aligned in a reserved range, `handle` a whole allocation of `size`.
         check("cuMemMap", unsafe {
             sys::cuMemMap(va, size as usize, 0, handle.0, 0)
         })

@@ -4,7 +4,7 @@
 
 use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle, StreamId};
 use dashmap::DashMap;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -30,8 +30,12 @@ pub struct SimCounters {
     pub live_reservations: u64,
     pub physical_creates: u64,
     pub physical_releases: u64,
+    /// Calls of `map` and `unmap` (the driver's cost is per call), and the granules they
+    /// covered.
     pub maps: u64,
     pub unmaps: u64,
+    pub granules_mapped: u64,
+    pub granules_unmapped: u64,
 }
 
 #[derive(Default)]
@@ -49,14 +53,17 @@ struct SimMemory {
     mappings: HashMap<DevicePtr, u64>,
     /// Reserved address ranges (virtual memory management): start → size.
     reservations: HashMap<DevicePtr, u64>,
-    /// Physical granules: slots of the device's memory file. Free slots are reused.
+    /// Physical allocations: runs of granule slots in the device's memory file. A handle is
+    /// the first slot of its run; freed runs (first slot → slots) are reused first fit.
     physical: Option<host::PhysicalFile>,
-    free_slots: Vec<u64>,
+    free_runs: BTreeMap<u64, u64>,
     next_slot: u64,
-    /// Live slots, with the address each is mapped at (if any).
-    live_slots: HashMap<u64, Option<DevicePtr>>,
-    /// Mapped granules: address → slot.
-    mapped: HashMap<DevicePtr, u64>,
+    /// Live handles: (slots, the address the handle is mapped at, if any).
+    live_slots: HashMap<u64, (u64, Option<DevicePtr>)>,
+    /// Mapped granules: address → the address where their mapping starts.
+    mapped: HashMap<DevicePtr, DevicePtr>,
+    /// Mappings: start address → (handle, size).
+    vmm_maps: HashMap<DevicePtr, (u64, u64)>,
     /// Granule address → (stream, its queue position) of work that used it, as tests report
     /// with `note_use`; unmapping before such work has finished is refused.
     uses: HashMap<DevicePtr, Vec<(StreamId, u64)>>,
@@ -407,10 +414,10 @@ impl Driver for SimDriver {
 
     fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
         let d = self.device(device)?;
-        if size != SIM_GRANULARITY {
+        if size == 0 || !size.is_multiple_of(SIM_GRANULARITY) {
             return Err(sim_error(
                 "create_physical",
-                "the sim creates one granule at a time",
+                format!("{size} bytes is not a whole number of granules"),
             ));
         }
         let mut memory = d.memory.lock().unwrap();
@@ -423,14 +430,31 @@ impl Driver for SimDriver {
                 .ok_or_else(|| sim_error("create_physical", "memfd_create failed"))?;
             memory.physical = Some(file);
         }
-        let slot = match memory.free_slots.pop() {
-            Some(slot) => slot,
+        let slots = size / SIM_GRANULARITY;
+        let fit = memory
+            .free_runs
+            .iter()
+            .find(|&(_, &n)| n >= slots)
+            .map(|(&first, &n)| (first, n));
+        let slot = match fit {
+            Some((first, n)) => {
+                memory.free_runs.remove(&first);
+                if n > slots {
+                    memory.free_runs.insert(first + slots, n - slots);
+                }
+                first
+            }
             None => {
-                memory.next_slot += 1;
-                memory.next_slot - 1
+                let first = memory.next_slot;
+                let file = memory.physical.as_ref().expect("created above");
+                if !file.ensure_len((first + slots) * SIM_GRANULARITY) {
+                    return Err(sim_error("create_physical", "ftruncate failed"));
+                }
+                memory.next_slot += slots;
+                first
             }
         };
-        memory.live_slots.insert(slot, None);
+        memory.live_slots.insert(slot, (slots, None));
         let c = &mut memory.counters;
         c.bytes_in_use += size;
         c.peak_bytes_in_use = c.peak_bytes_in_use.max(c.bytes_in_use);
@@ -448,20 +472,26 @@ impl Driver for SimDriver {
                     format!("unknown handle {}", handle.0),
                 ))
             }
-            Some(Some(va)) => {
+            Some((_, Some(va))) => {
                 return Err(sim_error(
                     "release_physical",
-                    format!("the granule is still mapped at {va:#x}"),
+                    format!("the handle is still mapped at {va:#x}"),
                 ))
             }
-            Some(None) => {
+            Some(&(slots, None)) if slots * SIM_GRANULARITY != size => {
+                return Err(sim_error(
+                    "release_physical",
+                    format!("handle {} has {slots} granules, not {size} bytes", handle.0),
+                ))
+            }
+            Some(_) => {
                 memory.live_slots.remove(&handle.0);
             }
         }
         if let Some(file) = &memory.physical {
             file.discard(handle.0 * SIM_GRANULARITY, size);
         }
-        memory.free_slots.push(handle.0);
+        free_run(&mut memory.free_runs, handle.0, size / SIM_GRANULARITY);
         let c = &mut memory.counters;
         c.bytes_in_use -= size;
         c.physical_releases += 1;
@@ -475,19 +505,28 @@ impl Driver for SimDriver {
             .reservations
             .iter()
             .any(|(&start, &len)| va >= start && va + size <= start + len);
-        if !inside || size != SIM_GRANULARITY || memory.live_slots.get(&handle.0) != Some(&None) {
+        let whole_handle = memory.live_slots.get(&handle.0).copied()
+            == Some((size / SIM_GRANULARITY, None))
+            && size.is_multiple_of(SIM_GRANULARITY);
+        if !inside || !whole_handle || !va.is_multiple_of(SIM_GRANULARITY) {
             return Err(sim_error("map", format!("bad mapping of {va:#x}+{size}")));
         }
-        if memory.mapped.contains_key(&va) {
-            return Err(sim_error("map", format!("{va:#x} is already mapped")));
+        if let Some(g) = granules(va, va + size).find(|g| memory.mapped.contains_key(g)) {
+            return Err(sim_error("map", format!("{g:#x} is already mapped")));
         }
         let file = memory.physical.as_ref().expect("a live slot has a file");
         if !file.map_at(va, handle.0 * SIM_GRANULARITY, size) {
             return Err(sim_error("map", "mmap failed"));
         }
-        memory.mapped.insert(va, handle.0);
-        memory.live_slots.insert(handle.0, Some(va));
+        for g in granules(va, va + size) {
+            memory.mapped.insert(g, va);
+        }
+        memory.vmm_maps.insert(va, (handle.0, size));
+        memory
+            .live_slots
+            .insert(handle.0, (size / SIM_GRANULARITY, Some(va)));
         memory.counters.maps += 1;
+        memory.counters.granules_mapped += size / SIM_GRANULARITY;
         Ok(())
     }
 
@@ -513,17 +552,37 @@ impl Driver for SimDriver {
         let mut memory = d.memory.lock().unwrap();
         check_unused(&streams, &memory, va, "unmap")?;
         drop(streams);
-        memory.uses.remove(&va);
-        let Some(slot) = memory
-            .mapped
-            .remove(&va)
-            .filter(|_| size == SIM_GRANULARITY)
-        else {
-            return Err(sim_error("unmap", format!("{va:#x} is not mapped")));
-        };
-        memory.live_slots.insert(slot, None);
+        // As in CUDA, the range may cover several mappings, but each one wholly.
+        let mut starts: Vec<DevicePtr> = Vec::new();
+        for g in granules(va, va + size.max(1)) {
+            match memory.mapped.get(&g) {
+                Some(&start) if starts.last() != Some(&start) => starts.push(start),
+                Some(_) => {}
+                None => return Err(sim_error("unmap", format!("{g:#x} is not mapped"))),
+            }
+        }
+        let whole = starts.iter().all(|start| {
+            let (_, len) = memory.vmm_maps[start];
+            *start >= va && start + len <= va + size
+        });
+        if !whole || size == 0 {
+            return Err(sim_error(
+                "unmap",
+                format!("{va:#x}+{size} cuts through a mapping"),
+            ));
+        }
+        for g in granules(va, va + size) {
+            memory.uses.remove(&g);
+            memory.mapped.remove(&g);
+        }
+        for start in starts {
+            let (slot, _) = memory.vmm_maps.remove(&start).expect("listed");
+            let slots = memory.live_slots[&slot].0;
+            memory.live_slots.insert(slot, (slots, None));
+        }
         host::reserve_at(va, size);
         memory.counters.unmaps += 1;
+        memory.counters.granules_unmapped += size / SIM_GRANULARITY;
         Ok(())
     }
 }
@@ -537,6 +596,21 @@ impl Drop for SimDriver {
             }
         }
     }
+}
+
+/// Returns `n` slots from `first` to the free runs, merged with their neighbours.
+fn free_run(runs: &mut BTreeMap<u64, u64>, mut first: u64, mut n: u64) {
+    if let Some((&before, &len)) = runs.range(..first).next_back() {
+        if before + len == first {
+            runs.remove(&before);
+            first = before;
+            n += len;
+        }
+    }
+    if let Some(len) = runs.remove(&(first + n)) {
+        n += len;
+    }
+    runs.insert(first, n);
 }
 
 /// Host address space standing in for device memory. Mappings are lazily backed
@@ -619,6 +693,19 @@ mod host {
             }
         }
 
+        /// Grows the file to at least `len` bytes (freed runs that no new handle fits can
+        /// leave the slots in use spread wider than the capacity).
+        pub fn ensure_len(&self, len: u64) -> bool {
+            // SAFETY: fstat/ftruncate on our own descriptor.
+            unsafe {
+                let mut st: libc::stat = std::mem::zeroed();
+                if libc::fstat(self.fd, &mut st) != 0 {
+                    return false;
+                }
+                st.st_size as u64 >= len || libc::ftruncate(self.fd, len as libc::off_t) == 0
+            }
+        }
+
         pub fn map_at(&self, va: u64, offset: u64, size: u64) -> bool {
             // SAFETY: `va` is a granule inside one of our reservations; MAP_FIXED replaces it.
             let ptr = unsafe {
@@ -653,5 +740,53 @@ mod host {
             // SAFETY: closes the descriptor we own.
             unsafe { libc::close(self.fd) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: u64 = SIM_GRANULARITY;
+
+    #[test]
+    fn physical_handles_span_granules_and_unmap_only_whole() {
+        let sim = SimDriver::new(1, 64 * G);
+        let va = sim.reserve_address(0, 16 * G).unwrap();
+        let four = sim.create_physical(0, 4 * G).unwrap();
+        let one = sim.create_physical(0, G).unwrap();
+        assert!(
+            sim.create_physical(0, G / 2).is_err(),
+            "not a whole granule"
+        );
+        sim.map(0, va, 4 * G, four).unwrap();
+        sim.map(0, va + 4 * G, G, one).unwrap();
+        sim.set_access(0, va, 5 * G).unwrap();
+        assert!(
+            sim.map(0, va + 8 * G, 2 * G, four).is_err(),
+            "mapped already"
+        );
+        assert!(sim.unmap(0, va, 2 * G).is_err(), "cuts through a mapping");
+        assert!(
+            sim.release_physical(0, four, 4 * G).is_err(),
+            "still mapped"
+        );
+        // Data follows the handle to a new address.
+        unsafe { *((va + 3 * G) as *mut u8) = 7 };
+        sim.unmap(0, va, 5 * G).unwrap();
+        sim.map(0, va + 8 * G, 4 * G, four).unwrap();
+        assert_eq!(unsafe { *((va + 11 * G) as *const u8) }, 7);
+        let c = sim.counters(0);
+        assert_eq!((c.maps, c.unmaps), (3, 1));
+        assert_eq!((c.granules_mapped, c.granules_unmapped), (9, 5));
+        sim.unmap(0, va + 8 * G, 4 * G).unwrap();
+        assert!(sim.release_physical(0, four, G).is_err(), "wrong size");
+        sim.release_physical(0, four, 4 * G).unwrap();
+        sim.release_physical(0, one, G).unwrap();
+        // Freed runs merge: eight granules fit where the two handles were, and beyond.
+        let eight = sim.create_physical(0, 8 * G).unwrap();
+        assert_eq!(sim.counters(0).bytes_in_use, 8 * G);
+        sim.release_physical(0, eight, 8 * G).unwrap();
+        sim.free_address(0, va, 16 * G).unwrap();
     }
 }
