@@ -39,9 +39,10 @@ const FREES_PER_FENCE: u32 = 16;
 /// driver's cost is per mapping, not per byte (on an H100, granting access to one 2 MiB
 /// handle takes 45 µs, to one 8 MiB handle 45 µs and to one 128 MiB handle 66 µs;
 /// `benches/gpu/vmm_cost.cu`). A chunk is unmapped only whole, so larger chunks keep more
-/// memory behind live blocks: on the sample traces, 8 pages cut maps 5-fold for +1% of
-/// reserved memory, 32 pages 20-fold for +7%.
-pub const MAX_CHUNK_PAGES: usize = 8;
+/// memory behind live blocks. On the sample traces (replayed with GPU lags of 0 to 32
+/// events), 4 pages cut maps 2.8-fold and left every ratio within 0.02 of one page's;
+/// 8 pages cut them 5-fold, but bert's ratio then ranged from 1.040 to 1.069.
+pub const MAX_CHUNK_PAGES: usize = 4;
 
 /// One physical allocation mapped at pages `first..first+pages` of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
