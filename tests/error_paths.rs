@@ -7,17 +7,20 @@ use ccalloc::driver::{DevicePtr, Driver, DriverError, DriverResult, EventId, Phy
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
+use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
 
 /// The sim device, with the n-th `unmap`, or the n-th wait (`synchronize` or `wait_event`),
-/// failing on demand.
+/// failing on demand; it counts recorded events and may space fences like a GPU driver.
 struct Faulty {
     sim: Arc<SimDriver>,
     unmaps: AtomicU64,
     fail_unmap_at: AtomicU64,
     waits: AtomicU64,
     fail_wait_at: AtomicU64,
+    events: AtomicU64,
+    fence_interval: Duration,
 }
 
 impl Faulty {
@@ -50,6 +53,7 @@ impl Driver for Faulty {
         self.sim.release(d, p, s)
     }
     fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
+        self.events.fetch_add(1, SeqCst);
         self.sim.record_event(d, s)
     }
     fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
@@ -72,6 +76,9 @@ impl Driver for Faulty {
     }
     fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
         self.sim.synchronize_stream(d, s)
+    }
+    fn min_free_fence_interval(&self) -> Duration {
+        self.fence_interval
     }
     fn vmm_granularity(&self, d: usize) -> Option<u64> {
         self.sim.vmm_granularity(d)
@@ -103,6 +110,13 @@ impl Driver for Faulty {
 }
 
 fn faulty(capacity: u64) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
+    faulty_spacing_fences(capacity, Duration::ZERO)
+}
+
+fn faulty_spacing_fences(
+    capacity: u64,
+    fence_interval: Duration,
+) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
     let sim = Arc::new(SimDriver::new(1, capacity));
     let f = Arc::new(Faulty {
         sim: sim.clone(),
@@ -110,6 +124,8 @@ fn faulty(capacity: u64) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
         fail_unmap_at: 0.into(),
         waits: 0.into(),
         fail_wait_at: 0.into(),
+        events: 0.into(),
+        fence_interval,
     });
     let a = DeviceAllocator::new(0, f.clone(), Config::default()).unwrap();
     (sim, f, a)
@@ -281,4 +297,20 @@ fn empty_cache_and_shutdown_wait_for_a_capture_to_end() {
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
     a.shutdown().unwrap();
+}
+
+#[test]
+fn fences_at_frees_are_spaced_by_the_drivers_interval() {
+    let events_for = |interval: Duration| {
+        let (_sim, f, a) = faulty_spacing_fences(1 << 30, interval);
+        for _ in 0..64 {
+            let p = a.malloc(4 * MIB, StreamId(0)).unwrap();
+            a.free(p).unwrap();
+        }
+        f.events.load(SeqCst)
+    };
+    // Unspaced (the sim): the first free and every 16th after it record one.
+    assert_eq!(events_for(Duration::ZERO), 4);
+    // An hour apart: the first free's only.
+    assert_eq!(events_for(Duration::from_secs(3600)), 1);
 }

@@ -43,6 +43,8 @@ pub struct DeviceAllocator {
     total_memory: u64,
     driver: Arc<dyn Driver>,
     state: Mutex<State>,
+    /// `Driver::min_free_fence_interval`, read once.
+    free_fence_interval: std::time::Duration,
 }
 
 fn driver_error(device: usize, e: DriverError) -> Error {
@@ -69,11 +71,13 @@ impl DeviceAllocator {
             .map_err(|e| driver_error(device, e))?
             .min(1 << 56);
         let limit = limit_for(&config, total_memory);
+        let free_fence_interval = driver.min_free_fence_interval();
         Ok(Self {
             device,
             total_memory,
             driver,
             state: Mutex::new(State::new(config, limit)),
+            free_fence_interval,
         })
     }
 
@@ -261,7 +265,7 @@ impl DeviceAllocator {
         };
         let uses = st.take_back(id);
         if uses.is_empty() {
-            if st.cache(id) {
+            if st.cache(id) && self.free_fence_allowed(&mut st) {
                 // Later growth may want these pages: a fence tells it when they are free.
                 let stream = st.blocks.get(id).stream;
                 self.record_fence(&mut st, stream);
@@ -274,6 +278,23 @@ impl DeviceAllocator {
         } else {
             self.await_streams(&mut st, id, uses)
         }
+    }
+
+    /// Whether a fence due at a free may be recorded now: at most one per
+    /// `free_fence_interval` (the clock is read only when one is due).
+    fn free_fence_allowed(&self, st: &mut State) -> bool {
+        if self.free_fence_interval.is_zero() {
+            return true;
+        }
+        let now = std::time::Instant::now();
+        if st
+            .last_free_fence
+            .is_some_and(|t| now.duration_since(t) < self.free_fence_interval)
+        {
+            return false;
+        }
+        st.last_free_fence = Some(now);
+        true
     }
 
     /// Marks a live block as used on `stream` too: on free it is reused only after the work

@@ -74,6 +74,13 @@ pub trait Driver: Send + Sync {
     /// Blocks until all work on the device has completed.
     fn synchronize(&self, device: usize) -> DriverResult<()>;
 
+    /// The least time between two fences recorded at frees (paged segments). Recording and
+    /// retiring an event costs about a µs on a GPU; a simulated device keeps the default,
+    /// zero, so that replays do not depend on the host's speed.
+    fn min_free_fence_interval(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
+
     /// Blocks until the work queued on `stream` has completed.
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()>;
 
