@@ -16,6 +16,9 @@ pub enum BlockState {
     AwaitingEvents,
     /// Cached in its pool's free list.
     Free,
+    /// Cached unmerged and unlisted, for the next request of its exact size on its stream
+    /// (`State::park`).
+    Parked,
 }
 
 #[derive(Clone, Debug)]

@@ -133,6 +133,11 @@ impl DeviceAllocator {
             None
         };
         let rounded = sizing::round_size(size, &st.config);
+        if owner.is_none() {
+            if let Some(ptr) = st.take_parked(stream, rounded, size) {
+                return Ok(ptr);
+            }
+        }
         let pool = PoolKind::for_size(rounded);
         let mut found = st.take_cached(owner, pool, stream, rounded);
         if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
@@ -181,6 +186,8 @@ impl DeviceAllocator {
     ) -> Result<BlockId> {
         let segment_size = sizing::segment_size(rounded);
         let capturing = st.caches.capturing();
+        // Parked blocks merge with their neighbours before any memory is made.
+        st.flush_parked();
         if !capturing && st.config.garbage_collection_threshold > 0.0 {
             self.collect_garbage(st)?;
         }
@@ -265,7 +272,11 @@ impl DeviceAllocator {
         };
         let uses = st.take_back(id);
         if uses.is_empty() {
-            if st.cache(id) && self.free_fence_allowed(&mut st) {
+            let fence_due = match st.park(id) {
+                Some(due) => due,
+                None => st.cache(id),
+            };
+            if fence_due && self.free_fence_allowed(&mut st) {
                 // Later growth may want these pages: a fence tells it when they are free.
                 let stream = st.blocks.get(id).stream;
                 self.record_fence(&mut st, stream);
@@ -391,7 +402,8 @@ impl DeviceAllocator {
 
     /// Every segment with its blocks, in address order.
     pub fn segments(&self) -> Result<Vec<SegmentView>> {
-        let st = self.lock()?;
+        let mut st = self.lock()?;
+        st.flush_parked();
         Ok(st
             .segments
             .iter()

@@ -39,6 +39,29 @@ pub struct Segment {
 const FIT_CANDIDATES: usize = 32;
 /// Paged requests at least this large are placed from the top of the address range down.
 const HUGE_BLOCK: u64 = 64 << 20;
+/// Parked blocks (see `State::park`) hold at most this much memory, in at most this many
+/// blocks, per device: enough for a loop's small tensors, little enough to leave the
+/// reserved bound of paged segments as it was.
+const PARKED_MAX_BYTES: u64 = 4 << 20;
+const PARKED_MAX_BLOCKS: usize = 64;
+
+/// When a full set of parked blocks saw fewer than one reuse per this many parks, the
+/// pattern is not same-size reuse (random sizes): parking pauses for `PARKING_PAUSE` frees.
+const PARKS_PER_REUSE: usize = 4;
+const PARKING_PAUSE: u32 = 1024;
+
+/// Freed small blocks by (stream, size), each list newest last.
+#[derive(Default)]
+pub struct Parked {
+    pub by_size: rustc_hash::FxHashMap<(StreamId, u64), Vec<BlockId>>,
+    pub bytes: u64,
+    pub count: usize,
+    /// Parks and reuses since the parked blocks last filled up.
+    pub parks: usize,
+    pub reuses: usize,
+    /// Frees left before parking resumes.
+    pub paused: u32,
+}
 
 pub struct State {
     pub config: Config,
@@ -66,6 +89,8 @@ pub struct State {
     pub live_high_water: u64,
     /// Counts frees into the cache: the clock of `PagedSegment::last_free` and fences.
     pub free_seq: u64,
+    /// Small blocks waiting for a request of their exact size (see `park`).
+    pub parked: Parked,
     /// Fences not yet seen complete, oldest first (in order per stream).
     pub fences: VecDeque<Fence>,
     /// When a free last recorded a fence (see `DeviceAllocator::free_fence_allowed`).
@@ -96,6 +121,7 @@ impl State {
             live_high_water: 0,
             free_seq: 0,
             fences: VecDeque::new(),
+            parked: Parked::default(),
             done_seq: HashMap::new(),
             synced_seq: 0,
         }
@@ -358,6 +384,12 @@ impl State {
             self.stats.inactive_split.decrease(pool, 1);
             self.stats.inactive_split_bytes.decrease(pool, block.size);
         }
+        self.mark_handed_out(id, requested)
+    }
+
+    /// Accounts a block leaving the cache for a caller, as it is.
+    fn mark_handed_out(&mut self, id: BlockId, requested: u64) -> DevicePtr {
+        let pool = self.blocks.get(id).pool;
         let oversize = self.blocks.get(id).size >= self.config.max_split_size;
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Allocated;
@@ -418,6 +450,91 @@ impl State {
         s.active_bytes.decrease(pool, original_size);
         s.requested_bytes.decrease(pool, requested);
         fence_due
+    }
+
+    /// Caches a freed block the fast way when it may be: a small paged block of the general
+    /// cache waits unmerged and unlisted for the next request of exactly its size on its
+    /// stream, the common case of a training loop, skipping the free lists and split/merge
+    /// both ways. Returns `None` when the block is not eligible (the caller then `cache`s
+    /// it), else whether a fence is due (as `cache`). Bounded: when full, every parked block
+    /// is flushed to the free lists first. Only paged blocks park: they count no inactive
+    /// splits, so the statistics read exactly as if the block had merged; plain segments
+    /// keep PyTorch's figures for those.
+    pub fn park(&mut self, id: BlockId) -> Option<bool> {
+        let block = self.blocks.get(id);
+        if !block.paged || block.owner.is_some() || block.pool != PoolKind::Small {
+            return None;
+        }
+        let (addr, size, stream, requested) =
+            (block.addr, block.size, block.stream, block.requested);
+        if self.parked.paused > 0 {
+            self.parked.paused -= 1;
+            return None;
+        }
+        if self.parked.bytes + size > PARKED_MAX_BYTES || self.parked.count == PARKED_MAX_BLOCKS {
+            let reused_rarely = self.parked.reuses * PARKS_PER_REUSE < self.parked.parks;
+            self.flush_parked();
+            (self.parked.parks, self.parked.reuses) = (0, 0);
+            if reused_rarely {
+                self.parked.paused = PARKING_PAUSE;
+                return None;
+            }
+        }
+        self.parked.parks += 1;
+        self.free_seq += 1;
+        let seq = self.free_seq;
+        let fence_due = self.paged_segment_mut(addr).note_free(addr, size, seq);
+        let block = self.blocks.get_mut(id);
+        block.state = BlockState::Parked;
+        block.requested = 0;
+        self.parked
+            .by_size
+            .entry((stream, size))
+            .or_default()
+            .push(id);
+        self.parked.bytes += size;
+        self.parked.count += 1;
+        let s = &mut self.stats;
+        s.active.decrease(PoolKind::Small, 1);
+        s.active_bytes.decrease(PoolKind::Small, size);
+        s.requested_bytes.decrease(PoolKind::Small, requested);
+        Some(fence_due)
+    }
+
+    /// Hands out a parked block of exactly `rounded` bytes on `stream`, if there is one.
+    pub fn take_parked(
+        &mut self,
+        stream: StreamId,
+        rounded: u64,
+        requested: u64,
+    ) -> Option<DevicePtr> {
+        if self.parked.count == 0 {
+            return None;
+        }
+        let id = self.parked.by_size.get_mut(&(stream, rounded))?.pop()?;
+        self.parked.bytes -= rounded;
+        self.parked.count -= 1;
+        self.parked.reuses += 1;
+        Some(self.mark_handed_out(id, requested))
+    }
+
+    /// Moves every parked block into the free lists, merged with its free neighbours.
+    pub fn flush_parked(&mut self) {
+        if self.parked.count == 0 {
+            return;
+        }
+        let ids: Vec<BlockId> = self
+            .parked
+            .by_size
+            .drain()
+            .flat_map(|(_, ids)| ids)
+            .collect();
+        self.parked.bytes = 0;
+        self.parked.count = 0;
+        for id in ids {
+            // Paged: no inactive-split counts to adjust.
+            self.merge_and_list(id);
+        }
     }
 
     /// Puts back a paged block taken from the cache but never handed out. Its neighbours may

@@ -1,5 +1,6 @@
 //! Unit tests of the allocator's behaviour on the simulated device.
 
+use super::blocks::BlockState;
 use super::sizing::{LARGE_BUFFER, SMALL_BUFFER};
 use super::*;
 use crate::driver::sim::SimDriver;
@@ -41,6 +42,51 @@ fn small_requests_share_a_two_mib_segment() {
     assert_eq!(s.active.all().current, 0);
     assert_eq!(s.requested_bytes.all().current, 0);
     assert_eq!(a.segments().unwrap()[0].blocks.len(), 1);
+}
+
+#[test]
+fn parked_blocks_serve_their_exact_size_and_stream_and_are_bounded() {
+    let (sim, a) = paged(1 << 30, "");
+    let p = a.malloc(1000, S0).unwrap();
+    let keep = a.malloc(1000, S0).unwrap();
+    a.free(p).unwrap();
+    // Another stream, or another size, does not get it.
+    let other_stream = a.malloc(1000, S1).unwrap();
+    assert_ne!(other_stream, p);
+    let other_size = a.malloc(3000, S0).unwrap();
+    assert_ne!(other_size, p);
+    // The same rounded size on the same stream does, counted as any reuse.
+    let again = a.malloc(900, S0).unwrap();
+    assert_eq!(again, p);
+    let s = stats(&a);
+    assert_eq!(s.allocation.all().current, 4);
+    assert_eq!(s.requested_bytes.all().current, 1000 + 1000 + 3000 + 900);
+    // A double free of a parked block is caught, and changes nothing.
+    a.free(again).unwrap();
+    assert_eq!(a.free(again).unwrap_err().kind, ErrorKind::DoubleFree);
+    // Bounded: past 64 blocks the parked ones go to the free lists.
+    let many: Vec<_> = (0..100).map(|_| a.malloc(512, S0).unwrap()).collect();
+    for b in many {
+        a.free(b).unwrap();
+    }
+    {
+        let st = a.state.lock().unwrap();
+        assert!(st.parked.count <= 64 && st.parked.bytes <= 4 << 20);
+    }
+    for b in [keep, other_stream, other_size] {
+        a.free(b).unwrap();
+    }
+    // Listing the segments flushes them: no two free blocks side by side.
+    let blocks = &a.segments().unwrap()[0].blocks;
+    assert!(blocks
+        .windows(2)
+        .all(|w| w[0].2 != BlockState::Free || w[1].2 != BlockState::Free));
+    a.empty_cache().unwrap();
+    assert_eq!(
+        sim.counters(0).bytes_in_use,
+        0,
+        "parked memory is released too"
+    );
 }
 
 #[test]
@@ -781,4 +827,17 @@ fn a_chunk_under_a_live_block_is_never_moved() {
     a.free(wall).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn parking_pauses_when_parked_blocks_are_not_reused() {
+    let (_sim, a) = paged(1 << 30, "");
+    // 200 distinct sizes, none asked for again: the parked set fills without a reuse.
+    let blocks: Vec<_> = (1..=200u64).map(|i| a.malloc(i * 512, S0).unwrap()).collect();
+    for b in blocks {
+        a.free(b).unwrap();
+    }
+    let st = a.state.lock().unwrap();
+    assert!(st.parked.paused > 0, "parking paused");
+    assert!(st.parked.count < 64, "{} parked", st.parked.count);
 }
