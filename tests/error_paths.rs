@@ -21,6 +21,9 @@ struct Faulty {
     fail_wait_at: AtomicU64,
     events: AtomicU64,
     fence_interval: Duration,
+    maps: AtomicU64,
+    fail_map_at: AtomicU64,
+    set_access_fails: std::sync::atomic::AtomicBool,
 }
 
 impl Faulty {
@@ -96,9 +99,15 @@ impl Driver for Faulty {
         self.sim.release_physical(d, h, s)
     }
     fn map(&self, d: usize, va: DevicePtr, s: u64, h: PhysHandle) -> DriverResult<()> {
+        if self.maps.fetch_add(1, SeqCst) + 1 == self.fail_map_at.load(SeqCst) {
+            return Err(injected("map"));
+        }
         self.sim.map(d, va, s, h)
     }
     fn set_access(&self, d: usize, va: DevicePtr, s: u64) -> DriverResult<()> {
+        if self.set_access_fails.load(SeqCst) {
+            return Err(injected("set_access"));
+        }
         self.sim.set_access(d, va, s)
     }
     fn unmap(&self, d: usize, va: DevicePtr, s: u64) -> DriverResult<()> {
@@ -126,6 +135,9 @@ fn faulty_spacing_fences(
         fail_wait_at: 0.into(),
         events: 0.into(),
         fence_interval,
+        maps: 0.into(),
+        fail_map_at: 0.into(),
+        set_access_fails: false.into(),
     });
     let a = DeviceAllocator::new(0, f.clone(), Config::default()).unwrap();
     (sim, f, a)
@@ -313,4 +325,32 @@ fn fences_at_frees_are_spaced_by_the_drivers_interval() {
     assert_eq!(events_for(Duration::ZERO), 4);
     // An hour apart: the first free's only.
     assert_eq!(events_for(Duration::from_secs(3600)), 1);
+}
+
+#[test]
+fn a_failing_map_or_grant_in_the_middle_of_growth_loses_no_memory() {
+    for failing_grant in [false, true] {
+        let (sim, f, a) = faulty(1 << 30);
+        let keep = a.malloc(8 * MIB, StreamId(0)).unwrap();
+        // 40 MiB: five chunks; the third map fails, or the grant of access after all five.
+        if failing_grant {
+            f.set_access_fails.store(true, SeqCst);
+        } else {
+            f.fail_map_at.store(f.maps.load(SeqCst) + 3, SeqCst);
+        }
+        let err = a.malloc(40 * MIB, StreamId(0)).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Driver, "{}", err.message);
+        assert_accounted(&sim, &a);
+        assert_eq!(
+            sim.counters(0).bytes_in_use,
+            8 * MIB,
+            "only `keep`'s pages stay (failing grant: {failing_grant})"
+        );
+        f.set_access_fails.store(false, SeqCst);
+        let q = a.malloc(40 * MIB, StreamId(0)).unwrap();
+        a.free(q).unwrap();
+        a.free(keep).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(0).bytes_in_use, 0);
+    }
 }

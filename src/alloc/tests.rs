@@ -833,7 +833,9 @@ fn a_chunk_under_a_live_block_is_never_moved() {
 fn parking_pauses_when_parked_blocks_are_not_reused() {
     let (_sim, a) = paged(1 << 30, "");
     // 200 distinct sizes, none asked for again: the parked set fills without a reuse.
-    let blocks: Vec<_> = (1..=200u64).map(|i| a.malloc(i * 512, S0).unwrap()).collect();
+    let blocks: Vec<_> = (1..=200u64)
+        .map(|i| a.malloc(i * 512, S0).unwrap())
+        .collect();
     for b in blocks {
         a.free(b).unwrap();
     }
