@@ -27,6 +27,9 @@ pub struct Config {
     /// Paged segments keep up to this share of the live bytes' high-water mark as cached
     /// pages before they move pages under free blocks (memory for time).
     pub page_slack: f64,
+    /// Paged segments cache more (up to twice the live bytes) while moving pages takes more
+    /// than this share of the time; 0 = never (only `page_slack`).
+    pub page_move_budget: f64,
 }
 
 impl Default for Config {
@@ -39,6 +42,7 @@ impl Default for Config {
             per_process_memory_fraction: None,
             expandable_segments: true,
             page_slack: DEFAULT_PAGE_SLACK,
+            page_move_budget: DEFAULT_PAGE_MOVE_BUDGET,
         }
     }
 }
@@ -46,10 +50,16 @@ impl Default for Config {
 /// 1/32: peak reserved stays within about 3% of peak live bytes.
 pub const DEFAULT_PAGE_SLACK: f64 = 1.0 / 32.0;
 
+/// A fifth of the time: a workload whose page moves take less pays at most that for
+/// reserved ≈ live; one whose moves would take more (random sizes up to hundreds of MiB)
+/// gets more cache instead.
+pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.2;
+
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 7] = [
+pub const KEYS: [&str; 8] = [
     "expandable_segments",
     "page_slack",
+    "page_move_budget",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
@@ -131,6 +141,15 @@ impl Config {
                     )));
                 }
                 self.page_slack = f;
+            }
+            "page_move_budget" => {
+                let f = parse_number::<f64>(key, value)?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(config_error(format!(
+                        "page_move_budget must be within [0, 1] (a share of the time; got {value})"
+                    )));
+                }
+                self.page_move_budget = f;
             }
             "expandable_segments" => {
                 self.expandable_segments = match value {
@@ -270,9 +289,10 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let mut c = Config::default();
-        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False,page_slack:0.25")
+        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False,page_slack:0.25,page_move_budget:0.5")
             .unwrap();
         assert_eq!(c.page_slack, 0.25);
+        assert_eq!(c.page_move_budget, 0.5);
         assert_eq!(c.max_split_size, 256 * MB);
         assert_eq!(c.max_non_split_rounding, 64 * MB);
         assert_eq!(c.garbage_collection_threshold, 0.6);
@@ -319,6 +339,7 @@ mod tests {
             ("expandable_segments:maybe", "expandable_segments"),
             ("page_slack:-1", "page_slack"),
             ("page_slack:lots", "page_slack"),
+            ("page_move_budget:1.5", "page_move_budget"),
         ] {
             let err = c
                 .apply(&format!("max_non_split_rounding_mb:70,{bad}"))

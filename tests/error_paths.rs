@@ -24,6 +24,8 @@ struct Faulty {
     maps: AtomicU64,
     fail_map_at: AtomicU64,
     set_access_fails: std::sync::atomic::AtomicBool,
+    /// Each map takes this long and page moves are timed, as on a GPU.
+    slow_map: Option<Duration>,
 }
 
 impl Faulty {
@@ -83,6 +85,9 @@ impl Driver for Faulty {
     fn min_free_fence_interval(&self) -> Duration {
         self.fence_interval
     }
+    fn times_page_moves(&self) -> bool {
+        self.slow_map.is_some()
+    }
     fn vmm_granularity(&self, d: usize) -> Option<u64> {
         self.sim.vmm_granularity(d)
     }
@@ -101,6 +106,9 @@ impl Driver for Faulty {
     fn map(&self, d: usize, va: DevicePtr, s: u64, h: PhysHandle) -> DriverResult<()> {
         if self.maps.fetch_add(1, SeqCst) + 1 == self.fail_map_at.load(SeqCst) {
             return Err(injected("map"));
+        }
+        if let Some(delay) = self.slow_map {
+            std::thread::sleep(delay);
         }
         self.sim.map(d, va, s, h)
     }
@@ -126,6 +134,15 @@ fn faulty_spacing_fences(
     capacity: u64,
     fence_interval: Duration,
 ) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
+    faulty_with(capacity, "", fence_interval, None)
+}
+
+fn faulty_with(
+    capacity: u64,
+    conf: &str,
+    fence_interval: Duration,
+    slow_map: Option<Duration>,
+) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
     let sim = Arc::new(SimDriver::new(1, capacity));
     let f = Arc::new(Faulty {
         sim: sim.clone(),
@@ -138,8 +155,11 @@ fn faulty_spacing_fences(
         maps: 0.into(),
         fail_map_at: 0.into(),
         set_access_fails: false.into(),
+        slow_map,
     });
-    let a = DeviceAllocator::new(0, f.clone(), Config::default()).unwrap();
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let a = DeviceAllocator::new(0, f.clone(), config).unwrap();
     (sim, f, a)
 }
 
@@ -353,4 +373,65 @@ fn a_failing_map_or_grant_in_the_middle_of_growth_loses_no_memory() {
         a.empty_cache().unwrap();
         assert_eq!(sim.counters(0).bytes_in_use, 0);
     }
+}
+
+#[test]
+fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
+    // Random sizes of 4-64 MiB, 8 live, one replaced per step: most steps move pages. Each
+    // map takes 300 µs, so moving takes nearly all the time.
+    let run = |conf: &str| {
+        let (sim, _f, a) = faulty_with(
+            1 << 32,
+            conf,
+            Duration::ZERO,
+            Some(Duration::from_micros(300)),
+        );
+        let mut seed = 7u64;
+        let mut size = || {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (4 + (seed >> 33) % 61) * MIB
+        };
+        let mut live: Vec<(u64, u64)> = (0..8)
+            .map(|_| {
+                let n = size();
+                (a.malloc(n, StreamId(0)).unwrap(), n)
+            })
+            .collect();
+        let (mut peak_live, mut late_moves) = (0u64, 0u64);
+        let start = std::time::Instant::now();
+        let mut step = 0usize;
+        while start.elapsed() < Duration::from_millis(1500) {
+            let i = step % live.len();
+            a.free(live[i].0).unwrap();
+            let n = size();
+            live[i] = (a.malloc(n, StreamId(0)).unwrap(), n);
+            peak_live = peak_live.max(live.iter().map(|l| l.1).sum());
+            if step == 0 || start.elapsed() < Duration::from_millis(1000) {
+                late_moves = sim.counters(0).unmaps;
+            }
+            step += 1;
+        }
+        let late_moves = sim.counters(0).unmaps - late_moves;
+        let reserved = a.stats().unwrap().reserved_bytes.all().peak as u64;
+        for (p, _) in live {
+            a.free(p).unwrap();
+        }
+        (reserved as f64 / peak_live as f64, late_moves, step)
+    };
+    let (tight_ratio, tight_moves, tight_steps) = run("page_move_budget:0");
+    let (loose_ratio, loose_moves, loose_steps) = run("page_move_budget:0.2");
+    // Without a budget the bound holds and pages keep moving; with it, the cache grows (at
+    // most to twice the live bytes), moves become rare and steps many times faster.
+    assert!(tight_ratio < 1.1, "{tight_ratio}");
+    assert!(
+        loose_ratio > tight_ratio && loose_ratio <= 2.1,
+        "{loose_ratio} vs {tight_ratio}"
+    );
+    assert!(
+        loose_steps > 4 * tight_steps,
+        "steps in 1.5 s: {loose_steps} with the budget, {tight_steps} without; \
+         unmaps in the last 0.5 s: {loose_moves} and {tight_moves}"
+    );
 }

@@ -43,8 +43,9 @@ pub struct DeviceAllocator {
     total_memory: u64,
     driver: Arc<dyn Driver>,
     state: Mutex<State>,
-    /// `Driver::min_free_fence_interval`, read once.
+    /// `Driver::min_free_fence_interval` and `Driver::times_page_moves`, read once.
     free_fence_interval: std::time::Duration,
+    times_page_moves: bool,
 }
 
 fn driver_error(device: usize, e: DriverError) -> Error {
@@ -72,12 +73,14 @@ impl DeviceAllocator {
             .min(1 << 56);
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
+        let times_page_moves = driver.times_page_moves();
         Ok(Self {
             device,
             total_memory,
             driver,
             state: Mutex::new(State::new(config, limit)),
             free_fence_interval,
+            times_page_moves,
         })
     }
 

@@ -24,6 +24,7 @@ use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
 use std::collections::BTreeSet;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 /// Growth may keep `page_slack` (config) times the live high-water mark as cached pages
 /// before reclaiming, but never fewer than this many pages.
@@ -35,6 +36,12 @@ const MAX_FENCES_PER_STREAM: usize = 64;
 /// running behind the host needs no finer marks. (A count, not a clock, so that replays
 /// come out the same every time.)
 const FREES_PER_FENCE: u32 = 16;
+/// The window over which the share of time spent moving pages is measured.
+const MOVE_WINDOW: Duration = Duration::from_millis(200);
+/// Extra slack that `page_move_budget` may add: reserved stays within twice peak live.
+const MAX_EXTRA_SLACK: f64 = 1.0;
+/// The first step of extra slack when `page_slack` is smaller.
+const MIN_EXTRA_SLACK: f64 = 1.0 / 32.0;
 /// Growth maps physical memory in chunks of up to this many pages, one handle each: the
 /// driver's cost is per mapping, not per byte (on an H100, granting access to one 2 MiB
 /// handle takes 45 µs, to one 8 MiB handle 45 µs and to one 128 MiB handle 66 µs;
@@ -361,7 +368,10 @@ impl DeviceAllocator {
         let live_after = st.stats.active_bytes.all().current as u64 + len;
         st.live_high_water = st.live_high_water.max(live_after);
         let high = st.live_high_water;
-        let slack = ((high as f64 * st.config.page_slack) as u64).max(MIN_SLACK_PAGES * page);
+        let share = st.config.page_slack + st.moves.extra_slack;
+        let slack = ((high as f64 * share) as u64).max(MIN_SLACK_PAGES * page);
+        let started = self.times_page_moves.then(Instant::now);
+        st.moves.reclaimed = false;
         let budget = (high + slack).min(self.hard_limit(st));
         let mut plan = Plan::new(&missing);
         let mut spares = self.unpark_all(st, page);
@@ -405,7 +415,11 @@ impl DeviceAllocator {
         }
         plan.placed.sort_by_key(|&(first, _)| first);
         let mut done = 0;
-        if let Err(e) = self.map_plan(st, base, &plan.placed, &missing, &mut done) {
+        let mapped = self.map_plan(st, base, &plan.placed, &missing, &mut done);
+        if let (Some(started), true) = (started, st.moves.reclaimed) {
+            self.account_page_moves(st, started);
+        }
+        if let Err(e) = mapped {
             // Undo this request's mappings so nothing it touched stays reserved.
             for &(first, _) in &plan.placed[..done] {
                 let spare = self.unmap_chunk(st, base, first)?;
@@ -417,6 +431,45 @@ impl DeviceAllocator {
             return Err(e);
         }
         Ok(true)
+    }
+
+    /// Adds the time since `started` (one growth that moved chunks: gathering, waiting,
+    /// mapping) to the move clock. Every `MOVE_WINDOW`, if moves took more than `page_move_budget` of the time,
+    /// the slack doubles (up to `MAX_EXTRA_SLACK`): a workload whose page moves cost more
+    /// than they save (random sizes of hundreds of MiB) gets a larger cache instead, while
+    /// one that moves little keeps reserved ≈ live. Well under budget, it halves back.
+    fn account_page_moves(&self, st: &mut State, started: Instant) {
+        let now = Instant::now();
+        let budget = st.config.page_move_budget;
+        let base = st.config.page_slack.max(MIN_EXTRA_SLACK);
+        let clock = &mut st.moves;
+        clock.moving += now - started;
+        let window = now - *clock.window_start.get_or_insert(started);
+        if window < MOVE_WINDOW {
+            return;
+        }
+        let share = clock.moving.as_secs_f64() / window.as_secs_f64();
+        let before = clock.extra_slack;
+        if budget > 0.0 && share > budget {
+            clock.extra_slack = (clock.extra_slack * 2.0).max(base).min(MAX_EXTRA_SLACK);
+        } else if share < budget / 4.0 {
+            clock.extra_slack /= 2.0;
+            if clock.extra_slack < base / 2.0 {
+                clock.extra_slack = 0.0;
+            }
+        }
+        if clock.extra_slack != before {
+            tracing::info!(
+                device = self.device,
+                "page moves took {:.0}% of the last {:.0} ms (budget {:.0}%): page slack now {:.3} of peak live",
+                share * 100.0,
+                window.as_secs_f64() * 1e3,
+                budget * 100.0,
+                st.config.page_slack + clock.extra_slack
+            );
+        }
+        clock.window_start = Some(now);
+        clock.moving = Duration::ZERO;
     }
 
     /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved
@@ -707,6 +760,7 @@ impl DeviceAllocator {
                 }
             }
         }
+        st.moves.reclaimed |= !spares.is_empty();
         Ok(spares)
     }
 

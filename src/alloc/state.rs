@@ -50,6 +50,17 @@ const PARKED_MAX_BLOCKS: usize = 64;
 const PARKS_PER_REUSE: usize = 4;
 const PARKING_PAUSE: u32 = 1024;
 
+/// Time spent moving pages over a window of wall time, and the extra slack it bought.
+#[derive(Default)]
+pub struct MoveClock {
+    pub window_start: Option<std::time::Instant>,
+    pub moving: std::time::Duration,
+    /// Set when a reclaim moves chunks: only growth that moved counts as moving time.
+    pub reclaimed: bool,
+    /// Added to `page_slack` while moves take more than `page_move_budget` of the time.
+    pub extra_slack: f64,
+}
+
 /// Freed small blocks by (stream, size), each list newest last.
 #[derive(Default)]
 pub struct Parked {
@@ -91,6 +102,8 @@ pub struct State {
     pub free_seq: u64,
     /// Small blocks waiting for a request of their exact size (see `park`).
     pub parked: Parked,
+    /// The time page moves take (see `DeviceAllocator::account_page_moves`).
+    pub moves: MoveClock,
     /// Fences not yet seen complete, oldest first (in order per stream).
     pub fences: VecDeque<Fence>,
     /// When a free last recorded a fence (see `DeviceAllocator::free_fence_allowed`).
@@ -122,6 +135,7 @@ impl State {
             free_seq: 0,
             fences: VecDeque::new(),
             parked: Parked::default(),
+            moves: MoveClock::default(),
             done_seq: HashMap::new(),
             synced_seq: 0,
         }

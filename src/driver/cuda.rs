@@ -407,6 +407,10 @@ impl Driver for CudaDriver {
         std::time::Duration::from_micros(50)
     }
 
+    fn times_page_moves(&self) -> bool {
+        true
+    }
+
     fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
         let _ctx = self.enter(device)?;
         let prop = allocation_prop(self.dev(device)?.ordinal);

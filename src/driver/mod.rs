@@ -81,6 +81,13 @@ pub trait Driver: Send + Sync {
         std::time::Duration::ZERO
     }
 
+    /// Whether the time page moves take is worth measuring (`page_move_budget`): on a GPU
+    /// it is tens of µs per mapping; a simulated device keeps the default, false, so that
+    /// replays do not depend on the host's speed.
+    fn times_page_moves(&self) -> bool {
+        false
+    }
+
     /// Blocks until the work queued on `stream` has completed.
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()>;
 
