@@ -37,7 +37,7 @@ const MAX_FENCES_PER_STREAM: usize = 64;
 /// come out the same every time.)
 const FREES_PER_FENCE: u32 = 16;
 /// The window over which the share of time spent moving pages is measured.
-const MOVE_WINDOW: Duration = Duration::from_millis(200);
+const MOVE_WINDOW: Duration = Duration::from_millis(100);
 /// Extra slack that `page_move_budget` may add: reserved stays within twice peak live.
 const MAX_EXTRA_SLACK: f64 = 1.0;
 /// The first step of extra slack when `page_slack` is smaller.
@@ -434,10 +434,11 @@ impl DeviceAllocator {
     }
 
     /// Adds the time since `started` (one growth that moved chunks: gathering, waiting,
-    /// mapping) to the move clock. Every `MOVE_WINDOW`, if moves took more than `page_move_budget` of the time,
-    /// the slack doubles (up to `MAX_EXTRA_SLACK`): a workload whose page moves cost more
-    /// than they save (random sizes of hundreds of MiB) gets a larger cache instead, while
-    /// one that moves little keeps reserved ≈ live. Well under budget, it halves back.
+    /// mapping) to the move clock. Every `MOVE_WINDOW`, if moves took more than
+    /// `page_move_budget` of the time, the slack grows 2- to 8-fold with the overrun (up to
+    /// `MAX_EXTRA_SLACK`): a workload whose page moves cost more than they save (random
+    /// sizes of hundreds of MiB) gets a larger cache instead, while one that moves little
+    /// keeps reserved ≈ live. Well under budget, it halves back.
     fn account_page_moves(&self, st: &mut State, started: Instant) {
         let now = Instant::now();
         let budget = st.config.page_move_budget;
@@ -451,7 +452,9 @@ impl DeviceAllocator {
         let share = clock.moving.as_secs_f64() / window.as_secs_f64();
         let before = clock.extra_slack;
         if budget > 0.0 && share > budget {
-            clock.extra_slack = (clock.extra_slack * 2.0).max(base).min(MAX_EXTRA_SLACK);
+            // In proportion to the overrun, so that a job adapts within a few windows.
+            let factor = (share / budget).clamp(2.0, 8.0);
+            clock.extra_slack = (clock.extra_slack * factor).max(base).min(MAX_EXTRA_SLACK);
         } else if share < budget / 4.0 {
             clock.extra_slack /= 2.0;
             if clock.extra_slack < base / 2.0 {
