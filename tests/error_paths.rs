@@ -26,6 +26,7 @@ struct Faulty {
     set_access_fails: std::sync::atomic::AtomicBool,
     /// Each map takes this long and page moves are timed, as on a GPU.
     slow_map: Option<Duration>,
+    releases_fail: std::sync::atomic::AtomicBool,
 }
 
 impl Faulty {
@@ -101,6 +102,9 @@ impl Driver for Faulty {
         self.sim.create_physical(d, s)
     }
     fn release_physical(&self, d: usize, h: PhysHandle, s: u64) -> DriverResult<()> {
+        if self.releases_fail.load(SeqCst) {
+            return Err(injected("release_physical"));
+        }
         self.sim.release_physical(d, h, s)
     }
     fn map(&self, d: usize, va: DevicePtr, s: u64, h: PhysHandle) -> DriverResult<()> {
@@ -156,6 +160,7 @@ fn faulty_with(
         fail_map_at: 0.into(),
         set_access_fails: false.into(),
         slow_map,
+        releases_fail: false.into(),
     });
     let mut config = Config::default();
     config.apply(conf).unwrap();
@@ -433,5 +438,31 @@ fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
         loose_steps > 4 * tight_steps,
         "steps in 1.5 s: {loose_steps} with the budget, {tight_steps} without; \
          unmaps in the last 0.5 s: {loose_moves} and {tight_moves}"
+    );
+}
+
+#[test]
+fn a_refused_release_keeps_the_memory_accounted_and_retries_later() {
+    let (sim, f, a) = faulty(1 << 30);
+    let big = a.malloc(200 * MIB, StreamId(0)).unwrap();
+    let keep = a.malloc(8 * MIB, StreamId(0)).unwrap();
+    a.free(big).unwrap();
+    // Moves chunks from big's hole and parks a batch of them.
+    let q = a.malloc(20 * MIB, StreamId(1)).unwrap();
+    for p in [keep, q] {
+        a.free(p).unwrap();
+    }
+    f.releases_fail.store(true, SeqCst);
+    let err = a.empty_cache().unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Driver, "{}", err.message);
+    assert_accounted(&sim, &a);
+    assert!(sim.counters(0).bytes_in_use > 0);
+    f.releases_fail.store(false, SeqCst);
+    a.empty_cache().unwrap();
+    assert_accounted(&sim, &a);
+    assert_eq!(
+        sim.counters(0).bytes_in_use,
+        0,
+        "the refused chunks were released later"
     );
 }

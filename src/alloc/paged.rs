@@ -368,7 +368,12 @@ impl DeviceAllocator {
         let live_after = st.stats.active_bytes.all().current as u64 + len;
         st.live_high_water = st.live_high_water.max(live_after);
         let high = st.live_high_water;
-        let share = st.config.page_slack + st.moves.extra_slack;
+        let extra = if st.config.page_move_budget > 0.0 {
+            st.moves.extra_slack
+        } else {
+            0.0
+        };
+        let share = st.config.page_slack + extra;
         let slack = ((high as f64 * share) as u64).max(MIN_SLACK_PAGES * page);
         let started = self.times_page_moves.then(Instant::now);
         st.moves.reclaimed = false;
@@ -402,14 +407,16 @@ impl DeviceAllocator {
             spares.extend(in_hand);
         }
         // Spares that fit nowhere: kept for later growth while the budget allows.
+        let mut released = Ok(());
         for spare in spares {
             let room = st.reserved() + (plan.placed_pages() + spare.pages) as u64 * page;
             if !refused && room <= budget {
                 self.park(st, spare, page);
             } else {
-                self.release_chunk(st, spare, page)?;
+                released = released.and(self.release_chunk(st, spare, page));
             }
         }
+        released?;
         if refused {
             return Ok(false);
         }
@@ -420,14 +427,16 @@ impl DeviceAllocator {
             self.account_page_moves(st, started);
         }
         if let Err(e) = mapped {
-            // Undo this request's mappings so nothing it touched stays reserved.
+            // Undo this request's mappings so nothing it touched stays reserved. (A chunk
+            // that will not unmap stays mapped under the free block: reserved, reclaimable.
+            // One that will not release is parked.)
             for &(first, _) in &plan.placed[..done] {
-                let spare = self.unmap_chunk(st, base, first)?;
-                let _ = self.release_chunk(st, spare, page);
+                if let Ok(spare) = self.unmap_chunk(st, base, first) {
+                    let _ = self.release_chunk(st, spare, page);
+                }
             }
-            for &(_, spare) in &plan.placed[done..] {
-                let _ = self.release_chunk(st, spare, page);
-            }
+            let unmapped: Vec<Spare> = plan.placed[done..].iter().map(|&(_, s)| s).collect();
+            let _ = self.release_chunks(st, unmapped, page);
             return Err(e);
         }
         Ok(true)
@@ -451,7 +460,10 @@ impl DeviceAllocator {
         }
         let share = clock.moving.as_secs_f64() / window.as_secs_f64();
         let before = clock.extra_slack;
-        if budget > 0.0 && share > budget {
+        if budget == 0.0 {
+            // Turned off (perhaps at run time): only `page_slack` counts.
+            clock.extra_slack = 0.0;
+        } else if share > budget {
             // In proportion to the overrun, so that a job adapts within a few windows.
             let factor = (share / budget).clamp(2.0, 8.0);
             clock.extra_slack = (clock.extra_slack * factor).max(base).min(MAX_EXTRA_SLACK);
@@ -525,9 +537,8 @@ impl DeviceAllocator {
             let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Some(stream))?;
             spares.extend(all);
             plan.fill(spares);
-            for spare in spares.drain(..) {
-                self.release_chunk(st, spare, page)?;
-            }
+            let unused: Vec<Spare> = spares.drain(..).collect();
+            self.release_chunks(st, unused, page)?;
             self.add_new_chunks(st, plan, plan.placed_pages(), page)?;
             if plan.unfilled() > 0 {
                 self.release_all_cached(st)?;
@@ -675,11 +686,33 @@ impl DeviceAllocator {
         }
     }
 
+    /// Gives `spare` back to the device. Should the driver refuse, it is parked instead
+    /// (still ccalloc's and reserved; the next empty_cache tries again) and the error
+    /// returned.
     fn release_chunk(&self, st: &mut State, spare: Spare, page: u64) -> Result<()> {
-        st.stats.num_device_free += 1;
-        self.driver
+        match self
+            .driver
             .release_physical(self.device, spare.handle, spare.pages as u64 * page)
-            .map_err(|e| driver_error(self.device, e))
+        {
+            Ok(()) => {
+                st.stats.num_device_free += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.park(st, spare, page);
+                Err(driver_error(self.device, e))
+            }
+        }
+    }
+
+    /// Releases every spare (see `release_chunk`), going on past failures; returns the
+    /// first.
+    fn release_chunks(&self, st: &mut State, spares: Vec<Spare>, page: u64) -> Result<()> {
+        let mut result = Ok(());
+        for spare in spares {
+            result = result.and(self.release_chunk(st, spare, page));
+        }
+        result
     }
 
     /// Unmaps chunks lying wholly under free blocks, about `want` pages' worth. Kernels
@@ -892,12 +925,10 @@ impl DeviceAllocator {
             return Ok(());
         }
         let page = st.paged.values().next().expect("non-empty").page;
-        for spare in self.unpark_all(st, page) {
-            self.release_chunk(st, spare, page)?;
-        }
-        for spare in self.reclaim(st, usize::MAX, 0, usize::MAX, 0..0, None)? {
-            self.release_chunk(st, spare, page)?;
-        }
+        let idle = self.unpark_all(st, page);
+        let released_idle = self.release_chunks(st, idle, page);
+        let reclaimed = self.reclaim(st, usize::MAX, 0, usize::MAX, 0..0, None)?;
+        released_idle.and(self.release_chunks(st, reclaimed, page))?;
         let empty: Vec<DevicePtr> = st
             .paged
             .iter()

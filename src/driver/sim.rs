@@ -550,7 +550,9 @@ impl Driver for SimDriver {
         let d = self.device(device)?;
         let streams = d.streams.lock().unwrap();
         let mut memory = d.memory.lock().unwrap();
-        check_unused(&streams, &memory, va, "unmap")?;
+        for g in granules(va, va + size.max(1)) {
+            check_unused(&streams, &memory, g, "unmap")?;
+        }
         drop(streams);
         // As in CUDA, the range may cover several mappings, but each one wholly.
         let mut starts: Vec<DevicePtr> = Vec::new();
@@ -788,5 +790,26 @@ mod tests {
         assert_eq!(sim.counters(0).bytes_in_use, 8 * G);
         sim.release_physical(0, eight, 8 * G).unwrap();
         sim.free_address(0, va, 16 * G).unwrap();
+    }
+
+    #[test]
+    fn unmap_refuses_while_any_granule_of_the_range_is_in_use() {
+        let sim = SimDriver::new(1, 64 * G);
+        let va = sim.reserve_address(0, 16 * G).unwrap();
+        let h = sim.create_physical(0, 4 * G).unwrap();
+        sim.map(0, va, 4 * G, h).unwrap();
+        let busy = StreamId(1);
+        sim.set_stream_paused(0, busy, true);
+        // Work queued on the paused stream uses the chunk's last granule.
+        sim.record_event(0, busy).unwrap();
+        sim.note_use(0, va + 3 * G, 4096, busy);
+        assert!(
+            sim.unmap(0, va, 4 * G).is_err(),
+            "the last granule is in use"
+        );
+        sim.set_stream_paused(0, busy, false);
+        sim.synchronize(0).unwrap();
+        sim.unmap(0, va, 4 * G).unwrap();
+        sim.release_physical(0, h, 4 * G).unwrap();
     }
 }
