@@ -537,7 +537,7 @@ impl DeviceAllocator {
             let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Some(stream))?;
             spares.extend(all);
             plan.fill(spares);
-            let unused: Vec<Spare> = spares.drain(..).collect();
+            let unused = std::mem::take(spares);
             self.release_chunks(st, unused, page)?;
             self.add_new_chunks(st, plan, plan.placed_pages(), page)?;
             if plan.unfilled() > 0 {
