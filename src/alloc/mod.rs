@@ -215,6 +215,8 @@ impl DeviceAllocator {
     /// Counts an OOM and describes it: what was asked, reserved, live, cached, largest free.
     fn out_of_memory(&self, st: &mut State, size: u64, needed: u64) -> Error {
         st.stats.num_ooms += 1;
+        // Parked blocks are cached free memory too: the message counts them merged.
+        st.flush_parked();
         Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
     }
 

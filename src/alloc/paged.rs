@@ -423,7 +423,7 @@ impl DeviceAllocator {
         plan.placed.sort_by_key(|&(first, _)| first);
         let mut done = 0;
         let mapped = self.map_plan(st, base, &plan.placed, &missing, &mut done);
-        if let (Some(started), true) = (started, st.moves.reclaimed) {
+        if let Some(started) = started {
             self.account_page_moves(st, started);
         }
         if let Err(e) = mapped {
@@ -442,8 +442,8 @@ impl DeviceAllocator {
         Ok(true)
     }
 
-    /// Adds the time since `started` (one growth that moved chunks: gathering, waiting,
-    /// mapping) to the move clock. Every `MOVE_WINDOW`, if moves took more than
+    /// Adds the time since `started` (one growth: gathering, waiting, mapping) to the move
+    /// clock if it moved chunks. Every `MOVE_WINDOW`, if moves took more than
     /// `page_move_budget` of the time, the slack grows 2- to 8-fold with the overrun (up to
     /// `MAX_EXTRA_SLACK`): a workload whose page moves cost more than they save (random
     /// sizes of hundreds of MiB) gets a larger cache instead, while one that moves little
@@ -453,7 +453,11 @@ impl DeviceAllocator {
         let budget = st.config.page_move_budget;
         let base = st.config.page_slack.max(MIN_EXTRA_SLACK);
         let clock = &mut st.moves;
-        clock.moving += now - started;
+        // Growth that only mapped new memory is not a move (more slack would not spare
+        // it), but it still closes windows, so that extra slack decays once moves stop.
+        if clock.reclaimed {
+            clock.moving += now - started;
+        }
         let window = now - *clock.window_start.get_or_insert(started);
         if window < MOVE_WINDOW {
             return;
