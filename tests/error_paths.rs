@@ -350,6 +350,14 @@ fn fences_at_frees_are_spaced_by_the_drivers_interval() {
     assert_eq!(events_for(Duration::ZERO), 4);
     // An hour apart: the first free's only.
     assert_eq!(events_for(Duration::from_secs(3600)), 1);
+    // The spacing is per stream: another stream's first free still records its fence.
+    let (_sim, f, a) = faulty_spacing_fences(1 << 30, Duration::from_secs(3600));
+    for stream in [StreamId(0), StreamId(1)] {
+        let p = a.malloc(4 * MIB, stream).unwrap();
+        let before = f.events.load(SeqCst);
+        a.free(p).unwrap();
+        assert_eq!(f.events.load(SeqCst), before + 1, "{stream:?}'s first free");
+    }
 }
 
 #[test]

@@ -277,13 +277,13 @@ impl DeviceAllocator {
         };
         let uses = st.take_back(id);
         if uses.is_empty() {
+            let stream = st.blocks.get(id).stream;
             let fence_due = match st.park(id) {
                 Some(due) => due,
                 None => st.cache(id),
             };
-            if fence_due && self.free_fence_allowed(&mut st) {
+            if fence_due && self.free_fence_allowed(&mut st, stream) {
                 // Later growth may want these pages: a fence tells it when they are free.
-                let stream = st.blocks.get(id).stream;
                 self.record_fence(&mut st, stream);
             }
             Ok(())
@@ -296,20 +296,18 @@ impl DeviceAllocator {
         }
     }
 
-    /// Whether a fence due at a free may be recorded now: at most one per
-    /// `free_fence_interval` (the clock is read only when one is due).
-    fn free_fence_allowed(&self, st: &mut State) -> bool {
+    /// Whether a fence due at a free on `stream` may be recorded now: at most one per
+    /// `free_fence_interval` and stream (the clock is read only when one is due).
+    fn free_fence_allowed(&self, st: &mut State, stream: StreamId) -> bool {
         if self.free_fence_interval.is_zero() {
             return true;
         }
         let now = std::time::Instant::now();
-        if st
-            .last_free_fence
-            .is_some_and(|t| now.duration_since(t) < self.free_fence_interval)
-        {
+        let last = st.last_free_fence.entry(stream).or_insert(now);
+        if *last != now && now.duration_since(*last) < self.free_fence_interval {
             return false;
         }
-        st.last_free_fence = Some(now);
+        *last = now;
         true
     }
 

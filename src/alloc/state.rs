@@ -106,8 +106,8 @@ pub struct State {
     pub moves: MoveClock,
     /// Fences not yet seen complete, oldest first (in order per stream).
     pub fences: VecDeque<Fence>,
-    /// When a free last recorded a fence (see `DeviceAllocator::free_fence_allowed`).
-    pub last_free_fence: Option<std::time::Instant>,
+    /// Per stream, when a free last recorded a fence (`DeviceAllocator::free_fence_allowed`).
+    pub last_free_fence: rustc_hash::FxHashMap<StreamId, std::time::Instant>,
     /// Per stream, the newest free whose work is known to be done on the device.
     pub done_seq: HashMap<StreamId, u64>,
     /// Every free up to this one is done on the device (it was synchronized after it).
@@ -130,7 +130,7 @@ impl State {
             paged: BTreeMap::new(),
             paged_for: HashSet::new(),
             idle_chunks: Vec::new(),
-            last_free_fence: None,
+            last_free_fence: Default::default(),
             live_high_water: 0,
             free_seq: 0,
             fences: VecDeque::new(),
