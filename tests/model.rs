@@ -98,7 +98,20 @@ fn check_invariants(a: &DeviceAllocator, sim: &SimDriver, live: &[Live]) {
             b.ptr
         );
     }
-    for seg in a.segments().unwrap() {
+    let segments = a.segments().unwrap();
+    for b in live {
+        // A block is carved from a segment of its own stream (paged or plain).
+        let seg = segments
+            .iter()
+            .find(|s| b.ptr >= s.addr && b.ptr < s.addr + s.size)
+            .expect("a live block lies in a segment");
+        assert_eq!(
+            seg.stream, b.stream,
+            "block {:#x} for {:?} handed out from a segment of {:?}",
+            b.ptr, b.stream, seg.stream
+        );
+    }
+    for seg in segments {
         for pair in seg.blocks.windows(2) {
             let both_free = pair
                 .iter()

@@ -403,10 +403,9 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// Every segment with its blocks, in address order.
+    /// Every segment with its blocks, in address order (parked blocks as they are).
     pub fn segments(&self) -> Result<Vec<SegmentView>> {
-        let mut st = self.lock()?;
-        st.flush_parked();
+        let st = self.lock()?;
         Ok(st
             .segments
             .iter()
