@@ -42,6 +42,12 @@ fn csv_sample_replays_within_its_targets() {
     let r = replay(&traces[0], &ReplayOptions::default(), |_, _| {}).unwrap();
     assert_eq!(r.allocs, 4719);
     assert!(r.ratio <= 1.05, "peak reserved / peak live = {}", r.ratio);
+    // The driver-time estimate prices each counted call at the H100's cost.
+    let expected_us = r.maps as f64 * 47.0
+        + r.unmaps as f64 * 25.0
+        + (r.physical_creates + r.physical_releases) as f64 * 23.0
+        + (r.device_allocs + r.device_frees) as f64 * 32.0;
+    assert!(r.maps > 0 && (r.est_driver_ms - expected_us / 1000.0).abs() < 1e-9);
     let plain = ReplayOptions {
         conf: "expandable_segments:False".into(),
         ..ReplayOptions::default()

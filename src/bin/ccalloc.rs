@@ -121,7 +121,7 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
 
 fn print_table(reports: &[ReplayReport]) {
     println!(
-        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>9} {:>13} {:>11} {:>9}  OOM",
+        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>9} {:>13} {:>10} {:>11} {:>9}  OOM",
         "trace",
         "events",
         "peak live",
@@ -131,6 +131,7 @@ fn print_table(reports: &[ReplayReport]) {
         "ratio",
         "segs+/-",
         "maps/unmaps",
+        "driver ms*",
         "syncs/waits",
         "ns/event",
     );
@@ -153,7 +154,7 @@ fn print_table(reports: &[ReplayReport]) {
             None => "no".into(),
         };
         println!(
-            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>9} {:>13} {:>11} {:>9.0}  {}",
+            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>9} {:>13} {:>10.1} {:>11} {:>9.0}  {}",
             r.trace,
             r.events,
             human_bytes(r.peak_live_bytes),
@@ -163,9 +164,14 @@ fn print_table(reports: &[ReplayReport]) {
             torch_ratio,
             format!("{}/{}", r.device_allocs, r.device_frees),
             format!("{}/{}", r.maps, r.unmaps),
+            r.est_driver_ms,
             format!("{}/{}", r.device_syncs, r.event_waits),
             r.ns_per_event,
             oom
         );
     }
+    println!(
+        "* driver ms: what these calls would cost the host on an H100 (per call: map and access \
+         grant 47 µs, unmap 25, create 23, release 23, cudaMalloc/cudaFree 32); waits excluded"
+    );
 }

@@ -74,6 +74,9 @@ pub struct ReplayReport {
     pub device_syncs: u64,
     /// …and for one event (a fence covering the frees of pages about to move).
     pub event_waits: u64,
+    /// What these driver calls would cost the host on an H100 (`DriverCallCost::H100`),
+    /// in ms; waits are not included (they last as long as the GPU's queued work).
+    pub est_driver_ms: f64,
     pub ns_per_event: f64,
     pub oom: Option<OomPoint>,
     /// Frees of addresses the trace never allocated (skipped).
@@ -81,6 +84,40 @@ pub struct ReplayReport {
     /// (event index, live bytes, reserved bytes), evenly sampled.
     #[serde(skip)]
     pub timeline: Vec<(usize, u64, u64)>,
+}
+
+/// Host time per driver call, in µs, for estimating what a replay's calls would cost on a
+/// GPU (the sim's own calls are host mmaps).
+pub struct DriverCallCost {
+    /// cuMemMap and the access grant of one physical handle (the grant dominates).
+    pub map: f64,
+    pub unmap: f64,
+    pub create: f64,
+    pub release: f64,
+    /// cudaMalloc or cudaFree of a plain segment.
+    pub segment: f64,
+}
+
+impl DriverCallCost {
+    /// Measured on an H100: `benches/gpu/vmm_cost.cu` (handles of 1 to 4 pages:
+    /// cuMemMap 1–2 µs, cuMemSetAccess 45 µs, cuMemUnmap 22–29 µs, cuMemCreate 20–25 µs,
+    /// cuMemRelease 17–29 µs) and shared/README.md (a cudaMalloc+cudaFree pair 64 µs).
+    pub const H100: DriverCallCost = DriverCallCost {
+        map: 47.0,
+        unmap: 25.0,
+        create: 23.0,
+        release: 23.0,
+        segment: 32.0,
+    };
+
+    pub fn estimate_ms(&self, c: &crate::driver::sim::SimCounters) -> f64 {
+        let us = c.maps as f64 * self.map
+            + c.unmaps as f64 * self.unmap
+            + c.physical_creates as f64 * self.create
+            + c.physical_releases as f64 * self.release
+            + (c.allocate_calls + c.release_calls) as f64 * self.segment;
+        us / 1000.0
+    }
 }
 
 /// Replays `trace`; `progress(done, total)` is called now and then.
@@ -193,6 +230,7 @@ pub fn replay(
         unmaps: counters.unmaps,
         device_syncs: counters.synchronize_calls,
         event_waits: counters.event_waits,
+        est_driver_ms: DriverCallCost::H100.estimate_ms(&counters),
         ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
         oom,
         unmatched_frees: unmatched,
