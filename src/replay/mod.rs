@@ -88,7 +88,7 @@ pub struct ReplayReport {
 
 /// Host time per driver call, in µs, for estimating what a replay's calls would cost on a
 /// GPU (the sim's own calls are host mmaps).
-pub struct DriverCallCost {
+pub(crate) struct DriverCallCost {
     /// cuMemMap and the access grant of one physical handle (the grant dominates).
     pub map: f64,
     pub unmap: f64,
