@@ -6,7 +6,7 @@ pub mod trace;
 
 use crate::alloc::DeviceAllocator;
 use crate::config::Config;
-use crate::driver::sim::SimDriver;
+use crate::driver::sim::{SimCounters, SimDriver};
 use crate::driver::StreamId;
 use crate::error::{ErrorKind, Result};
 use serde::Serialize;
@@ -74,8 +74,7 @@ pub struct ReplayReport {
     pub device_syncs: u64,
     /// …and for one event (a fence covering the frees of pages about to move).
     pub event_waits: u64,
-    /// What these driver calls would cost the host on an H100 (`DriverCallCost::H100`),
-    /// in ms; waits are not included (they last as long as the GPU's queued work).
+    /// What these driver calls would cost the host on an H100 (`h100_driver_ms`), in ms; waits are not included (they last as long as the GPU's queued work).
     pub est_driver_ms: f64,
     pub ns_per_event: f64,
     pub oom: Option<OomPoint>,
@@ -86,38 +85,21 @@ pub struct ReplayReport {
     pub timeline: Vec<(usize, u64, u64)>,
 }
 
-/// Host time per driver call, in µs, for estimating what a replay's calls would cost on a
-/// GPU (the sim's own calls are host mmaps).
-pub(crate) struct DriverCallCost {
-    /// cuMemMap and the access grant of one physical handle (the grant dominates).
-    pub map: f64,
-    pub unmap: f64,
-    pub create: f64,
-    pub release: f64,
-    /// cudaMalloc or cudaFree of a plain segment.
-    pub segment: f64,
-}
-
-impl DriverCallCost {
-    /// Measured on an H100: `benches/gpu/vmm_cost.cu` (handles of 1 to 4 pages:
-    /// cuMemMap 1–2 µs, cuMemSetAccess 45 µs, cuMemUnmap 22–29 µs, cuMemCreate 20–25 µs,
-    /// cuMemRelease 17–29 µs) and shared/README.md (a cudaMalloc+cudaFree pair 64 µs).
-    pub const H100: DriverCallCost = DriverCallCost {
-        map: 47.0,
-        unmap: 25.0,
-        create: 23.0,
-        release: 23.0,
-        segment: 32.0,
-    };
-
-    pub fn estimate_ms(&self, c: &crate::driver::sim::SimCounters) -> f64 {
-        let us = c.maps as f64 * self.map
-            + c.unmaps as f64 * self.unmap
-            + c.physical_creates as f64 * self.create
-            + c.physical_releases as f64 * self.release
-            + (c.allocate_calls + c.release_calls) as f64 * self.segment;
-        us / 1000.0
-    }
+/// What the counted driver calls would cost the host on an H100, in ms (the sim's own calls
+/// are host mmaps). Per call, measured by `benches/gpu/vmm_cost.cu` (handles of 1 to 4
+/// pages: cuMemMap 1–2 µs plus cuMemSetAccess 45 µs, cuMemUnmap 22–29 µs, cuMemCreate
+/// 20–25 µs, cuMemRelease 17–29 µs) and in shared/README.md (a cudaMalloc+cudaFree pair,
+/// 64 µs).
+fn h100_driver_ms(c: &SimCounters) -> f64 {
+    const MAP_AND_GRANT_US: f64 = 47.0;
+    const UNMAP_US: f64 = 25.0;
+    const CREATE_OR_RELEASE_US: f64 = 23.0;
+    const SEGMENT_ALLOC_OR_FREE_US: f64 = 32.0;
+    let us = c.maps as f64 * MAP_AND_GRANT_US
+        + c.unmaps as f64 * UNMAP_US
+        + (c.physical_creates + c.physical_releases) as f64 * CREATE_OR_RELEASE_US
+        + (c.allocate_calls + c.release_calls) as f64 * SEGMENT_ALLOC_OR_FREE_US;
+    us / 1000.0
 }
 
 /// Replays `trace`; `progress(done, total)` is called now and then.
@@ -230,7 +212,7 @@ pub fn replay(
         unmaps: counters.unmaps,
         device_syncs: counters.synchronize_calls,
         event_waits: counters.event_waits,
-        est_driver_ms: DriverCallCost::H100.estimate_ms(&counters),
+        est_driver_ms: h100_driver_ms(&counters),
         ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
         oom,
         unmatched_frees: unmatched,
