@@ -92,7 +92,8 @@ pub trait Driver: Send + Sync {
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()>;
 
     // Virtual memory management: address ranges whose pages are backed by physical memory
-    // mapped and unmapped one granule at a time. Drivers without it return `None` here.
+    // in whole granules, each allocation mapped and unmapped whole. Drivers without it
+    // return `None` here.
 
     /// The mapping granularity, or `None` when the device lacks virtual memory management.
     fn vmm_granularity(&self, device: usize) -> Option<u64> {
@@ -112,7 +113,7 @@ pub trait Driver: Send + Sync {
         Err(vmm_unsupported("free_address"))
     }
 
-    /// Allocates one granule of physical memory.
+    /// Allocates `size` bytes of physical memory, a whole number of granules.
     fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
         let _ = (device, size);
         Err(vmm_unsupported("create_physical"))
@@ -124,20 +125,22 @@ pub trait Driver: Send + Sync {
         Err(vmm_unsupported("release_physical"))
     }
 
-    /// Maps `handle` at `va` (a granule inside a reserved range); usable after `set_access`.
+    /// Maps all of `handle` (`size` bytes) at `va`, granule-aligned inside a reserved range;
+    /// usable after `set_access`.
     fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let _ = (device, va, size, handle);
         Err(vmm_unsupported("map"))
     }
 
-    /// Grants the device read/write access to `[va, va+size)`, which may span many mapped
-    /// granules (one call for a whole run saves a driver call per granule).
+    /// Grants the device read/write access to `[va, va+size)`, which may span several
+    /// mappings (on an H100 the cost is per mapping all the same).
     fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         let _ = (device, va, size);
         Err(vmm_unsupported("set_access"))
     }
 
-    /// Unmaps `[va, va+size)`. No queued work may still use it.
+    /// Unmaps `[va, va+size)`, which covers whole mappings only. No queued work may still
+    /// use it.
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         let _ = (device, va, size);
         Err(vmm_unsupported("unmap"))
