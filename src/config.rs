@@ -124,32 +124,14 @@ impl Config {
                 self.garbage_collection_threshold = t;
             }
             "per_process_memory_fraction" => {
-                let f = parse_number::<f64>(key, value)?;
-                if !(0.0..=1.0).contains(&f) {
-                    return Err(config_error(format!(
-                        "per_process_memory_fraction must be within [0, 1] (got {value})"
-                    )));
-                }
-                self.per_process_memory_fraction = Some(f);
+                self.per_process_memory_fraction = Some(parse_within(key, value, 1.0, "")?);
             }
             "roundup_power2_divisions" => self.set_roundup(value)?,
             "page_slack" => {
-                let f = parse_number::<f64>(key, value)?;
-                if !(0.0..=16.0).contains(&f) {
-                    return Err(config_error(format!(
-                        "page_slack must be within [0, 16] (a share of peak live bytes; got {value})"
-                    )));
-                }
-                self.page_slack = f;
+                self.page_slack = parse_within(key, value, 16.0, "a share of peak live bytes; ")?;
             }
             "page_move_budget" => {
-                let f = parse_number::<f64>(key, value)?;
-                if !(0.0..=1.0).contains(&f) {
-                    return Err(config_error(format!(
-                        "page_move_budget must be within [0, 1] (a share of the time; got {value})"
-                    )));
-                }
-                self.page_move_budget = f;
+                self.page_move_budget = parse_within(key, value, 1.0, "a share of the time; ")?;
             }
             "expandable_segments" => {
                 self.expandable_segments = match value {
@@ -246,6 +228,17 @@ fn parse_divisions(text: &str) -> Result<u64> {
         )));
     }
     Ok(d)
+}
+
+/// A number within `[0, max]`; `meaning` leads the parenthesis of the error message.
+fn parse_within(key: &str, value: &str, max: f64, meaning: &str) -> Result<f64> {
+    let f = parse_number::<f64>(key, value)?;
+    if !(0.0..=max).contains(&f) {
+        return Err(config_error(format!(
+            "{key} must be within [0, {max}] ({meaning}got {value})"
+        )));
+    }
+    Ok(f)
 }
 
 fn parse_number<T: std::str::FromStr>(key: &str, text: &str) -> Result<T> {

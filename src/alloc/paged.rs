@@ -435,7 +435,7 @@ impl DeviceAllocator {
                     let _ = self.release_chunk(st, spare, page);
                 }
             }
-            let unmapped: Vec<Spare> = plan.placed[done..].iter().map(|&(_, s)| s).collect();
+            let unmapped = plan.placed[done..].iter().map(|&(_, s)| s);
             let _ = self.release_chunks(st, unmapped, page);
             return Err(e);
         }
@@ -511,20 +511,15 @@ impl DeviceAllocator {
     ) -> Result<()> {
         let capturing = st.caches.capturing();
         plan.fill(spares);
-        // Parked chunks that fit nowhere are the first memory to give up.
         let in_hand = |plan: &Plan, spares: &[Spare]| plan.placed_pages() + pages_of(spares);
-        while !spares.is_empty()
-            && st.reserved() + (in_hand(plan, spares) + plan.unfilled()) as u64 * page > budget
-        {
-            let spare = spares.pop().expect("not empty");
-            self.release_chunk(st, spare, page)?;
-        }
-        let reserved_after =
-            st.reserved() + (in_hand(plan, spares) + plan.unfilled()) as u64 * page;
-        let over = reserved_after
-            .saturating_sub(budget)
-            .div_ceil(page)
-            .min(plan.unfilled() as u64);
+        // Pages past the budget were everything in hand mapped and the rest made new.
+        let over_budget = |st: &State, plan: &Plan, spares: &[Spare]| {
+            let after = st.reserved() + (in_hand(plan, spares) + plan.unfilled()) as u64 * page;
+            after.saturating_sub(budget).div_ceil(page) as usize
+        };
+        // Parked chunks that fit nowhere are the first memory to give up.
+        self.release_smallest(st, spares, over_budget(st, plan, spares), page)?;
+        let over = over_budget(st, plan, spares).min(plan.unfilled()) as u64;
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
             let fit = plan.gaps.iter().map(|g| g.len()).max().unwrap_or(0);
@@ -541,8 +536,7 @@ impl DeviceAllocator {
             let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Some(stream))?;
             spares.extend(all);
             plan.fill(spares);
-            let unused = std::mem::take(spares);
-            self.release_chunks(st, unused, page)?;
+            self.release_chunks(st, spares.drain(..), page)?;
             self.add_new_chunks(st, plan, plan.placed_pages(), page)?;
             if plan.unfilled() > 0 {
                 self.release_all_cached(st)?;
@@ -711,7 +705,12 @@ impl DeviceAllocator {
 
     /// Releases every spare (see `release_chunk`), going on past failures; returns the
     /// first.
-    fn release_chunks(&self, st: &mut State, spares: Vec<Spare>, page: u64) -> Result<()> {
+    fn release_chunks(
+        &self,
+        st: &mut State,
+        spares: impl IntoIterator<Item = Spare>,
+        page: u64,
+    ) -> Result<()> {
         let mut result = Ok(());
         for spare in spares {
             result = result.and(self.release_chunk(st, spare, page));

@@ -443,27 +443,32 @@ impl State {
     /// Returns a no-longer-used block to its free list, merging free neighbours.
     /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
     pub fn cache(&mut self, id: BlockId) -> bool {
-        let block = self.blocks.get(id);
-        let (pool, paged) = (block.pool, block.paged);
-        let (original_size, requested) = (block.size, block.requested);
-        let mut fence_due = false;
-        if paged {
-            self.free_seq += 1;
-            let (addr, seq) = (block.addr, self.free_seq);
-            fence_due = self
-                .paged_segment_mut(addr)
-                .note_free(addr, original_size, seq);
-        }
+        let (pool, paged) = (self.blocks.get(id).pool, self.blocks.get(id).paged);
+        let fence_due = self.end_use(id);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
-        let s = &mut self.stats;
         if !paged {
-            s.inactive_split.adjust(pool, net_blocks);
-            s.inactive_split_bytes.adjust(pool, net_bytes);
+            self.stats.inactive_split.adjust(pool, net_blocks);
+            self.stats.inactive_split_bytes.adjust(pool, net_bytes);
         }
-        s.active.decrease(pool, 1);
-        s.active_bytes.decrease(pool, original_size);
-        s.requested_bytes.decrease(pool, requested);
         fence_due
+    }
+
+    /// A freed block stops being active, and a paged one notes its free on its pages (the
+    /// clock of fences). Returns whether a fence is due (see `PagedSegment::note_free`).
+    fn end_use(&mut self, id: BlockId) -> bool {
+        let block = self.blocks.get(id);
+        let (addr, size, pool) = (block.addr, block.size, block.pool);
+        let (paged, requested) = (block.paged, block.requested);
+        let s = &mut self.stats;
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, size);
+        s.requested_bytes.decrease(pool, requested);
+        if !paged {
+            return false;
+        }
+        self.free_seq += 1;
+        let seq = self.free_seq;
+        self.paged_segment_mut(addr).note_free(addr, size, seq)
     }
 
     /// Caches a freed block the fast way when it may be: a small paged block of the general
@@ -479,8 +484,7 @@ impl State {
         if !block.paged || block.owner.is_some() || block.pool != PoolKind::Small {
             return None;
         }
-        let (addr, size, stream, requested) =
-            (block.addr, block.size, block.stream, block.requested);
+        let (size, stream) = (block.size, block.stream);
         if self.parked.paused > 0 {
             self.parked.paused -= 1;
             return None;
@@ -495,9 +499,7 @@ impl State {
             }
         }
         self.parked.parks += 1;
-        self.free_seq += 1;
-        let seq = self.free_seq;
-        let fence_due = self.paged_segment_mut(addr).note_free(addr, size, seq);
+        let fence_due = self.end_use(id);
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Parked;
         block.requested = 0;
@@ -508,10 +510,6 @@ impl State {
             .push(id);
         self.parked.bytes += size;
         self.parked.count += 1;
-        let s = &mut self.stats;
-        s.active.decrease(PoolKind::Small, 1);
-        s.active_bytes.decrease(PoolKind::Small, size);
-        s.requested_bytes.decrease(PoolKind::Small, requested);
         Some(fence_due)
     }
 

@@ -170,8 +170,5 @@ fn print_table(reports: &[ReplayReport]) {
             oom
         );
     }
-    println!(
-        "* driver ms: what these calls would cost the host on an H100 (per call: map and access \
-         grant 47 µs, unmap 25, create 23, release 23, cudaMalloc/cudaFree 32); waits excluded"
-    );
+    println!("* {}", replay::driver_ms_note());
 }

@@ -91,15 +91,25 @@ pub struct ReplayReport {
 /// 20–25 µs, cuMemRelease 17–29 µs) and in shared/README.md (a cudaMalloc+cudaFree pair,
 /// 64 µs).
 fn h100_driver_ms(c: &SimCounters) -> f64 {
-    const MAP_AND_GRANT_US: f64 = 47.0;
-    const UNMAP_US: f64 = 25.0;
-    const CREATE_OR_RELEASE_US: f64 = 23.0;
-    const SEGMENT_ALLOC_OR_FREE_US: f64 = 32.0;
     let us = c.maps as f64 * MAP_AND_GRANT_US
         + c.unmaps as f64 * UNMAP_US
         + (c.physical_creates + c.physical_releases) as f64 * CREATE_OR_RELEASE_US
         + (c.allocate_calls + c.release_calls) as f64 * SEGMENT_ALLOC_OR_FREE_US;
     us / 1000.0
+}
+
+const MAP_AND_GRANT_US: f64 = 47.0;
+const UNMAP_US: f64 = 25.0;
+const CREATE_OR_RELEASE_US: f64 = 23.0;
+const SEGMENT_ALLOC_OR_FREE_US: f64 = 32.0;
+
+/// The footnote for `ReplayReport::est_driver_ms`, with the costs it uses.
+pub fn driver_ms_note() -> String {
+    format!(
+        "driver ms: what these calls would cost the host on an H100 (per call: map and access \
+         grant {MAP_AND_GRANT_US} µs, unmap {UNMAP_US}, create {CREATE_OR_RELEASE_US}, release \
+         {CREATE_OR_RELEASE_US}, cudaMalloc/cudaFree {SEGMENT_ALLOC_OR_FREE_US}); waits excluded"
+    )
 }
 
 /// Replays `trace`; `progress(done, total)` is called now and then.
