@@ -101,6 +101,26 @@ typedef struct {
   int64_t max_split_size;
 } ccalloc_stats;
 
+// What keeping reserved ≈ live has cost on a device (paged segments; all 0 with plain
+// segments). Counts and times accumulate until `ccalloc_reset_accumulated_stats`.
+typedef struct {
+  // Requests that had to map pages, and those of them that moved pages from under free
+  // blocks (the rest used new or idle memory).
+  uint64_t growths;
+  uint64_t moving_growths;
+  // Physical chunks (of up to 4 pages) mapped and unmapped.
+  uint64_t chunks_mapped;
+  uint64_t chunks_unmapped;
+  // Times the host waited for the device (a fence before moving pages, or a synchronize).
+  uint64_t host_waits;
+  // Wall time spent in growth, and in growth that moved pages, in nanoseconds.
+  uint64_t growth_ns;
+  uint64_t moving_ns;
+  // The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
+  // `page_move_budget` has added).
+  double page_slack;
+} ccalloc_paging_stats;
+
 // Names a private pool; identical in layout to PyTorch's `c10::cuda::MempoolId_t`
 // (`std::pair<unsigned long long, unsigned long long>`, passed in two registers).
 typedef struct {
@@ -180,6 +200,9 @@ ccalloc_status ccalloc_set_config(const char *conf);
 
 // Copies `device`'s statistics into `*out_stats`.
 ccalloc_status ccalloc_get_stats(int32_t device, ccalloc_stats *out_stats);
+
+// Copies what paged segments' growth has cost on `device` into `*out_stats`.
+ccalloc_status ccalloc_get_paging_stats(int32_t device, ccalloc_paging_stats *out_stats);
 
 // Sets every peak statistic of `device` (-1: all) to its current value.
 ccalloc_status ccalloc_reset_peak_stats(int32_t device);

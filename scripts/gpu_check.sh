@@ -358,6 +358,17 @@ step_bench_steady() {
     return "$rc"
 }
 
+step_bench_torch_empty() {
+    need_library || return 1
+    need_tool python3 || return 2
+    local log="$BUILD_DIR/bench_torch_empty.out"
+    (CCALLOC_LIBRARY="$LIB" CUDA_HOME="$CUDA_HOME" NULL_ALLOC_SO="$BUILD_DIR/null_alloc.so" \
+        timeout 600 python3 benches/gpu/torch_empty.py) 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    info "$(grep -E '^worst ccalloc/native' "$log" | tail -1)"
+    return "$rc"
+}
+
 # What each virtual memory call costs here (paged segments pay them when pages move).
 step_vmm_cost() {
     need_tool "$NVCC" || return 2
@@ -382,6 +393,7 @@ add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats,
 add_step python_gpu "python/tests with PyTorch on the GPU"
 add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native vs expandable vs ccalloc"
 add_step bench_hotpath "benches/gpu/hotpath.sh: alloc/free timing vs native and cudaMallocAsync"
+add_step bench_torch_empty "benches/gpu/torch_empty.py: torch.empty + del per size, native vs ccalloc vs a null allocator"
 add_step bench_steady "benches/gpu/steady.sh: the four workloads in steady state (warm-up run excluded)"
 add_step vmm_cost "benches/gpu/vmm_cost.cu: microseconds per cuMemCreate/Map/SetAccess/Unmap"
 

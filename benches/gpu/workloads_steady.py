@@ -5,7 +5,10 @@ usage:
   workloads_steady.py run NAME ALLOCATOR [RUNS]    prints STEADY {json}
   workloads_steady.py summarize FILE.jsonl         a Markdown table of what `run` printed
 
-ALLOCATOR: native | native_expandable | ccalloc | ccalloc_slack25 (CCALLOC_CONF=page_slack:0.25).
+ALLOCATOR: native | native_expandable | ccalloc | ccalloc_slack25 (CCALLOC_CONF=page_slack:0.25) |
+ccalloc_budget0 (CCALLOC_CONF=page_move_budget:0: reserved ≈ live whatever page moves cost) |
+ccalloc_prev (another build, $CCALLOC_PREV_LIBRARY, default <repo>/gpu/prev/libccalloc.so: an A/B of
+two builds in one run).
 
 workloads.py times one cold run: imports (transformers, torchvision), cuBLAS/cuDNN start-up and
 the allocator's first growth fall inside its clock, and those vary by ±15% from run to run,
@@ -30,9 +33,17 @@ import time
 
 from run_workload_ccalloc import REPO, find_bench  # this folder: the same lookup of workloads.py
 WORKLOADS = ("gpt2_train_varlen", "resnet50_train", "bert_infer_varlen", "mlp_sidestream")
-ALLOCATORS = ("native", "native_expandable", "ccalloc", "ccalloc_slack25")
-# ccalloc settings per allocator name: ccalloc_slack25 trades memory for fewer page moves.
-CCALLOC_CONF = {"ccalloc": "", "ccalloc_slack25": "page_slack:0.25"}
+ALLOCATORS = ("native", "native_expandable", "ccalloc", "ccalloc_slack25", "ccalloc_budget0", "ccalloc_prev")
+# ccalloc settings per allocator name: ccalloc_slack25 trades memory for fewer page moves,
+# ccalloc_budget0 never trades.
+CCALLOC_CONF = {
+    "ccalloc": "",
+    "ccalloc_slack25": "page_slack:0.25",
+    "ccalloc_budget0": "page_move_budget:0",
+    "ccalloc_prev": "",
+}
+# Counters worth seeing beside the times (both PyTorch's and ccalloc's memory_stats have them).
+COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
 
 
 def load_workload(name: str, namespace: dict):
@@ -56,6 +67,9 @@ def run(name: str, allocator: str, runs: int) -> int:
     if allocator in CCALLOC_CONF:
         os.environ["CCALLOC_CONF"] = CCALLOC_CONF[allocator]
         os.environ.setdefault("CCALLOC_LIBRARY", os.path.join(REPO, "gpu", "libccalloc.so"))
+        if allocator == "ccalloc_prev":
+            os.environ["CCALLOC_LIBRARY"] = os.environ.get(
+                "CCALLOC_PREV_LIBRARY", os.path.join(REPO, "gpu", "prev", "libccalloc.so"))
         os.environ["CCALLOC_BACKEND"] = "cuda"
         sys.path.insert(0, os.path.join(REPO, "python"))
         import ccalloc
@@ -72,7 +86,10 @@ def run(name: str, allocator: str, runs: int) -> int:
     workload = load_workload(name, {"torch": torch, "random": random})
     torch.zeros(1, device="cuda")
     seconds = []
+    paging = getattr(stats, "paging_stats", None)  # ccalloc only
     for i in range(runs + 1):
+        if i == 1 and paging:
+            warm = paging()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         workload()
@@ -86,6 +103,21 @@ def run(name: str, allocator: str, runs: int) -> int:
         "max_memory_reserved": stats.max_memory_reserved(),
         "max_memory_allocated": stats.max_memory_allocated(),
     }
+    counters = stats.memory_stats()
+    result.update({k: counters[k] for k in COUNTERS if k in counters})
+    if paging and runs > 0:
+        # What reserved ≈ live cost during the timed runs: time in growth (and in growth
+        # that moved pages) as a share of the timed seconds, host waits, the slack reached.
+        now = paging()
+        timed = sum(seconds)
+        result["paging"] = {
+            "growths": now["growths"] - warm["growths"],
+            "moving_growths": now["moving_growths"] - warm["moving_growths"],
+            "host_waits": now["host_waits"] - warm["host_waits"],
+            "growth_share": round((now["growth_ns"] - warm["growth_ns"]) / 1e9 / timed, 5),
+            "moving_share": round((now["moving_ns"] - warm["moving_ns"]) / 1e9 / timed, 5),
+            "page_slack": round(now["page_slack"], 4),
+        }
     print("STEADY " + json.dumps(result), flush=True)
     return 0
 
@@ -93,6 +125,7 @@ def run(name: str, allocator: str, runs: int) -> int:
 def summarize(path: str) -> int:
     rows: dict[tuple[str, str], list[float]] = {}
     reserved: dict[tuple[str, str], int] = {}
+    paging_rows: list = []
     with open(path) as f:
         for line in f:
             if not line.startswith("STEADY "):
@@ -101,6 +134,8 @@ def summarize(path: str) -> int:
             key = (r["workload"], r["allocator"])
             rows.setdefault(key, []).extend(r["seconds"])
             reserved[key] = max(reserved.get(key, 0), r["max_memory_reserved"])
+            if "paging" in r:
+                paging_rows.append((key, r["paging"]))
     names = [w for w in WORKLOADS if any(k[0] == w for k in rows)]
     allocs = [a for a in ALLOCATORS if any(k[1] == a for k in rows)]
     print("Steady state (benches/gpu/workloads_steady.py): each process runs the workload once to warm "
@@ -124,6 +159,14 @@ def summarize(path: str) -> int:
             verdicts.append((w, med))
             line += f" | {med:.3f} | {low:.3f} | {len(c)}"
         print(line + " |")
+    if paging_rows:
+        print("\nccalloc's own time in paged-segment growth during the timed runs (share of their "
+              "seconds; moving = growth that moved pages; per process):\n")
+        print("| workload | allocator | growth share | moving share | growths (moving) | host waits | page slack |")
+        print("|---|---|---:|---:|---:|---:|---:|")
+        for (w, a), p in paging_rows:
+            print(f"| {w} | {a} | {p['growth_share']:.2%} | {p['moving_share']:.2%} | "
+                  f"{p['growths']} ({p['moving_growths']}) | {p['host_waits']} | {p['page_slack']:.3f} |")
     print("\nAll timed runs (s): " + "; ".join(f"{w}/{a}: {', '.join(f'{x:.3f}' for x in t)}"
                                             for (w, a), t in sorted(rows.items())))
     if verdicts:

@@ -82,6 +82,8 @@ __all__ = [
     "get_per_process_memory_fraction",
     "set_config",
     "memory_summary",
+    # beyond PyTorch
+    "paging_stats",
     # low level
     "malloc",
     "free",
@@ -364,6 +366,20 @@ def memory_reserved(device: Any = None) -> int:
 def max_memory_reserved(device: Any = None) -> int:
     """Peak of :func:`memory_reserved` since start or :func:`reset_peak_memory_stats`."""
     return int(_raw_stats(device).reserved_bytes.all.peak)
+
+
+def paging_stats(device: Any = None) -> Dict[str, Any]:
+    """What keeping reserved ≈ live has cost on ``device`` (paged segments; PyTorch has no
+    such figures): ``growths`` (requests that had to map pages), ``moving_growths`` (those
+    that moved pages from under free blocks), ``chunks_mapped``, ``chunks_unmapped``,
+    ``host_waits`` (the host waited for the device), ``growth_ns`` and ``moving_ns`` (wall
+    time in growth, and in growth that moved pages), and ``page_slack`` (the share of peak
+    live bytes that may now be kept beyond it: ``page_slack`` plus what ``page_move_budget``
+    added). Counts and times restart at :func:`reset_accumulated_memory_stats`.
+    """
+    out = _lib.ccalloc_paging_stats()
+    _call("ccalloc_get_paging_stats", _device_index(device), ctypes.byref(out))
+    return {name: getattr(out, name) for name, _ in out._fields_}
 
 
 def reset_peak_memory_stats(device: Any = None) -> None:

@@ -259,6 +259,21 @@ class ccalloc_stats(ctypes.Structure):
     ]
 
 
+class ccalloc_paging_stats(ctypes.Structure):
+    """``ccalloc_paging_stats``: what keeping reserved ≈ live has cost on a device."""
+
+    _fields_ = [
+        ("growths", c_uint64),
+        ("moving_growths", c_uint64),
+        ("chunks_mapped", c_uint64),
+        ("chunks_unmapped", c_uint64),
+        ("host_waits", c_uint64),
+        ("growth_ns", c_uint64),
+        ("moving_ns", c_uint64),
+        ("page_slack", c_double),
+    ]
+
+
 class ccalloc_pool_id(ctypes.Structure):
     """``ccalloc_pool_id``: names a private pool (PyTorch's ``MempoolId_t`` layout)."""
 
@@ -302,6 +317,7 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_get_memory_fraction": ([c_int32, POINTER(c_double)], _status),
     "ccalloc_set_config": ([c_char_p], _status),
     "ccalloc_get_stats": ([c_int32, POINTER(ccalloc_stats)], _status),
+    "ccalloc_get_paging_stats": ([c_int32, POINTER(ccalloc_paging_stats)], _status),
     "ccalloc_reset_peak_stats": ([c_int32], _status),
     "ccalloc_reset_accumulated_stats": ([c_int32], _status),
     "ccalloc_sim_pause_stream": ([c_int32, _stream, c_bool], _status),

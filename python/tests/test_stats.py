@@ -223,3 +223,26 @@ def test_device_none_follows_torch_when_initialised(monkeypatch):
     assert ccalloc._device_index("cuda") == 1
     fake_cuda.is_initialized = lambda: False
     assert ccalloc._device_index(None) == 0
+
+
+def test_paging_stats_count_growth_until_reset(alloc, fresh_stats):
+    fields = {"growths", "moving_growths", "chunks_mapped", "chunks_unmapped", "host_waits",
+              "growth_ns", "moving_ns", "page_slack"}
+    start = ccalloc.paging_stats()
+    assert set(start) == fields
+    assert all(start[k] == 0 for k in fields - {"page_slack"})
+    alloc(30 * MiB)
+    grown = ccalloc.paging_stats()
+    assert grown["growths"] == 1
+    assert grown["chunks_mapped"] >= 4  # 15 pages in chunks of at most 4
+    assert grown["growth_ns"] > 0 and grown["moving_ns"] <= grown["growth_ns"]
+    assert grown["page_slack"] == pytest.approx(1 / 32)
+    ccalloc.reset_accumulated_memory_stats()
+    after = ccalloc.paging_stats()
+    assert all(after[k] == 0 for k in fields - {"page_slack"})
+    assert after["page_slack"] == grown["page_slack"]
+
+
+def test_paging_stats_bad_device():
+    with pytest.raises(ccalloc.InvalidDeviceError):
+        ccalloc.paging_stats(7)

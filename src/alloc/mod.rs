@@ -389,6 +389,18 @@ impl DeviceAllocator {
         Ok(self.lock()?.stats)
     }
 
+    /// The share of peak live bytes that paged segments may now keep beyond it: `page_slack`
+    /// plus what `page_move_budget` has added.
+    pub fn page_slack(&self) -> Result<f64> {
+        let st = self.lock()?;
+        let extra = if st.config.page_move_budget > 0.0 {
+            st.moves.extra_slack
+        } else {
+            0.0
+        };
+        Ok(st.config.page_slack + extra)
+    }
+
     pub fn max_split_size(&self) -> Result<u64> {
         Ok(self.lock()?.config.max_split_size)
     }

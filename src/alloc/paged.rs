@@ -36,8 +36,13 @@ const MAX_FENCES_PER_STREAM: usize = 64;
 /// running behind the host needs no finer marks. (A count, not a clock, so that replays
 /// come out the same every time.)
 const FREES_PER_FENCE: u32 = 16;
-/// The window over which the share of time spent moving pages is measured.
-const MOVE_WINDOW: Duration = Duration::from_millis(100);
+/// The window over which the share of time spent moving pages is measured: long enough that
+/// one burst of growth (a new batch shape) does not look like a trend.
+const MOVE_WINDOW: Duration = Duration::from_millis(250);
+/// Windows in a row with moves under a quarter of the budget before the extra slack halves.
+/// Halving lets later growth release spares and move pages again, so it waits for a phase
+/// change (several seconds quiet), not for the quiet the extra slack itself bought.
+const QUIET_WINDOWS_BEFORE_DECAY: u32 = 20;
 /// Extra slack that `page_move_budget` may add: reserved stays within twice peak live.
 const MAX_EXTRA_SLACK: f64 = 1.0;
 /// The first step of extra slack when `page_slack` is smaller.
@@ -375,7 +380,7 @@ impl DeviceAllocator {
         };
         let share = st.config.page_slack + extra;
         let slack = ((high as f64 * share) as u64).max(MIN_SLACK_PAGES * page);
-        let started = self.times_page_moves.then(Instant::now);
+        let started = Instant::now();
         st.moves.reclaimed = false;
         let budget = (high + slack).min(self.hard_limit(st));
         let mut plan = Plan::new(&missing);
@@ -423,9 +428,7 @@ impl DeviceAllocator {
         plan.placed.sort_by_key(|&(first, _)| first);
         let mut done = 0;
         let mapped = self.map_plan(st, base, &plan.placed, &missing, &mut done);
-        if let Some(started) = started {
-            self.account_page_moves(st, started);
-        }
+        self.account_growth(st, started);
         if let Err(e) = mapped {
             // Undo this request's mappings so nothing it touched stays reserved. (A chunk
             // that will not unmap stays mapped under the free block: reserved, reclaimable.
@@ -442,21 +445,32 @@ impl DeviceAllocator {
         Ok(true)
     }
 
-    /// Adds the time since `started` (one growth: gathering, waiting, mapping) to the move
-    /// clock if it moved chunks. Every `MOVE_WINDOW`, if moves took more than
-    /// `page_move_budget` of the time, the slack grows 2- to 8-fold with the overrun (up to
-    /// `MAX_EXTRA_SLACK`): a workload whose page moves cost more than they save (random
-    /// sizes of hundreds of MiB) gets a larger cache instead, while one that moves little
-    /// keeps reserved ≈ live. Well under budget, it halves back.
-    fn account_page_moves(&self, st: &mut State, started: Instant) {
+    /// Counts one growth (`PagingCounters`) that started at `started` (gathering, waiting,
+    /// mapping). On a GPU, adds its time to the move clock if it moved chunks, and every `MOVE_WINDOW` adjusts the extra slack to the
+    /// share of time moves took (`next_extra_slack`): a workload whose page moves cost more
+    /// than `page_move_budget` (random sizes of hundreds of MiB, shapes that change every
+    /// step) gets a larger cache instead, while one that moves little keeps reserved ≈ live.
+    fn account_growth(&self, st: &mut State, started: Instant) {
         let now = Instant::now();
+        let took = now - started;
+        let paging = &mut st.stats.paging;
+        paging.growths += 1;
+        paging.growth_ns += took.as_nanos() as u64;
+        if st.moves.reclaimed {
+            paging.moving_growths += 1;
+            paging.moving_ns += took.as_nanos() as u64;
+        }
+        // The sim's clock says nothing about a GPU's: replays stay the same every time.
+        if !self.times_page_moves {
+            return;
+        }
         let budget = st.config.page_move_budget;
         let base = st.config.page_slack.max(MIN_EXTRA_SLACK);
         let clock = &mut st.moves;
         // Growth that only mapped new memory is not a move (more slack would not spare
         // it), but it still closes windows, so that extra slack decays once moves stop.
         if clock.reclaimed {
-            clock.moving += now - started;
+            clock.moving += took;
         }
         let window = now - *clock.window_start.get_or_insert(started);
         if window < MOVE_WINDOW {
@@ -464,23 +478,12 @@ impl DeviceAllocator {
         }
         let share = clock.moving.as_secs_f64() / window.as_secs_f64();
         let before = clock.extra_slack;
-        if budget == 0.0 {
-            // Turned off (perhaps at run time): only `page_slack` counts.
-            clock.extra_slack = 0.0;
-        } else if share > budget {
-            // In proportion to the overrun, so that a job adapts within a few windows.
-            let factor = (share / budget).clamp(2.0, 8.0);
-            clock.extra_slack = (clock.extra_slack * factor).max(base).min(MAX_EXTRA_SLACK);
-        } else if share < budget / 4.0 {
-            clock.extra_slack /= 2.0;
-            if clock.extra_slack < base / 2.0 {
-                clock.extra_slack = 0.0;
-            }
-        }
+        (clock.extra_slack, clock.quiet_windows) =
+            next_extra_slack(before, clock.quiet_windows, share, budget, base);
         if clock.extra_slack != before {
             tracing::info!(
                 device = self.device,
-                "page moves took {:.0}% of the last {:.0} ms (budget {:.0}%): page slack now {:.3} of peak live",
+                "page moves took {:.1}% of the last {:.0} ms (budget {:.1}%): page slack now {:.3} of peak live",
                 share * 100.0,
                 window.as_secs_f64() * 1e3,
                 budget * 100.0,
@@ -590,6 +593,7 @@ impl DeviceAllocator {
             st.stats
                 .reserved_bytes
                 .increase(seg.pool, spare.pages as u64 * page);
+            st.stats.paging.chunks_mapped += 1;
             *done += 1;
         }
         for run in Plan::new(missing).gaps {
@@ -654,6 +658,7 @@ impl DeviceAllocator {
         let spare = seg.take_chunk(first);
         let (pool, page) = (seg.pool, seg.page);
         st.stats.reserved_bytes.decrease(pool, pages * page);
+        st.stats.paging.chunks_unmapped += 1;
         Ok(spare)
     }
 
@@ -914,6 +919,7 @@ impl DeviceAllocator {
             },
             None => return self.sync_device(st),
         };
+        st.stats.paging.host_waits += 1;
         self.driver
             .wait_event(self.device, st.fences[i].event)
             .map_err(|e| driver_error(self.device, e))?;
@@ -1011,4 +1017,33 @@ fn take_until(into: &mut Vec<Victim>, taken: &mut usize, from: Vec<Victim>, limi
         *taken += v.pages;
         into.push(v);
     }
+}
+
+/// The extra slack after a window in which page moves took `share` of the time, and the
+/// count of quiet windows in a row: over `budget` it grows 2- to 8-fold with the overrun
+/// (starting from `base`, up to `MAX_EXTRA_SLACK`), so that a job adapts within a few
+/// windows; after `QUIET_WINDOWS_BEFORE_DECAY` windows under a quarter of the budget it
+/// halves (to 0 below `base / 2`). A budget of 0 (perhaps set at run time) drops it.
+pub(super) fn next_extra_slack(
+    extra: f64,
+    quiet_windows: u32,
+    share: f64,
+    budget: f64,
+    base: f64,
+) -> (f64, u32) {
+    if budget == 0.0 {
+        return (0.0, 0);
+    }
+    if share > budget {
+        let factor = (share / budget).clamp(2.0, 8.0);
+        return ((extra.max(base) * factor).min(MAX_EXTRA_SLACK), 0);
+    }
+    if share >= budget / 4.0 || extra == 0.0 {
+        return (extra, 0);
+    }
+    if quiet_windows + 1 < QUIET_WINDOWS_BEFORE_DECAY {
+        return (extra, quiet_windows + 1);
+    }
+    let halved = extra / 2.0;
+    (if halved < base / 2.0 { 0.0 } else { halved }, 0)
 }

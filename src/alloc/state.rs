@@ -59,6 +59,8 @@ pub struct MoveClock {
     pub reclaimed: bool,
     /// Added to `page_slack` while moves take more than `page_move_budget` of the time.
     pub extra_slack: f64,
+    /// Windows in a row with moves well under the budget (see `next_extra_slack`).
+    pub quiet_windows: u32,
 }
 
 /// Freed small blocks by (stream, size), each list newest last.
@@ -102,7 +104,7 @@ pub struct State {
     pub free_seq: u64,
     /// Small blocks waiting for a request of their exact size (see `park`).
     pub parked: Parked,
-    /// The time page moves take (see `DeviceAllocator::account_page_moves`).
+    /// The time page moves take (see `DeviceAllocator::account_growth`).
     pub moves: MoveClock,
     /// Fences not yet seen complete, oldest first (in order per stream).
     pub fences: VecDeque<Fence>,

@@ -100,6 +100,24 @@ pub struct DeviceStats {
     /// Allocations and segments of at least `max_split_size`.
     pub oversize_allocations: Stat,
     pub oversize_segments: Stat,
+    /// What keeping reserved ≈ live costs (paged segments only; not PyTorch's).
+    pub paging: PagingCounters,
+}
+
+/// Growth of paged segments, counted since the start (or `reset_accumulated`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagingCounters {
+    /// Requests that had to map pages.
+    pub growths: u64,
+    /// Of those, the ones that moved chunks from under free blocks.
+    pub moving_growths: u64,
+    pub chunks_mapped: u64,
+    pub chunks_unmapped: u64,
+    /// Host waits for the device: on a fence before moving pages, or a synchronize.
+    pub host_waits: u64,
+    /// Wall time spent in growth (gathering, waiting, mapping), and in growth that moved.
+    pub growth_ns: u64,
+    pub moving_ns: u64,
 }
 
 impl DeviceStats {
@@ -143,6 +161,7 @@ impl DeviceStats {
         self.num_sync_all_streams = 0;
         self.num_device_alloc = 0;
         self.num_device_free = 0;
+        self.paging = PagingCounters::default();
     }
 
     /// Sets every peak to its current value.

@@ -753,20 +753,34 @@ fn page_slack_trades_memory_for_page_moves() {
         let hole = a.malloc(40 * MIB, S0).unwrap();
         let keep = a.malloc(4 * MIB, S0).unwrap();
         a.free(hole).unwrap();
+        let before = stats(&a).paging;
         let big = a.malloc(60 * MIB, S0).unwrap();
         let reserved = stats(&a).reserved_bytes.all().current as u64;
         let unmaps = sim.counters(0).granules_unmapped;
+        let paging = stats(&a).paging;
+        assert_eq!(paging.growths, before.growths + 1);
+        assert_eq!(paging.chunks_unmapped, sim.counters(0).unmaps);
+        assert_eq!(paging.chunks_mapped, sim.counters(0).maps);
+        assert!(paging.growth_ns > before.growth_ns && paging.moving_ns <= paging.growth_ns);
         a.free(big).unwrap();
         a.free(keep).unwrap();
-        (reserved, unmaps)
+        (
+            reserved,
+            unmaps,
+            paging.moving_growths - before.moving_growths,
+        )
     };
-    let (tight, moved) = run("");
-    let (loose, none) = run("page_slack:1");
+    let (tight, moved, moving_growths) = run("");
+    let (loose, none, no_moving_growth) = run("page_slack:1");
     assert!(
         moved >= 10 && within_default_slack(tight, 64 * MIB),
         "{tight} {moved}"
     );
-    assert_eq!(none, 0, "nothing moved");
+    assert_eq!(
+        moving_growths, 1,
+        "the paging stats count the growth that moved"
+    );
+    assert_eq!((none, no_moving_growth), (0, 0), "nothing moved");
     assert_eq!(loose, 104 * MIB, "the 40 MiB hole stayed mapped");
 }
 
@@ -843,4 +857,36 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
     let st = a.state.lock().unwrap();
     assert!(st.parked.paused > 0, "parking paused");
     assert!(st.parked.count < 64, "{} parked", st.parked.count);
+}
+
+#[test]
+fn extra_slack_grows_with_the_overrun_and_decays_only_after_a_quiet_spell() {
+    use super::paged::next_extra_slack as next;
+    let base = 1.0 / 32.0;
+    // Over budget: 2- to 8-fold with the overrun (from the base at first), capped at 1.
+    assert_eq!(next(0.0, 0, 0.03, 0.02, base), (2.0 * base, 0));
+    assert_eq!(next(0.0, 0, 0.9, 0.02, base), (8.0 * base, 0));
+    assert_eq!(next(base, 0, 0.03, 0.02, base), (2.0 * base, 0));
+    assert_eq!(next(base, 0, 0.10, 0.02, base), (5.0 * base, 0));
+    assert_eq!(next(base, 0, 0.50, 0.02, base), (8.0 * base, 0));
+    assert_eq!(next(0.5, 3, 0.50, 0.02, base), (1.0, 0));
+    // Between a quarter of the budget and the budget: unchanged, and the quiet count restarts.
+    assert_eq!(next(0.25, 7, 0.01, 0.02, base), (0.25, 0));
+    // Quiet windows: it holds until the spell is long enough, then halves once.
+    let (mut extra, mut quiet) = (0.25, 0);
+    let mut halvings = Vec::new();
+    for window in 0..100 {
+        let before = extra;
+        (extra, quiet) = next(extra, quiet, 0.0, 0.02, base);
+        if extra != before {
+            halvings.push(window);
+        }
+    }
+    assert_eq!(halvings, vec![19, 39, 59, 79, 99]);
+    assert_eq!(extra, 0.0, "under half the base it drops to 0");
+    // An overrun in the middle of a quiet spell starts the count again.
+    let (extra, quiet) = next(0.25, 18, 0.05, 0.02, base);
+    assert_eq!((extra, quiet), (0.625, 0));
+    // Budget 0 drops the extra slack at once.
+    assert_eq!(next(0.5, 0, 0.9, 0.0, base), (0.0, 0));
 }

@@ -12,8 +12,8 @@ use crate::runtime::{self, Runtime};
 use boundary::{guard, invalid, require_out, write_out};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use types::{
-    ccalloc_pool_id, ccalloc_release_fn, ccalloc_stats, ccalloc_status, ccalloc_stream_filter,
-    cudaStream_t,
+    ccalloc_paging_stats, ccalloc_pool_id, ccalloc_release_fn, ccalloc_stats, ccalloc_status,
+    ccalloc_stream_filter, cudaStream_t,
 };
 
 fn stream_of(stream: cudaStream_t) -> StreamId {
@@ -233,6 +233,20 @@ pub extern "C" fn ccalloc_get_stats(device: i32, out_stats: *mut ccalloc_stats) 
         require_out(out_stats, "out_stats")?;
         let d = runtime::global()?.device(device as i64)?;
         let stats = ccalloc_stats::new(&d.stats()?, d.max_split_size()?);
+        write_out(out_stats, "out_stats", stats)
+    })
+}
+
+/// Copies what paged segments' growth has cost on `device` into `*out_stats`.
+#[no_mangle]
+pub extern "C" fn ccalloc_get_paging_stats(
+    device: i32,
+    out_stats: *mut ccalloc_paging_stats,
+) -> ccalloc_status {
+    guard(|| {
+        require_out(out_stats, "out_stats")?;
+        let d = runtime::global()?.device(device as i64)?;
+        let stats = ccalloc_paging_stats::new(&d.stats()?.paging, d.page_slack()?);
         write_out(out_stats, "out_stats", stats)
     })
 }

@@ -1,7 +1,7 @@
 //! Types that cross the C boundary.
 #![allow(non_camel_case_types)]
 
-use crate::alloc::stats::{DeviceStats, Stat, StatArray};
+use crate::alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};
 
 /// Result of every ccalloc call. `CCALLOC_OK` is 0; the message for any other value is
 /// available from `ccalloc_last_error()` on the same thread.
@@ -82,6 +82,43 @@ pub struct ccalloc_stats {
     pub num_device_free: u64,
     /// `max_split_size_mb` in bytes; -1 when unlimited (as PyTorch reports it).
     pub max_split_size: i64,
+}
+
+/// What keeping reserved ≈ live has cost on a device (paged segments; all 0 with plain
+/// segments). Counts and times accumulate until `ccalloc_reset_accumulated_stats`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ccalloc_paging_stats {
+    /// Requests that had to map pages, and those of them that moved pages from under free
+    /// blocks (the rest used new or idle memory).
+    pub growths: u64,
+    pub moving_growths: u64,
+    /// Physical chunks (of up to 4 pages) mapped and unmapped.
+    pub chunks_mapped: u64,
+    pub chunks_unmapped: u64,
+    /// Times the host waited for the device (a fence before moving pages, or a synchronize).
+    pub host_waits: u64,
+    /// Wall time spent in growth, and in growth that moved pages, in nanoseconds.
+    pub growth_ns: u64,
+    pub moving_ns: u64,
+    /// The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
+    /// `page_move_budget` has added).
+    pub page_slack: f64,
+}
+
+impl ccalloc_paging_stats {
+    pub fn new(p: &PagingCounters, page_slack: f64) -> Self {
+        Self {
+            growths: p.growths,
+            moving_growths: p.moving_growths,
+            chunks_mapped: p.chunks_mapped,
+            chunks_unmapped: p.chunks_unmapped,
+            host_waits: p.host_waits,
+            growth_ns: p.growth_ns,
+            moving_ns: p.moving_ns,
+            page_slack,
+        }
+    }
 }
 
 /// Opaque CUDA stream, declared as the CUDA runtime does (`cudaStream_t`). cbindgen.toml

@@ -472,6 +472,13 @@ static void test_before_init(void) {
     CHECK(!strcmp(name, "untouched"), "backend's out param untouched");
     EXPECT_STATUS(ccalloc_get_stats(0, &s), CCALLOC_NOT_INITIALIZED);
     {
+        ccalloc_paging_stats ps, pattern;
+        memset(&ps, 0xab, sizeof ps);
+        memset(&pattern, 0xab, sizeof pattern);
+        EXPECT_STATUS(ccalloc_get_paging_stats(0, &ps), CCALLOC_NOT_INITIALIZED);
+        CHECK(!memcmp(&ps, &pattern, sizeof ps), "get_paging_stats' out param untouched");
+    }
+    {
         ccalloc_stats pattern;
         memset(&pattern, 0xab, sizeof pattern);
         CHECK(stats_equal(&s, &pattern), "get_stats' out param untouched");
@@ -674,6 +681,24 @@ static void test_sizes_and_stats(void) {
                  res_b[0] + res_b[1]);
     CHECK_EQ_I64("segment.all.current stays", s.segment.all.current, segs[0] + segs[1]);
 
+    section("paging stats (device 0)");
+    {
+        ccalloc_paging_stats ps;
+        EXPECT_STATUS(ccalloc_get_paging_stats(0, &ps), CCALLOC_OK);
+        if (g_paged) {
+            CHECK(ps.growths >= 1 && ps.chunks_mapped >= ps.growths && ps.growth_ns > 0,
+                  "paged growth is counted (growths %llu, chunks mapped %llu, %llu ns)",
+                  (unsigned long long)ps.growths, (unsigned long long)ps.chunks_mapped,
+                  (unsigned long long)ps.growth_ns);
+            CHECK(ps.moving_growths <= ps.growths && ps.moving_ns <= ps.growth_ns,
+                  "moving growth is a part of growth");
+            CHECK(ps.page_slack > 0.0 && ps.page_slack <= 2.0, "page_slack %g", ps.page_slack);
+        } else {
+            CHECK(ps.growths == 0 && ps.chunks_mapped == 0 && ps.chunks_unmapped == 0,
+                  "plain segments never map pages");
+        }
+    }
+
     section("reset_peak_stats / reset_accumulated_stats / empty_cache (device 0)");
     EXPECT_STATUS(ccalloc_reset_peak_stats(0), CCALLOC_OK);
     s = get_stats(0);
@@ -689,6 +714,12 @@ static void test_sizes_and_stats(void) {
     CHECK_EQ_I64("allocation.all.freed after reset_accumulated", s.allocation.all.freed, 0);
     CHECK_EQ_I64("reserved_bytes.all.allocated after reset_accumulated", s.reserved_bytes.all.allocated, 0);
     CHECK_EQ_I64("num_device_alloc after reset_accumulated", s.num_device_alloc, 0);
+    {
+        ccalloc_paging_stats ps;
+        EXPECT_STATUS(ccalloc_get_paging_stats(0, &ps), CCALLOC_OK);
+        CHECK(ps.growths == 0 && ps.chunks_mapped == 0 && ps.growth_ns == 0 && ps.host_waits == 0,
+              "reset_accumulated zeroes the paging counters");
+    }
     CHECK_EQ_I64("reserved_bytes.all.current kept by reset_accumulated", s.reserved_bytes.all.current,
                  res_b[0] + res_b[1]);
     EXPECT_STATUS(ccalloc_empty_cache(0), CCALLOC_OK);
@@ -700,6 +731,12 @@ static void test_sizes_and_stats(void) {
     }
     CHECK_EQ_I64("reserved_bytes.all.freed after empty_cache", s.reserved_bytes.all.freed, res_b[0] + res_b[1]);
     CHECK_EQ_I64("sim device 0 bytes after empty_cache", sim_bytes(0), 0);
+    if (g_paged) {
+        ccalloc_paging_stats ps;
+        EXPECT_STATUS(ccalloc_get_paging_stats(0, &ps), CCALLOC_OK);
+        CHECK(ps.chunks_unmapped >= 1, "empty_cache unmapped the chunks (%llu)",
+              (unsigned long long)ps.chunks_unmapped);
+    }
     EXPECT_STATUS(ccalloc_reset_peak_stats(-1), CCALLOC_OK);
     EXPECT_STATUS(ccalloc_reset_accumulated_stats(-1), CCALLOC_OK);
     EXPECT_STATUS(ccalloc_empty_cache(-1), CCALLOC_OK);
@@ -726,6 +763,11 @@ static void test_bad_calls(void) {
     EXPECT_STATUS(ccalloc_malloc(64, 0, S_A, NULL), CCALLOC_INVALID_ARGUMENT);
     EXPECT_MSG_HAS("out_ptr");
     EXPECT_STATUS(ccalloc_get_stats(0, NULL), CCALLOC_INVALID_ARGUMENT);
+    EXPECT_STATUS(ccalloc_get_paging_stats(0, NULL), CCALLOC_INVALID_ARGUMENT);
+    {
+        ccalloc_paging_stats ps;
+        EXPECT_STATUS(ccalloc_get_paging_stats(g_devices, &ps), CCALLOC_INVALID_DEVICE);
+    }
     EXPECT_STATUS(ccalloc_device_count(NULL), CCALLOC_INVALID_ARGUMENT);
     EXPECT_STATUS(ccalloc_backend(NULL), CCALLOC_INVALID_ARGUMENT);
     EXPECT_STATUS(ccalloc_get_memory_fraction(0, NULL), CCALLOC_INVALID_ARGUMENT);
