@@ -85,9 +85,66 @@ pub struct PagedSegment {
     pub last_free: Vec<u64>,
     /// Frees since the last one that asked for a fence.
     pub frees_since_fence: u32,
-    /// The mapped pages' indices, to find mapped runs without walking the whole table
-    /// (kept by `set_chunk` and `take_chunk` alone).
+    /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
+    /// counts them a word at a time (a hand-out checks every page it covers), a set walks
+    /// the few mapped pages of a free block that may span most of the segment.
+    pub mapped: PageBits,
     pub mapped_set: BTreeSet<usize>,
+}
+
+/// A bitmap over a segment's pages.
+#[derive(Clone, Debug, Default)]
+pub struct PageBits {
+    words: Vec<u64>,
+    ones: usize,
+}
+
+impl PageBits {
+    pub fn new(pages: usize) -> Self {
+        Self {
+            words: vec![0; pages.div_ceil(64)],
+            ones: 0,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ones == 0
+    }
+
+    pub fn set(&mut self, i: usize) {
+        let (word, bit) = (&mut self.words[i / 64], 1u64 << (i % 64));
+        self.ones += usize::from(*word & bit == 0);
+        *word |= bit;
+    }
+
+    pub fn clear(&mut self, i: usize) {
+        let (word, bit) = (&mut self.words[i / 64], 1u64 << (i % 64));
+        self.ones -= usize::from(*word & bit != 0);
+        *word &= !bit;
+    }
+
+    /// The words overlapping `range`, each masked to the bits inside it, with its index.
+    fn masked(&self, range: Range<usize>) -> impl Iterator<Item = (usize, u64)> + '_ {
+        let words = if range.is_empty() {
+            0..0
+        } else {
+            range.start / 64..(range.end - 1) / 64 + 1
+        };
+        words.map(move |w| {
+            // The word overlaps the range: 0 <= low < 64 and 0 < high <= 64.
+            let low = range.start.saturating_sub(w * 64);
+            let high = (range.end - w * 64).min(64);
+            let mask = (u64::MAX >> (64 - high)) & (u64::MAX << low);
+            (w, self.words[w] & mask)
+        })
+    }
+
+    /// Set bits inside `range`.
+    pub fn count(&self, range: Range<usize>) -> usize {
+        self.masked(range)
+            .map(|(_, b)| b.count_ones() as usize)
+            .sum()
+    }
 }
 
 impl PagedSegment {
@@ -119,11 +176,7 @@ impl PagedSegment {
     /// How many pages `[addr, addr+len)` touches that are not mapped.
     pub fn unmapped_pages(&self, addr: DevicePtr, len: u64) -> usize {
         let touched = self.touched(addr, len);
-        if touched.len() <= 64 {
-            // The hand-out fast path: a look at the table beats a walk of the set.
-            return touched.filter(|&i| self.pages[i].is_none()).count();
-        }
-        touched.len() - self.mapped_set.range(touched).count()
+        touched.len() - self.mapped.count(touched)
     }
 
     /// Where in the free block `[start, end)` a block of `len` bytes needs the fewest new
@@ -181,6 +234,7 @@ impl PagedSegment {
         };
         for i in first..first + spare.pages {
             self.pages[i] = Some(chunk);
+            self.mapped.set(i);
             self.mapped_set.insert(i);
         }
     }
@@ -191,6 +245,7 @@ impl PagedSegment {
         debug_assert_eq!(chunk.first, first, "chunks are taken whole");
         for i in first..first + chunk.pages {
             self.pages[i] = None;
+            self.mapped.clear(i);
             self.mapped_set.remove(&i);
         }
         Spare {
@@ -339,6 +394,7 @@ impl DeviceAllocator {
                 pages,
                 last_free,
                 frees_since_fence: 0,
+                mapped: PageBits::new(count),
                 mapped_set: BTreeSet::new(),
             },
         );
@@ -362,6 +418,9 @@ impl DeviceAllocator {
     ) -> Result<bool> {
         let (base, seg) = st.paged_segment(addr);
         let page = seg.page;
+        if seg.unmapped_pages(addr, len) == 0 {
+            return Ok(true);
+        }
         let missing: Vec<usize> = seg
             .touched(addr, len)
             .filter(|&i| seg.pages[i].is_none())
@@ -944,7 +1003,7 @@ impl DeviceAllocator {
             .filter(|(base, seg)| {
                 let first = st.segments[base].first;
                 let b = st.blocks.get(first);
-                seg.mapped_set.is_empty() && b.state == BlockState::Free && b.next.is_none()
+                seg.mapped.is_empty() && b.state == BlockState::Free && b.next.is_none()
             })
             .map(|(&base, _)| base)
             .collect();

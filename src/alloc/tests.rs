@@ -669,6 +669,7 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
         pages: vec![None; 16],
         last_free: vec![0; 16],
         frees_since_fence: 0,
+        mapped: super::paged::PageBits::new(16),
         mapped_set: Default::default(),
     };
     seg.set_chunk(
@@ -889,4 +890,40 @@ fn extra_slack_grows_with_the_overrun_and_decays_only_after_a_quiet_spell() {
     assert_eq!((extra, quiet), (0.625, 0));
     // Budget 0 drops the extra slack at once.
     assert_eq!(next(0.5, 0, 0.9, 0.0, base), (0.0, 0));
+}
+
+#[test]
+fn page_bits_count_across_words() {
+    use super::paged::PageBits;
+    use std::collections::BTreeSet;
+    // Against a set, for ranges cutting words anywhere, over several patterns.
+    let mut seed = 11u64;
+    for round in 0..200 {
+        let pages = 1 + (round * 7) % 300;
+        let mut bits = PageBits::new(pages);
+        let mut set = BTreeSet::new();
+        for _ in 0..pages {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let i = (seed >> 33) as usize % pages;
+            if (seed >> 20).is_multiple_of(3) {
+                bits.clear(i);
+                set.remove(&i);
+            } else {
+                bits.set(i);
+                set.insert(i);
+            }
+        }
+        assert_eq!(bits.is_empty(), set.is_empty());
+        for _ in 0..20 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let a = (seed >> 33) as usize % (pages + 1);
+            let b = (seed >> 13) as usize % (pages + 1);
+            let range = a.min(b)..a.max(b);
+            assert_eq!(bits.count(range.clone()), set.range(range).count());
+        }
+    }
 }
