@@ -421,6 +421,9 @@ impl DeviceAllocator {
         if seg.unmapped_pages(addr, len) == 0 {
             return Ok(true);
         }
+        // Parked blocks' pages become reclaimable (and the OOM path sees them merged).
+        st.flush_parked();
+        let seg = &st.paged[&base];
         let missing: Vec<usize> = seg
             .touched(addr, len)
             .filter(|&i| seg.pages[i].is_none())

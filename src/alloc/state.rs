@@ -42,7 +42,10 @@ const HUGE_BLOCK: u64 = 64 << 20;
 /// Parked blocks (see `State::park`) hold at most this much memory, in at most this many
 /// blocks, per device: enough for a loop's small tensors, little enough to leave the
 /// reserved bound of paged segments as it was.
-const PARKED_MAX_BYTES: u64 = 4 << 20;
+/// Parked blocks of up to 1 MiB (the small pool's) may hold this much in all: many of them
+/// fit in it, and they are what a training step frees and asks for most often.
+const PARKED_MAX_SMALL_BYTES: u64 = 4 << 20;
+const SMALL_PARKED_SIZE: u64 = 1 << 20;
 const PARKED_MAX_BLOCKS: usize = 64;
 
 /// When a full set of parked blocks saw fewer than one reuse per this many parks, the
@@ -68,6 +71,8 @@ pub struct MoveClock {
 pub struct Parked {
     pub by_size: rustc_hash::FxHashMap<(StreamId, u64), Vec<BlockId>>,
     pub bytes: u64,
+    /// Of those, in blocks of at most `SMALL_PARKED_SIZE`.
+    pub small_bytes: u64,
     pub count: usize,
     /// Parks and reuses since the parked blocks last filled up.
     pub parks: usize,
@@ -473,17 +478,18 @@ impl State {
         self.paged_segment_mut(addr).note_free(addr, size, seq)
     }
 
-    /// Caches a freed block the fast way when it may be: a small paged block of the general
-    /// cache waits unmerged and unlisted for the next request of exactly its size on its
-    /// stream, the common case of a training loop, skipping the free lists and split/merge
-    /// both ways. Returns `None` when the block is not eligible (the caller then `cache`s
-    /// it), else whether a fence is due (as `cache`). Bounded: when full, every parked block
-    /// is flushed to the free lists first. Only paged blocks park: they count no inactive
-    /// splits, so the statistics read exactly as if the block had merged; plain segments
-    /// keep PyTorch's figures for those.
+    /// Caches a freed block the fast way when it may be: a paged block of the general cache
+    /// waits unmerged and unlisted for the next request of exactly its size on its stream,
+    /// the common case of a training loop, skipping the free lists and split/merge both
+    /// ways. Returns `None` when the block is not eligible (the caller then `cache`s it),
+    /// else whether a fence is due (as `cache`). Bounded: when full, every parked block is
+    /// flushed to the free lists first. A parked block never costs memory: any request that
+    /// would map pages flushes them all first (`malloc`), as does every slow path. Only
+    /// paged blocks park: they count no inactive splits, so the statistics read exactly as
+    /// if the block had merged; plain segments keep PyTorch's figures for those.
     pub fn park(&mut self, id: BlockId) -> Option<bool> {
         let block = self.blocks.get(id);
-        if !block.paged || block.owner.is_some() || block.pool != PoolKind::Small {
+        if !block.paged || block.owner.is_some() {
             return None;
         }
         let (size, stream) = (block.size, block.stream);
@@ -491,7 +497,10 @@ impl State {
             self.parked.paused -= 1;
             return None;
         }
-        if self.parked.bytes + size > PARKED_MAX_BYTES || self.parked.count == PARKED_MAX_BLOCKS {
+        let small = size <= SMALL_PARKED_SIZE;
+        if (small && self.parked.small_bytes + size > PARKED_MAX_SMALL_BYTES)
+            || self.parked.count == PARKED_MAX_BLOCKS
+        {
             let reused_rarely = self.parked.reuses * PARKS_PER_REUSE < self.parked.parks;
             self.flush_parked();
             (self.parked.parks, self.parked.reuses) = (0, 0);
@@ -511,6 +520,9 @@ impl State {
             .or_default()
             .push(id);
         self.parked.bytes += size;
+        if small {
+            self.parked.small_bytes += size;
+        }
         self.parked.count += 1;
         Some(fence_due)
     }
@@ -527,6 +539,9 @@ impl State {
         }
         let id = self.parked.by_size.get_mut(&(stream, rounded))?.pop()?;
         self.parked.bytes -= rounded;
+        if rounded <= SMALL_PARKED_SIZE {
+            self.parked.small_bytes -= rounded;
+        }
         self.parked.count -= 1;
         self.parked.reuses += 1;
         Some(self.mark_handed_out(id, requested))
@@ -544,6 +559,7 @@ impl State {
             .flat_map(|(_, ids)| ids)
             .collect();
         self.parked.bytes = 0;
+        self.parked.small_bytes = 0;
         self.parked.count = 0;
         for id in ids {
             // Paged: no inactive-split counts to adjust.
@@ -638,6 +654,17 @@ impl State {
     }
 
     /// The paged segment holding `addr` (which must lie in one), with its base address.
+    /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
+    pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
+        let block = self.blocks.get(id);
+        block.paged
+            && self
+                .paged_segment(block.addr)
+                .1
+                .unmapped_pages(block.addr, rounded)
+                > 0
+    }
+
     pub fn paged_segment(&self, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
         let (&base, seg) = self
             .paged

@@ -71,7 +71,7 @@ fn parked_blocks_serve_their_exact_size_and_stream_and_are_bounded() {
     }
     {
         let st = a.state.lock().unwrap();
-        assert!(st.parked.count <= 64 && st.parked.bytes <= 4 << 20);
+        assert!(st.parked.count <= 64 && st.parked.small_bytes <= 4 << 20);
     }
     for b in [keep, other_stream, other_size] {
         a.free(b).unwrap();
@@ -926,4 +926,33 @@ fn page_bits_count_across_words() {
             assert_eq!(bits.count(range.clone()), set.range(range).count());
         }
     }
+}
+
+#[test]
+fn parked_large_blocks_are_reused_and_never_cost_pages() {
+    let (sim, a) = paged(1 << 30, "");
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    let big = a.malloc(64 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    assert_eq!(
+        a.state.lock().unwrap().parked.count,
+        1,
+        "the large block parked"
+    );
+    // The same size on the same stream: the parked block, with no driver call.
+    let maps = sim.counters(0).maps;
+    let again = a.malloc(64 * MIB, S0).unwrap();
+    assert_eq!((again, sim.counters(0).maps), (big, maps));
+    a.free(again).unwrap();
+    // Another size that would need pages elsewhere: the parked block merges back first, and
+    // its mapped pages serve the request (no growth, no new reserved bytes).
+    let reserved = stats(&a).reserved_bytes.all().current;
+    let paging = stats(&a).paging;
+    let smaller = a.malloc(60 * MIB, S0).unwrap();
+    assert!(smaller >= big && smaller + 60 * MIB <= big + 64 * MIB);
+    assert_eq!(stats(&a).reserved_bytes.all().current, reserved);
+    assert_eq!(stats(&a).paging.growths, paging.growths);
+    assert_eq!(a.state.lock().unwrap().parked.count, 0);
+    a.free(smaller).unwrap();
+    a.free(keep).unwrap();
 }
