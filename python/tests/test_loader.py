@@ -182,6 +182,7 @@ _C_TO_CTYPES = {
     "double*": ctypes.POINTER(ctypes.c_double),
     "void**": ctypes.POINTER(ctypes.c_void_p),
     "ccalloc_stats*": ctypes.POINTER(_lib.ccalloc_stats),
+    "ccalloc_paging_stats*": ctypes.POINTER(_lib.ccalloc_paging_stats),
     "ccalloc_pool_id": _lib.ccalloc_pool_id,
     "ccalloc_stream_filter": _lib.ccalloc_stream_filter,
     "ccalloc_release_fn": _lib.ccalloc_release_fn,
@@ -239,13 +240,15 @@ def _header_struct(name):
 _FIELD_TYPES = {
     "int64_t": ctypes.c_int64,
     "uint64_t": ctypes.c_uint64,
+    "double": ctypes.c_double,
     "ccalloc_stat": _lib.ccalloc_stat,
     "ccalloc_stat_array": _lib.ccalloc_stat_array,
 }
 
 
 @pytest.mark.parametrize(
-    "struct", [_lib.ccalloc_stat, _lib.ccalloc_stat_array, _lib.ccalloc_stats, _lib.ccalloc_pool_id]
+    "struct",
+    [_lib.ccalloc_stat, _lib.ccalloc_stat_array, _lib.ccalloc_stats, _lib.ccalloc_paging_stats, _lib.ccalloc_pool_id],
 )
 def test_structs_mirror_header_field_by_field(struct):
     header = _header_struct(struct.__name__)
@@ -258,7 +261,13 @@ def test_struct_layout_matches_a_c_compiler(tmp_path):
         pytest.skip("no C compiler")
     lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "ccalloc.h"', "int main(void) {"]
     expected = []
-    for struct in (_lib.ccalloc_stat, _lib.ccalloc_stat_array, _lib.ccalloc_stats, _lib.ccalloc_pool_id):
+    for struct in (
+        _lib.ccalloc_stat,
+        _lib.ccalloc_stat_array,
+        _lib.ccalloc_stats,
+        _lib.ccalloc_paging_stats,
+        _lib.ccalloc_pool_id,
+    ):
         name = struct.__name__
         lines.append(f'printf("%zu\\n", sizeof({name}));')
         expected.append(ctypes.sizeof(struct))
