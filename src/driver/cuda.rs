@@ -402,9 +402,12 @@ impl Driver for CudaDriver {
     }
 
     fn min_free_fence_interval(&self) -> std::time::Duration {
-        // A GPU runs tens of µs or more behind the host: finer marks buy no earlier moves,
-        // and a loop of small allocations would pay an event record every 16 frees.
-        std::time::Duration::from_micros(50)
+        // A fence costs the host an event record and, later, a query: about 2 µs on an H100
+        // (`benches/gpu/vmm_cost.cu`). Every 50 µs that was up to 4% of a free-heavy loop;
+        // every ms it is 0.2%. A GPU runs ms behind a host that queues ahead, so a growth
+        // that must wait for a free's fence waits little longer for it being coarser, and
+        // such waits are rare (a few per run in steady state: `ccalloc_get_paging_stats`).
+        std::time::Duration::from_millis(1)
     }
 
     fn times_page_moves(&self) -> bool {
