@@ -12,7 +12,8 @@
 # (CCALLOC_CONF=expandable_segments:False), sanitizer (memcheck), header_c (ccalloc.h with
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
 # (tests/c/test_api.c on the sim backend against the same library), torch_checks and
-# python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_steady and vmm_cost (benchmarks).
+# python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_torch_empty, bench_steady and vmm_cost
+# (benchmarks).
 #
 # Logs go to $LOG_DIR (default ${OUT:-/tmp}/gpu_check): one <NN>_<step>.log per step and
 # summary.txt, the table printed at the end; with LOG_LAYOUT=combined, all_steps.log (every
