@@ -143,14 +143,15 @@ impl DeviceAllocator {
         }
         let pool = PoolKind::for_size(rounded);
         let mut found = st.take_cached(owner, pool, stream, rounded);
-        if let Some(id) = found {
-            if st.parked.count > 0 && st.needs_pages(id, rounded) {
-                // Parked blocks may hold the mapped pages this request would map anew: they
-                // merge back first, and the request looks again.
+        if st.parked.count > 0 && found.is_none_or(|id| st.needs_pages(id, rounded)) {
+            // Parked blocks may hold the mapped pages this request would map anew, or the
+            // free space it fits in once they merge: they merge back first, and the request
+            // looks again.
+            if let Some(id) = found {
                 st.return_untouched(id);
-                st.flush_parked();
-                found = st.take_cached(owner, pool, stream, rounded);
             }
+            st.flush_parked();
+            found = st.take_cached(owner, pool, stream, rounded);
         }
         if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
             if let Some(page) = self.paging(&st, owner.is_some()) {

@@ -540,8 +540,10 @@ impl DeviceAllocator {
         }
         let share = clock.moving.as_secs_f64() / window.as_secs_f64();
         let before = clock.extra_slack;
+        // Windows close only at growth: a long quiet gap counts for the windows it spans.
+        let spans = (window.as_secs_f64() / MOVE_WINDOW.as_secs_f64()) as u32;
         (clock.extra_slack, clock.quiet_windows) =
-            next_extra_slack(before, clock.quiet_windows, share, budget, base);
+            next_extra_slack(before, clock.quiet_windows, spans, share, budget, base);
         if clock.extra_slack != before {
             tracing::info!(
                 device = self.device,
@@ -814,7 +816,7 @@ impl DeviceAllocator {
             None => true,
             // Everything is wanted (the OOM path): one wait for the whole device.
             Some(_) if want == usize::MAX => {
-                self.sync_device(st)?;
+                self.sync_before_moves(st)?;
                 true
             }
             Some(_) => {
@@ -980,10 +982,10 @@ impl DeviceAllocator {
                         device = self.device,
                         "record_event failed ({e}); synchronizing"
                     );
-                    return self.sync_device(st);
+                    return self.sync_before_moves(st);
                 }
             },
-            None => return self.sync_device(st),
+            None => return self.sync_before_moves(st),
         };
         st.stats.paging.host_waits += 1;
         self.driver
@@ -991,6 +993,12 @@ impl DeviceAllocator {
             .map_err(|e| driver_error(self.device, e))?;
         // It and the stream's older fences are done now.
         self.poll_fences(st, Some(stream))
+    }
+
+    /// A device synchronize so that pages may move (a host wait, for the paging stats).
+    fn sync_before_moves(&self, st: &mut State) -> Result<()> {
+        st.stats.paging.host_waits += 1;
+        self.sync_device(st)
     }
 
     /// Gives back every page under free blocks and every paged segment left wholly free.
@@ -1085,14 +1093,16 @@ fn take_until(into: &mut Vec<Victim>, taken: &mut usize, from: Vec<Victim>, limi
     }
 }
 
-/// The extra slack after a window in which page moves took `share` of the time, and the
-/// count of quiet windows in a row: over `budget` it grows 2- to 8-fold with the overrun
-/// (starting from `base`, up to `MAX_EXTRA_SLACK`), so that a job adapts within a few
-/// windows; after `QUIET_WINDOWS_BEFORE_DECAY` windows under a quarter of the budget it
-/// halves (to 0 below `base / 2`). A budget of 0 (perhaps set at run time) drops it.
+/// The extra slack after a window (`spans` times `MOVE_WINDOW` long) in which page moves
+/// took `share` of the time, and the count of quiet windows in a row: over `budget` it grows
+/// 2- to 8-fold with the overrun (starting from `base`, up to `MAX_EXTRA_SLACK`), so that a
+/// job adapts within a few windows; after `QUIET_WINDOWS_BEFORE_DECAY` windows' worth of
+/// time under a quarter of the budget it halves (to 0 below `base / 2`). A budget of 0
+/// (perhaps set at run time) drops it.
 pub(super) fn next_extra_slack(
     extra: f64,
     quiet_windows: u32,
+    spans: u32,
     share: f64,
     budget: f64,
     base: f64,
@@ -1107,8 +1117,9 @@ pub(super) fn next_extra_slack(
     if share >= budget / 4.0 || extra == 0.0 {
         return (extra, 0);
     }
-    if quiet_windows + 1 < QUIET_WINDOWS_BEFORE_DECAY {
-        return (extra, quiet_windows + 1);
+    let quiet = quiet_windows.saturating_add(spans.max(1));
+    if quiet < QUIET_WINDOWS_BEFORE_DECAY {
+        return (extra, quiet);
     }
     let halved = extra / 2.0;
     (if halved < base / 2.0 { 0.0 } else { halved }, 0)

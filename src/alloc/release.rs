@@ -109,7 +109,6 @@ impl DeviceAllocator {
     /// stream-ordered), so the device finishes its work before segments go back. Afterwards
     /// every free so far is done, and so is every fence.
     pub(super) fn sync_device(&self, st: &mut State) -> Result<()> {
-        st.stats.paging.host_waits += 1;
         self.driver
             .synchronize(self.device)
             .map_err(|e| driver_error(self.device, e))?;

@@ -653,7 +653,6 @@ impl State {
         seg.mapped_bytes_in(b.addr, b.size)
     }
 
-    /// The paged segment holding `addr` (which must lie in one), with its base address.
     /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
     pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
         let block = self.blocks.get(id);
@@ -665,6 +664,7 @@ impl State {
                 > 0
     }
 
+    /// The paged segment holding `addr` (which must lie in one), with its base address.
     pub fn paged_segment(&self, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
         let (&base, seg) = self
             .paged

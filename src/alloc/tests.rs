@@ -865,20 +865,20 @@ fn extra_slack_grows_with_the_overrun_and_decays_only_after_a_quiet_spell() {
     use super::paged::next_extra_slack as next;
     let base = 1.0 / 32.0;
     // Over budget: 2- to 8-fold with the overrun (from the base at first), capped at 1.
-    assert_eq!(next(0.0, 0, 0.03, 0.02, base), (2.0 * base, 0));
-    assert_eq!(next(0.0, 0, 0.9, 0.02, base), (8.0 * base, 0));
-    assert_eq!(next(base, 0, 0.03, 0.02, base), (2.0 * base, 0));
-    assert_eq!(next(base, 0, 0.10, 0.02, base), (5.0 * base, 0));
-    assert_eq!(next(base, 0, 0.50, 0.02, base), (8.0 * base, 0));
-    assert_eq!(next(0.5, 3, 0.50, 0.02, base), (1.0, 0));
+    assert_eq!(next(0.0, 0, 1, 0.03, 0.02, base), (2.0 * base, 0));
+    assert_eq!(next(0.0, 0, 1, 0.9, 0.02, base), (8.0 * base, 0));
+    assert_eq!(next(base, 0, 1, 0.03, 0.02, base), (2.0 * base, 0));
+    assert_eq!(next(base, 0, 1, 0.10, 0.02, base), (5.0 * base, 0));
+    assert_eq!(next(base, 0, 1, 0.50, 0.02, base), (8.0 * base, 0));
+    assert_eq!(next(0.5, 3, 1, 0.50, 0.02, base), (1.0, 0));
     // Between a quarter of the budget and the budget: unchanged, and the quiet count restarts.
-    assert_eq!(next(0.25, 7, 0.01, 0.02, base), (0.25, 0));
+    assert_eq!(next(0.25, 7, 1, 0.01, 0.02, base), (0.25, 0));
     // Quiet windows: it holds until the spell is long enough, then halves once.
     let (mut extra, mut quiet) = (0.25, 0);
     let mut halvings = Vec::new();
     for window in 0..100 {
         let before = extra;
-        (extra, quiet) = next(extra, quiet, 0.0, 0.02, base);
+        (extra, quiet) = next(extra, quiet, 1, 0.0, 0.02, base);
         if extra != before {
             halvings.push(window);
         }
@@ -886,10 +886,13 @@ fn extra_slack_grows_with_the_overrun_and_decays_only_after_a_quiet_spell() {
     assert_eq!(halvings, vec![19, 39, 59, 79, 99]);
     assert_eq!(extra, 0.0, "under half the base it drops to 0");
     // An overrun in the middle of a quiet spell starts the count again.
-    let (extra, quiet) = next(0.25, 18, 0.05, 0.02, base);
+    let (extra, quiet) = next(0.25, 18, 1, 0.05, 0.02, base);
     assert_eq!((extra, quiet), (0.625, 0));
+    // A quiet gap spanning many windows (no growth closed them) counts for all of them.
+    assert_eq!(next(0.25, 0, 20, 0.0, 0.02, base), (0.125, 0));
+    assert_eq!(next(0.25, 0, 7, 0.0, 0.02, base), (0.25, 7));
     // Budget 0 drops the extra slack at once.
-    assert_eq!(next(0.5, 0, 0.9, 0.0, base), (0.0, 0));
+    assert_eq!(next(0.5, 0, 1, 0.9, 0.0, base), (0.0, 0));
 }
 
 #[test]
@@ -955,4 +958,44 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     assert_eq!(a.state.lock().unwrap().parked.count, 0);
     a.free(smaller).unwrap();
     a.free(keep).unwrap();
+}
+
+#[test]
+fn a_parked_large_block_never_hides_the_space_it_would_merge_into() {
+    // 900 MiB fit only once the parked 600 MiB block merges with the free space after it:
+    // the request must find it there, not release the cache and make a plain segment.
+    let (sim, a) = paged(1 << 30, "");
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    let big = a.malloc(600 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    let p = a.malloc(900 * MIB, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!(
+        (
+            s.num_alloc_retries,
+            s.num_sync_all_streams,
+            sim.counters(0).allocate_calls
+        ),
+        (0, 0, 0)
+    );
+    a.free(p).unwrap();
+    // The same during a capture of another stream, where the slow path may not release.
+    let big = a.malloc(600 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    a.begin_allocate_to_pool((9, 9), Box::new(|s| s == S1))
+        .unwrap();
+    let p = a.malloc(900 * MIB, S0);
+    a.end_allocate_to_pool((9, 9)).unwrap();
+    a.free(p.expect("fits once the parked block merges"))
+        .unwrap();
+    a.free(keep).unwrap();
+}
+
+#[test]
+fn plain_segments_report_no_paging_costs() {
+    let (_sim, a) = setup(1 << 30, "");
+    let p = a.malloc(4 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).paging, Default::default());
 }
