@@ -8,7 +8,10 @@
 # "native ccalloc native_expandable"; also ccalloc_slack25: ccalloc with page_slack:0.25), PROCESSES per (workload, allocator) (default 1), RUNS
 # timed per process after one warm-up run (default 2), OUT (results: $OUT/steady.jsonl,
 # $OUT/steady.md, logs in $OUT/steady_logs; default /tmp), RUN_TIMEOUT (s, default 300),
-# CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so), PYTHON.
+# CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so), PYTHON, PIN_CPUS (e.g. "2-9": every
+# process runs under taskset on those CPUs, so that the scheduler's placement varies less).
+# Each round (PROCESSES) runs every allocator's process back to back, in reverse order every
+# other round (ABBA), and the summary pairs each round's ccalloc and native medians.
 
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -28,11 +31,17 @@ LOGS="$OUT_DIR/steady_logs"
 mkdir -p "$LOGS"
 : >"$JSONL"
 start=$SECONDS
+PIN=()
+[ -n "${PIN_CPUS:-}" ] && PIN=(taskset -c "$PIN_CPUS")
 for p in $(seq 1 "$PROCESSES"); do
+    order="$ALLOCATORS"
+    if [ $((p % 2)) -eq 0 ]; then
+        order="$(printf '%s\n' $ALLOCATORS | tac | tr '\n' ' ')"
+    fi
     for w in $WORKLOADS; do
-        for a in $ALLOCATORS; do
+        for a in $order; do
             log="$LOGS/$w.$a.p$p.log"
-            timeout "$RUN_TIMEOUT" "$PYTHON" "$ROOT/benches/gpu/workloads_steady.py" run "$w" "$a" "$RUNS" >"$log" 2>&1
+            STEADY_ROUND=$p timeout "$RUN_TIMEOUT" "${PIN[@]}" "$PYTHON" "$ROOT/benches/gpu/workloads_steady.py" run "$w" "$a" "$RUNS" >"$log" 2>&1
             rc=$?
             grep '^STEADY ' "$log" >>"$JSONL"
             printf '[%4ds] %s %-18s %-18s rc=%s %s\n' "$((SECONDS - start))" "$p" "$w" "$a" "$rc" \

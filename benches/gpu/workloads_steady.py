@@ -99,6 +99,7 @@ def run(name: str, allocator: str, runs: int) -> int:
     result = {
         "workload": name,
         "allocator": allocator,
+        "round": int(os.environ.get("STEADY_ROUND", "0")),
         "seconds": seconds,
         "max_memory_reserved": stats.max_memory_reserved(),
         "max_memory_allocated": stats.max_memory_allocated(),
@@ -126,6 +127,9 @@ def summarize(path: str) -> int:
     rows: dict[tuple[str, str], list[float]] = {}
     reserved: dict[tuple[str, str], int] = {}
     paging_rows: list = []
+    # (workload, allocator, round) -> that process's median: rounds pair processes run
+    # back to back, so their ratio cancels the machine's slow drift between rounds.
+    by_round: dict[tuple[str, str, int], float] = {}
     with open(path) as f:
         for line in f:
             if not line.startswith("STEADY "):
@@ -133,6 +137,8 @@ def summarize(path: str) -> int:
             r = json.loads(line[len("STEADY "):])
             key = (r["workload"], r["allocator"])
             rows.setdefault(key, []).extend(r["seconds"])
+            if r["seconds"]:
+                by_round[(*key, r.get("round", 0))] = statistics.median(r["seconds"])
             reserved[key] = max(reserved.get(key, 0), r["max_memory_reserved"])
             if "paging" in r:
                 paging_rows.append((key, r["paging"]))
@@ -159,6 +165,19 @@ def summarize(path: str) -> int:
             verdicts.append((w, med))
             line += f" | {med:.3f} | {low:.3f} | {len(c)}"
         print(line + " |")
+    paired = {}
+    for (w, a, rnd), t in by_round.items():
+        if a == "ccalloc" and (w, "native", rnd) in by_round:
+            paired.setdefault(w, []).append(t / by_round[(w, "native", rnd)])
+    if paired:
+        print("\nPaired by round (each round runs every allocator's process back to back, the order "
+              "reversed every other round): ccalloc/native of each round's medians.\n")
+        print("| workload | median of the rounds' ratios | rounds | each round |")
+        print("|---|---:|---:|---|")
+        for w in names:
+            if w in paired:
+                r = paired[w]
+                print(f"| {w} | {statistics.median(r):.3f} | {len(r)} | {', '.join(f'{x:.3f}' for x in r)} |")
     if paging_rows:
         print("\nccalloc's own time in paged-segment growth during the timed runs (share of their "
               "seconds; moving = growth that moved pages; per process):\n")
