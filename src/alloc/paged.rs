@@ -466,6 +466,7 @@ impl DeviceAllocator {
             for spare in in_hand.into_iter().chain(spares) {
                 self.park(st, spare, page);
             }
+            self.account_growth(st, started);
             return Err(e);
         }
         let refused = plan.unfilled() > 0;
@@ -482,6 +483,10 @@ impl DeviceAllocator {
             } else {
                 released = released.and(self.release_chunk(st, spare, page));
             }
+        }
+        if refused {
+            // A growth too, if a failed one: its time (and waits) was spent all the same.
+            self.account_growth(st, started);
         }
         released?;
         if refused {
@@ -508,10 +513,11 @@ impl DeviceAllocator {
     }
 
     /// Counts one growth (`PagingCounters`) that started at `started` (gathering, waiting,
-    /// mapping). On a GPU, adds its time to the move clock if it moved chunks, and every `MOVE_WINDOW` adjusts the extra slack to the
-    /// share of time moves took (`next_extra_slack`): a workload whose page moves cost more
-    /// than `page_move_budget` (random sizes of hundreds of MiB, shapes that change every
-    /// step) gets a larger cache instead, while one that moves little keeps reserved ≈ live.
+    /// mapping), failed ones included. On a GPU, adds its time to the move clock if it moved
+    /// chunks, and every `MOVE_WINDOW` adjusts the extra slack to the share of time moves
+    /// took (`next_extra_slack`): a workload whose page moves cost more than
+    /// `page_move_budget` (random sizes of hundreds of MiB, shapes that change every step)
+    /// gets a larger cache instead, while one that moves little keeps reserved ≈ live.
     fn account_growth(&self, st: &mut State, started: Instant) {
         let now = Instant::now();
         let took = now - started;

@@ -999,3 +999,18 @@ fn plain_segments_report_no_paging_costs() {
     a.empty_cache().unwrap();
     assert_eq!(stats(&a).paging, Default::default());
 }
+
+#[test]
+fn a_growth_the_device_refuses_still_counts() {
+    let (_sim, a) = paged(1 << 30, "per_process_memory_fraction:0.1");
+    let p = a.malloc(60 * MIB, S0).unwrap();
+    let before = stats(&a).paging;
+    assert_eq!(
+        a.malloc(60 * MIB, S0).unwrap_err().kind,
+        ErrorKind::OutOfMemory
+    );
+    let after = stats(&a).paging;
+    assert!(after.growths > before.growths, "{before:?} -> {after:?}");
+    assert!(after.growth_ns > before.growth_ns);
+    a.free(p).unwrap();
+}
