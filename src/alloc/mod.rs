@@ -402,13 +402,7 @@ impl DeviceAllocator {
     /// The share of peak live bytes that paged segments may now keep beyond it: `page_slack`
     /// plus what `page_move_budget` has added.
     pub fn page_slack(&self) -> Result<f64> {
-        let st = self.lock()?;
-        let extra = if st.config.page_move_budget > 0.0 {
-            st.moves.extra_slack
-        } else {
-            0.0
-        };
-        Ok(st.config.page_slack + extra)
+        Ok(self.lock()?.page_slack())
     }
 
     pub fn max_split_size(&self) -> Result<u64> {

@@ -96,31 +96,26 @@ pub struct PagedSegment {
 #[derive(Clone, Debug, Default)]
 pub struct PageBits {
     words: Vec<u64>,
-    ones: usize,
 }
 
 impl PageBits {
     pub fn new(pages: usize) -> Self {
         Self {
             words: vec![0; pages.div_ceil(64)],
-            ones: 0,
         }
     }
 
+    /// A walk over the words: only the release path asks.
     pub fn is_empty(&self) -> bool {
-        self.ones == 0
+        self.words.iter().all(|&w| w == 0)
     }
 
     pub fn set(&mut self, i: usize) {
-        let (word, bit) = (&mut self.words[i / 64], 1u64 << (i % 64));
-        self.ones += usize::from(*word & bit == 0);
-        *word |= bit;
+        self.words[i / 64] |= 1u64 << (i % 64);
     }
 
     pub fn clear(&mut self, i: usize) {
-        let (word, bit) = (&mut self.words[i / 64], 1u64 << (i % 64));
-        self.ones -= usize::from(*word & bit != 0);
-        *word &= !bit;
+        self.words[i / 64] &= !(1u64 << (i % 64));
     }
 
     /// The words overlapping `range`, each masked to the bits inside it, with its index.
@@ -435,12 +430,7 @@ impl DeviceAllocator {
         let live_after = st.stats.active_bytes.all().current as u64 + len;
         st.live_high_water = st.live_high_water.max(live_after);
         let high = st.live_high_water;
-        let extra = if st.config.page_move_budget > 0.0 {
-            st.moves.extra_slack
-        } else {
-            0.0
-        };
-        let share = st.config.page_slack + extra;
+        let share = st.page_slack();
         let slack = ((high as f64 * share) as u64).max(MIN_SLACK_PAGES * page);
         let started = Instant::now();
         st.moves.reclaimed = false;
@@ -550,18 +540,19 @@ impl DeviceAllocator {
         let spans = (window.as_secs_f64() / MOVE_WINDOW.as_secs_f64()) as u32;
         (clock.extra_slack, clock.quiet_windows) =
             next_extra_slack(before, clock.quiet_windows, spans, share, budget, base);
-        if clock.extra_slack != before {
+        let changed = clock.extra_slack != before;
+        clock.window_start = Some(now);
+        clock.moving = Duration::ZERO;
+        if changed {
             tracing::info!(
                 device = self.device,
                 "page moves took {:.1}% of the last {:.0} ms (budget {:.1}%): page slack now {:.3} of peak live",
                 share * 100.0,
                 window.as_secs_f64() * 1e3,
                 budget * 100.0,
-                st.config.page_slack + clock.extra_slack
+                st.page_slack()
             );
         }
-        clock.window_start = Some(now);
-        clock.moving = Duration::ZERO;
     }
 
     /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved

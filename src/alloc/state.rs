@@ -653,6 +653,18 @@ impl State {
         seg.mapped_bytes_in(b.addr, b.size)
     }
 
+    /// The share of peak live bytes that paged segments may keep beyond it: `page_slack`
+    /// plus the extra that `page_move_budget` added (none while the budget is 0, even if set
+    /// to 0 at run time since the extra was last adjusted).
+    pub fn page_slack(&self) -> f64 {
+        let extra = if self.config.page_move_budget > 0.0 {
+            self.moves.extra_slack
+        } else {
+            0.0
+        };
+        self.config.page_slack + extra
+    }
+
     /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
     pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
         let block = self.blocks.get(id);
