@@ -39,14 +39,13 @@ pub struct Segment {
 const FIT_CANDIDATES: usize = 32;
 /// Paged requests at least this large are placed from the top of the address range down.
 const HUGE_BLOCK: u64 = 64 << 20;
-/// Parked blocks (see `State::park`) hold at most this much memory, in at most this many
-/// blocks, per device: enough for a loop's small tensors, little enough to leave the
-/// reserved bound of paged segments as it was.
-/// Parked blocks of up to 1 MiB (the small pool's) may hold this much in all: many of them
-/// fit in it, and they are what a training step frees and asks for most often.
+/// Parked blocks (see `State::park`): at most this many per device; those of up to
+/// `SMALL_PARKED_SIZE` (the small pool's) hold at most `PARKED_MAX_SMALL_BYTES` in all, many
+/// of them, since they are what a training step frees and asks for most often. Larger ones
+/// need no byte bound: any request that would map pages flushes them first.
+const PARKED_MAX_BLOCKS: usize = 64;
 const PARKED_MAX_SMALL_BYTES: u64 = 4 << 20;
 const SMALL_PARKED_SIZE: u64 = 1 << 20;
-const PARKED_MAX_BLOCKS: usize = 64;
 
 /// When a full set of parked blocks saw fewer than one reuse per this many parks, the
 /// pattern is not same-size reuse (random sizes): parking pauses for `PARKING_PAUSE` frees.
@@ -66,12 +65,11 @@ pub struct MoveClock {
     pub quiet_windows: u32,
 }
 
-/// Freed small blocks by (stream, size), each list newest last.
+/// Freed paged blocks by (stream, size), each list newest last.
 #[derive(Default)]
 pub struct Parked {
     pub by_size: rustc_hash::FxHashMap<(StreamId, u64), Vec<BlockId>>,
-    pub bytes: u64,
-    /// Of those, in blocks of at most `SMALL_PARKED_SIZE`.
+    /// Bytes in parked blocks of at most `SMALL_PARKED_SIZE`.
     pub small_bytes: u64,
     pub count: usize,
     /// Parks and reuses since the parked blocks last filled up.
@@ -107,7 +105,7 @@ pub struct State {
     pub live_high_water: u64,
     /// Counts frees into the cache: the clock of `PagedSegment::last_free` and fences.
     pub free_seq: u64,
-    /// Small blocks waiting for a request of their exact size (see `park`).
+    /// Freed paged blocks waiting for a request of their exact size (see `park`).
     pub parked: Parked,
     /// The time page moves take (see `DeviceAllocator::account_growth`).
     pub moves: MoveClock,
@@ -519,7 +517,6 @@ impl State {
             .entry((stream, size))
             .or_default()
             .push(id);
-        self.parked.bytes += size;
         if small {
             self.parked.small_bytes += size;
         }
@@ -538,7 +535,6 @@ impl State {
             return None;
         }
         let id = self.parked.by_size.get_mut(&(stream, rounded))?.pop()?;
-        self.parked.bytes -= rounded;
         if rounded <= SMALL_PARKED_SIZE {
             self.parked.small_bytes -= rounded;
         }
@@ -558,7 +554,6 @@ impl State {
             .drain()
             .flat_map(|(_, ids)| ids)
             .collect();
-        self.parked.bytes = 0;
         self.parked.small_bytes = 0;
         self.parked.count = 0;
         for id in ids {
