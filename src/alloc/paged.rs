@@ -2,8 +2,8 @@
 //!
 //! With the driver's virtual memory management, each (stream, pool) gets one address range
 //! as large as the device, carved into blocks like any segment, but backed by physical memory
-//! only where blocks need it, in chunks of up to `MAX_CHUNK_PAGES` granules (pages), one
-//! physical allocation each. Chunks under free blocks stay mapped (so steady-state reuse
+//! only where blocks need it, in chunks of `CHUNK_PAGES` granules (pages) or more for large
+//! blocks (`chunk_pages_for`), one physical allocation each. Chunks under free blocks stay mapped (so steady-state reuse
 //! costs no driver call) until growth would push reserved memory past the high-water mark of
 //! live memory plus a small slack; then chunks lying wholly under free blocks are unmapped
 //! and mapped again where they are needed, or given back. Reserved memory therefore tracks
@@ -37,24 +37,46 @@ const MAX_FENCES_PER_STREAM: usize = 64;
 /// come out the same every time.)
 const FREES_PER_FENCE: u32 = 16;
 /// The window over which the share of time spent moving pages is measured: long enough that
-/// one burst of growth (a new batch shape) does not look like a trend.
-const MOVE_WINDOW: Duration = Duration::from_millis(250);
+/// one burst of growth (a new batch shape: tens of moves of a few ms in all) does not look
+/// like a trend. (At 250 ms, bursts pushed bert's slack to 0.5 where 0.2 keeps moves near
+/// 0.5% of the time.)
+const MOVE_WINDOW: Duration = Duration::from_secs(1);
 /// Windows in a row with moves under a quarter of the budget before the extra slack halves.
 /// Halving lets later growth release spares and move pages again, so it waits for a phase
 /// change (several seconds quiet), not for the quiet the extra slack itself bought.
-const QUIET_WINDOWS_BEFORE_DECAY: u32 = 20;
+const QUIET_WINDOWS_BEFORE_DECAY: u32 = 5;
+/// The extra slack's growth per window over budget: small steps, so that it stops near the
+/// least slack that keeps moves within the budget (moves fall steeply with slack: on bert,
+/// 3.4% of the time at slack 0.12, 0.7% at 0.2) ...
+const EXTRA_SLACK_STEP: f64 = 1.5;
+/// ... and larger ones where moves take more than this many times the budget.
+const SEVERE_OVERRUN: f64 = 8.0;
+const SEVERE_EXTRA_SLACK_STEP: f64 = 3.0;
 /// Extra slack that `page_move_budget` may add: reserved stays within twice peak live.
 const MAX_EXTRA_SLACK: f64 = 1.0;
 /// The first step of extra slack when `page_slack` is smaller.
 const MIN_EXTRA_SLACK: f64 = 1.0 / 32.0;
-/// Growth maps physical memory in chunks of up to this many pages, one handle each: the
-/// driver's cost is per mapping, not per byte (on an H100, granting access to one 2 MiB
-/// handle takes 45 µs, to one 8 MiB handle 45 µs and to one 128 MiB handle 66 µs;
-/// `benches/gpu/vmm_cost.cu`). A chunk is unmapped only whole, so larger chunks keep more
-/// memory behind live blocks. On the sample traces (replayed with GPU lags of 0 to 32
-/// events), 4 pages cut maps 2.8-fold and left every ratio within 0.02 of one page's;
-/// 8 pages cut them 5-fold, but bert's ratio then ranged from 1.040 to 1.069.
-pub const MAX_CHUNK_PAGES: usize = 4;
+/// Growth maps physical memory in chunks of this many pages (more for long runs, see
+/// `chunk_pages_for`), one handle each: the driver's cost is per mapping, not per byte (on
+/// an H100, granting access to one 2 MiB handle takes 45 µs, to one 8 MiB handle 45 µs and
+/// to one 128 MiB handle 66 µs; `benches/gpu/vmm_cost.cu`). A chunk is unmapped only whole,
+/// so larger chunks keep more memory behind live blocks. On the sample traces (replayed with
+/// GPU lags of 0 to 32 events), 4 pages cut maps 2.8-fold and left every ratio within 0.02
+/// of one page's; 8 pages everywhere cut them 5-fold, but bert's ratio then ranged from
+/// 1.040 to 1.069.
+pub const CHUNK_PAGES: usize = 4;
+/// The largest chunk (128 MiB with 2 MiB pages).
+pub const MAX_CHUNK_PAGES: usize = 64;
+
+/// Pages per new chunk when growth maps a run of `run` missing pages: a quarter of the run,
+/// within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. Each chunk costs a create, a map and an access
+/// grant whatever its size, so a large block is backed by a few large chunks; a chunk never
+/// exceeds a quarter of the block it was made for, so one pinned by a small live block later
+/// holds little beyond it. (Sample traces, GPU lags 0-32: maps fall 3.2-fold on gpt2 and
+/// 1.8-fold on resnet, every ratio within 0.005 of 4-page chunks'.)
+pub(super) fn chunk_pages_for(run: usize) -> usize {
+    (run / 4).clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
+}
 
 /// One physical allocation mapped at pages `first..first+pages` of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -531,7 +553,9 @@ impl DeviceAllocator {
             clock.moving += took;
         }
         let window = now - *clock.window_start.get_or_insert(started);
-        if window < MOVE_WINDOW {
+        // A window also closes once moves alone have filled a tenth of one: a job that does
+        // little but move pages adapts within tenths of a second.
+        if window < MOVE_WINDOW && clock.moving < MOVE_WINDOW / 10 {
             return;
         }
         let share = clock.moving.as_secs_f64() / window.as_secs_f64();
@@ -665,7 +689,7 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// Fills the plan's gaps with new chunks of up to `MAX_CHUNK_PAGES` while the device and
+    /// Fills the plan's gaps with new chunks (`chunk_pages_for` each gap) while the device and
     /// the limit allow; `in_hand` pages gathered but not yet mapped count against the limit.
     /// A chunk the device refuses is tried again in halves, down to one page.
     fn add_new_chunks(
@@ -676,7 +700,7 @@ impl DeviceAllocator {
         page: u64,
     ) -> Result<()> {
         for gap in 0..plan.gaps.len() {
-            let mut size = MAX_CHUNK_PAGES;
+            let mut size = chunk_pages_for(plan.gaps[gap].len());
             while !plan.gaps[gap].is_empty() {
                 let pages = size.min(plan.gaps[gap].len());
                 match self.new_chunk(st, pages, in_hand as u64 * page, page)? {
@@ -1092,8 +1116,9 @@ fn take_until(into: &mut Vec<Victim>, taken: &mut usize, from: Vec<Victim>, limi
 
 /// The extra slack after a window (`spans` times `MOVE_WINDOW` long) in which page moves
 /// took `share` of the time, and the count of quiet windows in a row: over `budget` it grows
-/// 2- to 8-fold with the overrun (starting from `base`, up to `MAX_EXTRA_SLACK`), so that a
-/// job adapts within a few windows; after `QUIET_WINDOWS_BEFORE_DECAY` windows' worth of
+/// by `EXTRA_SLACK_STEP`, or `SEVERE_EXTRA_SLACK_STEP` past `SEVERE_OVERRUN` times the
+/// budget (starting from `base`, up to `MAX_EXTRA_SLACK`), so that a job adapts within a few
+/// windows; after `QUIET_WINDOWS_BEFORE_DECAY` windows' worth of
 /// time under a quarter of the budget it halves (to 0 below `base / 2`). A budget of 0
 /// (perhaps set at run time) drops it.
 pub(super) fn next_extra_slack(
@@ -1108,8 +1133,12 @@ pub(super) fn next_extra_slack(
         return (0.0, 0);
     }
     if share > budget {
-        let factor = (share / budget).clamp(2.0, 8.0);
-        return ((extra.max(base) * factor).min(MAX_EXTRA_SLACK), 0);
+        let step = if share > SEVERE_OVERRUN * budget {
+            SEVERE_EXTRA_SLACK_STEP
+        } else {
+            EXTRA_SLACK_STEP
+        };
+        return ((extra.max(base) * step).min(MAX_EXTRA_SLACK), 0);
     }
     if share >= budget / 4.0 || extra == 0.0 {
         return (extra, 0);

@@ -787,8 +787,8 @@ fn page_slack_trades_memory_for_page_moves() {
 
 #[test]
 fn growth_maps_whole_chunks_and_moves_them_whole() {
-    use super::paged::MAX_CHUNK_PAGES;
-    let chunk = MAX_CHUNK_PAGES as u64 * 2 * MIB;
+    use super::paged::CHUNK_PAGES;
+    let chunk = CHUNK_PAGES as u64 * 2 * MIB;
     let (sim, a) = paged(1 << 30, "");
     // Two chunks and a half: three mappings, one grant of access per run.
     let p = a.malloc(2 * chunk + chunk / 2, S0).unwrap();
@@ -820,9 +820,33 @@ fn growth_maps_whole_chunks_and_moves_them_whole() {
 }
 
 #[test]
+fn a_large_block_is_backed_by_few_large_chunks() {
+    use super::paged::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
+    assert_eq!(chunk_pages_for(1), CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(4 * CHUNK_PAGES + 3), CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(40), 10);
+    assert_eq!(chunk_pages_for(1 << 20), MAX_CHUNK_PAGES);
+    let (sim, a) = paged(4 << 30, "");
+    // 512 MiB = 256 pages: four chunks of 64 pages, not 64 of 4.
+    let p = a.malloc(512 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!((c.maps, c.physical_creates), (4, 4), "{c:?}");
+    // 20 MiB = 10 pages: the base chunk size (4 + 4 + 2 pages).
+    let q = a.malloc(20 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!((c.maps, c.physical_creates), (4 + 3, 4 + 3), "{c:?}");
+    let reserved = stats(&a).reserved_bytes.all().current as u64;
+    assert_eq!(reserved, 532 * MIB, "chunks end where the run does");
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
 fn a_chunk_under_a_live_block_is_never_moved() {
-    use super::paged::MAX_CHUNK_PAGES;
-    let chunk = MAX_CHUNK_PAGES as u64 * 2 * MIB;
+    use super::paged::CHUNK_PAGES;
+    let chunk = CHUNK_PAGES as u64 * 2 * MIB;
     let (sim, a) = paged(1 << 30, "");
     let p = a.malloc(chunk, S0).unwrap();
     let wall = a.malloc(2 * MIB, S0).unwrap();
@@ -861,36 +885,36 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
 }
 
 #[test]
-fn extra_slack_grows_with_the_overrun_and_decays_only_after_a_quiet_spell() {
+fn extra_slack_grows_in_steps_over_budget_and_decays_only_after_a_quiet_spell() {
     use super::paged::next_extra_slack as next;
     let base = 1.0 / 32.0;
-    // Over budget: 2- to 8-fold with the overrun (from the base at first), capped at 1.
-    assert_eq!(next(0.0, 0, 1, 0.03, 0.02, base), (2.0 * base, 0));
-    assert_eq!(next(0.0, 0, 1, 0.9, 0.02, base), (8.0 * base, 0));
-    assert_eq!(next(base, 0, 1, 0.03, 0.02, base), (2.0 * base, 0));
-    assert_eq!(next(base, 0, 1, 0.10, 0.02, base), (5.0 * base, 0));
-    assert_eq!(next(base, 0, 1, 0.50, 0.02, base), (8.0 * base, 0));
-    assert_eq!(next(0.5, 3, 1, 0.50, 0.02, base), (1.0, 0));
+    // Over budget: 1.5-fold (from the base at first), 3-fold past 8 times the budget,
+    // capped at 1.
+    assert_eq!(next(0.0, 0, 1, 0.03, 0.02, base), (1.5 * base, 0));
+    assert_eq!(next(0.25, 0, 1, 0.10, 0.02, base), (0.375, 0));
+    assert_eq!(next(0.25, 0, 1, 0.16, 0.02, base), (0.375, 0));
+    assert_eq!(next(0.0, 0, 1, 0.17, 0.02, base), (3.0 * base, 0));
+    assert_eq!(next(0.25, 0, 1, 0.9, 0.02, base), (0.75, 0));
+    assert_eq!(next(0.8, 3, 1, 0.50, 0.02, base), (1.0, 0));
     // Between a quarter of the budget and the budget: unchanged, and the quiet count restarts.
-    assert_eq!(next(0.25, 7, 1, 0.01, 0.02, base), (0.25, 0));
+    assert_eq!(next(0.25, 4, 1, 0.01, 0.02, base), (0.25, 0));
     // Quiet windows: it holds until the spell is long enough, then halves once.
     let (mut extra, mut quiet) = (0.25, 0);
     let mut halvings = Vec::new();
-    for window in 0..100 {
+    for window in 0..25 {
         let before = extra;
         (extra, quiet) = next(extra, quiet, 1, 0.0, 0.02, base);
         if extra != before {
             halvings.push(window);
         }
     }
-    assert_eq!(halvings, vec![19, 39, 59, 79, 99]);
+    assert_eq!(halvings, vec![4, 9, 14, 19, 24]);
     assert_eq!(extra, 0.0, "under half the base it drops to 0");
     // An overrun in the middle of a quiet spell starts the count again.
-    let (extra, quiet) = next(0.25, 18, 1, 0.05, 0.02, base);
-    assert_eq!((extra, quiet), (0.625, 0));
+    assert_eq!(next(0.25, 4, 1, 0.05, 0.02, base), (0.375, 0));
     // A quiet gap spanning many windows (no growth closed them) counts for all of them.
-    assert_eq!(next(0.25, 0, 20, 0.0, 0.02, base), (0.125, 0));
-    assert_eq!(next(0.25, 0, 7, 0.0, 0.02, base), (0.25, 7));
+    assert_eq!(next(0.25, 0, 5, 0.0, 0.02, base), (0.125, 0));
+    assert_eq!(next(0.25, 0, 3, 0.0, 0.02, base), (0.25, 3));
     // Budget 0 drops the extra slack at once.
     assert_eq!(next(0.5, 0, 1, 0.9, 0.0, base), (0.0, 0));
 }
