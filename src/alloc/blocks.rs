@@ -2,9 +2,9 @@
 //! find the best cached fit per (stream, size).
 
 use super::caches::PoolId;
+use super::size_index::SizeIndex;
 use super::sizing::PoolKind;
 use crate::driver::{DevicePtr, StreamId};
-use std::collections::BTreeMap;
 
 pub type BlockId = u32;
 
@@ -125,65 +125,67 @@ impl BlockArena {
     }
 }
 
-type FreeKey = (StreamId, u64, DevicePtr);
-
-/// The cached free blocks of one pool, ordered by (stream, size, address) for best fit.
+/// The cached free blocks of one pool: per stream, a `SizeIndex` ordered by (size, address)
+/// for best fit.
 #[derive(Default)]
 pub struct FreeList {
-    blocks: BTreeMap<FreeKey, BlockId>,
+    streams: rustc_hash::FxHashMap<StreamId, SizeIndex>,
     /// Counts lookups; a cached block's age is `lookups - block.cached_at`.
     pub lookups: u64,
 }
 
 impl FreeList {
-    fn key(block: &Block) -> FreeKey {
-        (block.stream, block.size, block.addr)
-    }
-
     pub fn insert(&mut self, block: &Block, id: BlockId) {
-        let previous = self.blocks.insert(Self::key(block), id);
-        debug_assert!(previous.is_none(), "block cached twice");
+        let fresh = self
+            .streams
+            .entry(block.stream)
+            .or_default()
+            .insert(block.size, block.addr, id);
+        debug_assert!(fresh, "block cached twice");
     }
 
     pub fn remove(&mut self, block: &Block) {
-        let removed = self.blocks.remove(&Self::key(block));
+        let removed = self
+            .streams
+            .get_mut(&block.stream)
+            .and_then(|index| index.remove(block.size, block.addr));
         debug_assert!(removed.is_some(), "removed a block that was not cached");
     }
 
     /// The smallest cached block on `stream` of at least `size` bytes.
     pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
-        self.blocks
-            .range((stream, size, 0)..)
-            .next()
-            .filter(|((s, _, _), _)| *s == stream)
-            .map(|((_, size, _), &id)| (*size, id))
+        self.fits(stream, size).next()
     }
 
     /// Cached blocks on `stream` of at least `size` bytes, smallest first.
     pub fn fits(&self, stream: StreamId, size: u64) -> impl Iterator<Item = (u64, BlockId)> + '_ {
-        self.blocks
-            .range((stream, size, 0)..(stream, u64::MAX, DevicePtr::MAX))
-            .map(|((_, size, _), &id)| (*size, id))
+        self.streams
+            .get(&stream)
+            .into_iter()
+            .flat_map(move |index| index.fits(size))
     }
 
     /// The largest cached block on `stream`, if it holds at least `size` bytes.
     pub fn largest_fit(&self, stream: StreamId, size: u64) -> Option<BlockId> {
-        self.blocks
-            .range((stream, size, 0)..(stream, u64::MAX, DevicePtr::MAX))
-            .next_back()
-            .map(|(_, &id)| id)
+        self.streams.get(&stream)?.largest_fit(size)
     }
 
     /// Cached blocks on `stream` of at least `min_size`, largest first.
     pub fn largest_first(&self, stream: StreamId, min_size: u64) -> Vec<BlockId> {
-        self.blocks
-            .range((stream, min_size, 0)..(stream, u64::MAX, DevicePtr::MAX))
-            .rev()
-            .map(|(_, &id)| id)
-            .collect()
+        self.streams
+            .get(&stream)
+            .map(|index| index.largest_first(min_size))
+            .unwrap_or_default()
     }
 
+    /// Every cached block, by stream, then size, then address.
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.blocks.values().copied()
+        let mut streams: Vec<_> = self
+            .streams
+            .iter()
+            .filter(|(_, index)| !index.is_empty())
+            .collect();
+        streams.sort_unstable_by_key(|(stream, _)| **stream);
+        streams.into_iter().flat_map(|(_, index)| index.ids())
     }
 }

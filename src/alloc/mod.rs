@@ -12,6 +12,7 @@ pub mod caches;
 mod paged;
 pub mod pools;
 mod release;
+mod size_index;
 pub mod sizing;
 mod state;
 pub mod stats;
