@@ -144,11 +144,13 @@ impl DeviceAllocator {
         }
         let pool = PoolKind::for_size(rounded);
         let mut found = st.take_cached(owner, pool, stream, rounded);
-        if st.parked.count > 0 && found.is_none_or(|id| st.needs_pages(id, rounded)) {
+        let lacks_pages =
+            |st: &State, (id, ready): (BlockId, bool)| !ready && st.needs_pages(id, rounded);
+        if st.parked.count > 0 && found.is_none_or(|f| lacks_pages(&st, f)) {
             // Parked blocks may hold the mapped pages this request would map anew, or the
             // free space it fits in once they merge: they merge back first, and the request
             // looks again.
-            if let Some(id) = found {
+            if let Some((id, _)) = found {
                 st.return_untouched(id);
             }
             st.flush_parked();
@@ -161,11 +163,14 @@ impl DeviceAllocator {
                 }
             }
         }
-        let id = match found {
-            Some(id) => id,
-            None => self.grow(&mut st, owner, pool, stream, size, rounded)?,
+        let (id, pages_ready) = match found {
+            Some(found) => found,
+            None => (
+                self.grow(&mut st, owner, pool, stream, size, rounded)?,
+                false,
+            ),
         };
-        if st.blocks.get(id).paged {
+        if !pages_ready && st.blocks.get(id).paged {
             self.back_with_pages(&mut st, id, size, rounded)?;
         }
         Ok(st.hand_out(id, rounded, size))

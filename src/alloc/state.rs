@@ -150,24 +150,28 @@ impl State {
         self.stats.reserved_bytes.all().current as u64
     }
 
-    /// Fast path: the best cached fit, obeying the oversize rules.
+    /// Fast path: the best cached fit, obeying the oversize rules. With it, whether every
+    /// page it needs is known to be mapped already (a paged block placed on mapped pages; a
+    /// plain block needs none), so that the caller skips looking again.
     pub fn take_cached(
         &mut self,
         owner: Option<PoolId>,
         pool: PoolKind,
         stream: StreamId,
         rounded: u64,
-    ) -> Option<BlockId> {
+    ) -> Option<(BlockId, bool)> {
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
         let list = self.caches.list(owner, pool);
         list.lookups += 1;
         let (found, mut id) = list.best_fit(stream, rounded)?;
         let mut carve_at = None;
+        let mut pages_ready = true;
         if self.blocks.get(id).paged {
-            let (chosen, at) = self.fewest_new_pages(owner, pool, stream, rounded, id);
+            let (chosen, at, missing) = self.fewest_new_pages(owner, pool, stream, rounded, id);
             id = chosen;
             carve_at = (at != self.blocks.get(id).addr).then_some(at);
+            pages_ready = missing == 0;
         }
         // Oversize blocks serve only oversize requests, and only ones close to their size
         // (paged blocks are exempt: their unused pages are not held).
@@ -182,19 +186,20 @@ impl State {
                 .fits(stream, rounded)
                 .map(|(_, b)| b)
                 .find(|&b| self.blocks.get(b).paged)?;
+            pages_ready = false;
         }
         self.caches.list(owner, pool).remove(self.blocks.get(id));
         if let Some(at) = carve_at {
             self.split_front(id, at);
         }
-        Some(id)
+        Some((id, pages_ready))
     }
 
     /// Among the smallest paged blocks that fit, the place that needs the fewest new pages
     /// (ties: the first found, so the smallest block's start): growth then reuses pages
     /// already mapped instead of moving them, which costs driver calls and may wait on a
     /// fence. A larger block, or a place inside one, costs nothing here: unused pages are not
-    /// held. Returns the block and where in it to carve.
+    /// held. Returns the block, where in it to carve, and how many pages are missing there.
     fn fewest_new_pages(
         &self,
         owner: Option<PoolId>,
@@ -202,7 +207,7 @@ impl State {
         stream: StreamId,
         rounded: u64,
         best: BlockId,
-    ) -> (BlockId, DevicePtr) {
+    ) -> (BlockId, DevicePtr, usize) {
         let huge = rounded >= HUGE_BLOCK;
         let place = |id: BlockId| {
             let b = self.blocks.get(id);
@@ -212,7 +217,7 @@ impl State {
         let (missing, at) = place(best);
         let mut choice = (missing, best, at);
         if missing == 0 {
-            return (best, at);
+            return (best, at, 0);
         }
         for (_, id) in self
             .caches
@@ -252,7 +257,7 @@ impl State {
                 }
             }
         }
-        (choice.1, choice.2)
+        (choice.1, choice.2, choice.0)
     }
 
     /// Cuts the free, unlisted paged block `id` at `at`: the part before stays free (listed)
