@@ -57,13 +57,16 @@ LOOP_MARK = "_steady_loop_started"
 
 
 def mark_first_loop(body: list) -> bool:
-    """Inserts a call of LOOP_MARK just before the first `for` statement of `body`, looking
-    inside `with`, `if` and `try` blocks too. False when there is none."""
+    """Inserts a call of LOOP_MARK just before the first `for` or `while` statement of `body`,
+    looking inside `with`, `if` and `try` blocks too but not inside nested functions or
+    classes. False when there is none."""
     for i, node in enumerate(body):
         if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
             call = ast.Expr(ast.Call(ast.Name(LOOP_MARK, ast.Load()), [], []))
             body.insert(i, ast.copy_location(call, node))
             return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue  # a helper's loop is not the workload's
         for field in ("body", "orelse", "finalbody"):
             inner = getattr(node, field, None)
             if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
@@ -130,7 +133,7 @@ def run(name: str, allocator: str, runs: int) -> int:
 
     if stats is None:
         stats = torch.cuda
-    loop_start = [0.0]
+    loop_start: list = [None]
 
     def loop_started():
         torch.cuda.synchronize()
@@ -145,9 +148,12 @@ def run(name: str, allocator: str, runs: int) -> int:
         if i == 1 and paging:
             warm = paging()
         torch.cuda.synchronize()
+        loop_start[0] = None
         t0 = time.perf_counter()
         workload()
         torch.cuda.synchronize()
+        if loop_start[0] is None:
+            sys.exit(f"workloads_steady.py: {name}'s marked loop did not run")
         if i > 0:  # run 0 warms up
             end = time.perf_counter()
             seconds.append(round(end - t0, 4))
@@ -180,9 +186,9 @@ def run(name: str, allocator: str, runs: int) -> int:
     return 0
 
 
-def clock(r: dict) -> list:
-    """The timed clock of one STEADY record: the loop's seconds (older records: the whole run's)."""
-    return r.get("loop_seconds") or r["seconds"]
+def clock(r: dict, loop_clock: bool) -> list:
+    """The timed clock of one STEADY record: the loop's seconds, or the whole run's."""
+    return r["loop_seconds"] if loop_clock else r["seconds"]
 
 
 def summarize(path: str) -> int:
@@ -199,14 +205,24 @@ def summarize(path: str) -> int:
     by_round: dict[tuple[str, str, int], float] = {}
     paging_rows: list = []
     order: list[str] = []
+    # The loop clock only where every record of the workload has it (older records: the
+    # whole run's), so that a ratio never compares two clocks.
+    loop_clock = {r["workload"]: True for r in records}
+    for r in records:
+        loop_clock[r["workload"]] &= bool(r.get("loop_seconds"))
+    # Records without a round (STEADY_ROUND unset) pair by their order of appearance.
+    seen: dict[tuple[str, str], int] = {}
     for r in records:
         key = (r["workload"], r["allocator"])
+        seen[key] = seen.get(key, 0) + 1
+        rnd = r.get("round") or -seen[key]
         if r["allocator"] not in order:
             order.append(r["allocator"])
-        loop.setdefault(key, []).extend(clock(r))
+        timed = clock(r, loop_clock[r["workload"]])
+        loop.setdefault(key, []).extend(timed)
         whole.setdefault(key, []).extend(r["seconds"])
-        if clock(r):
-            by_round[(*key, r.get("round", 0))] = statistics.median(clock(r))
+        if timed:
+            by_round[(*key, rnd)] = statistics.median(timed)
         if r.get("max_memory_allocated"):
             memory.setdefault(key, []).append(r["max_memory_reserved"] / r["max_memory_allocated"])
         if "paging" in r:
@@ -270,6 +286,9 @@ def summarize(path: str) -> int:
         for (w, a), p in paging_rows:
             print(f"| {w} | {a} | {p['growth_share']:.2%} | {p['moving_share']:.2%} | "
                   f"{p['growths']} ({p['moving_growths']}) | {p['host_waits']} | {p['page_slack']:.3f} |")
+    if not all(loop_clock.values()):
+        print("\n(Whole-run clock for " + ", ".join(w for w, l in loop_clock.items() if not l)
+              + ": some of their records predate the loop clock.)")
     print("\nAll timed runs, loop clock (s): " + "; ".join(
         f"{w}/{a}: {', '.join(f'{x:.3f}' for x in t)}" for (w, a), t in sorted(loop.items())))
     if verdicts:

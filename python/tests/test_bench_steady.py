@@ -35,6 +35,22 @@ def train():
         events.append("second loop")
 def no_loop():
     events.append("build")
+def with_helper():
+    def helper(xs):
+        for x in xs:
+            events.append(x)
+    class Holder:
+        for _ in range(1):
+            pass
+    events.append("build")
+    for i in range(2):
+        helper([i])
+def maybe_loop(n):
+    if n:
+        for i in range(n):
+            events.append(i)
+    else:
+        events.append("no loop")
 '''
 
 
@@ -57,6 +73,14 @@ def test_loop_mark_goes_before_the_first_loop_even_inside_with():
     assert events == ["build", "mark", "step", "second loop"]
 
 
+def test_loops_of_nested_helpers_are_not_marked():
+    steady = load_steady()
+    events = []
+    ns = {"events": events, steady.LOOP_MARK: lambda: events.append("mark")}
+    steady.compile_workload(SOURCE, "w.py", "with_helper", ns)()
+    assert events == ["build", "mark", 0, 1]
+
+
 def test_workload_without_loop_is_refused(capsys):
     steady = load_steady()
     try:
@@ -73,6 +97,26 @@ def test_conf_variants():
     assert steady.ccalloc_conf("ccalloc_budget0") == "page_move_budget:0"
     assert steady.ccalloc_conf("native") is None
     assert steady.known_allocator("ccalloc@x:1") and not steady.known_allocator("rmm")
+
+
+def test_summary_never_mixes_clocks_and_pairs_records_without_rounds(tmp_path, capsys):
+    steady = load_steady()
+    lines = []
+    for i, (alloc, t) in enumerate((("native", 1.0), ("ccalloc", 1.05), ("native", 2.0), ("ccalloc", 2.02))):
+        r = {"workload": "mlp_sidestream", "allocator": alloc, "seconds": [t],
+             "max_memory_reserved": 1, "max_memory_allocated": 1}
+        if i == 0:
+            r["loop_seconds"] = [0.1]  # a newer record beside older ones
+        lines.append("STEADY " + json.dumps(r))
+    path = tmp_path / "steady.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    steady.summarize(str(path))
+    out = capsys.readouterr().out
+    row = next(l for l in out.splitlines() if l.startswith("| mlp_sidestream | ccalloc |"))
+    cells = [c.strip() for c in row.split("|")]
+    # Whole-run clock for all four; the k-th process of each allocator pairs: 1.05 and 1.01.
+    assert cells[4] == "2" and cells[5] == "1.050, 1.010", row
+    assert "Whole-run clock for mlp_sidestream" in out
 
 
 def test_summary_pairs_rounds_on_the_loop_clock(tmp_path, capsys):
@@ -108,3 +152,14 @@ def test_every_shared_workload_has_a_loop_to_time():
     for name in steady.WORKLOADS:
         ns = {}
         assert callable(steady.compile_workload(source, path, name, ns))
+
+
+def test_a_loop_in_a_branch_not_taken_leaves_no_mark():
+    # run() refuses such a run (its loop clock would have no start).
+    steady = load_steady()
+    events = []
+    ns = {"events": events, steady.LOOP_MARK: lambda: events.append("mark")}
+    steady.compile_workload(SOURCE, "w.py", "maybe_loop", ns)(0)
+    assert events == ["no loop"]
+    steady.compile_workload(SOURCE, "w.py", "maybe_loop", ns)(1)
+    assert events == ["no loop", "mark", 0]

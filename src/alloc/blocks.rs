@@ -178,6 +178,16 @@ impl FreeList {
             .unwrap_or_default()
     }
 
+    /// Drops the indexes of streams with no block cached.
+    pub fn prune(&mut self) {
+        self.streams.retain(|_, index| !index.is_empty());
+    }
+
+    /// Streams with an index (tests).
+    pub fn indexed_streams(&self) -> usize {
+        self.streams.len()
+    }
+
     /// Every cached block, by stream, then size, then address.
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
         let mut streams: Vec<_> = self

@@ -77,6 +77,15 @@ impl Caches {
             && !self.routes.iter().any(|r| r.pool == id)
     }
 
+    /// Forgets the free-list indexes of streams with nothing cached (a job that makes
+    /// streams as it goes would otherwise keep one per stream it ever used).
+    pub fn prune(&mut self) {
+        let private = self.private.values_mut().flat_map(|p| p.lists.iter_mut());
+        for list in self.general.iter_mut().chain(private) {
+            list.prune();
+        }
+    }
+
     pub fn capturing(&self) -> bool {
         !self.routes.is_empty()
     }

@@ -553,9 +553,11 @@ impl DeviceAllocator {
             clock.moving += took;
         }
         let window = now - *clock.window_start.get_or_insert(started);
-        // A window also closes once moves alone have filled a tenth of one: a job that does
-        // little but move pages adapts within tenths of a second.
-        if window < MOVE_WINDOW && clock.moving < MOVE_WINDOW / 10 {
+        // A window also closes once moves alone have filled a tenth of one (and it has lasted
+        // a quarter of one, so that one long growth is not a trend): a job that does little
+        // but move pages adapts within tenths of a second.
+        let early = window >= MOVE_WINDOW / 4 && clock.moving >= MOVE_WINDOW / 10;
+        if window < MOVE_WINDOW && !early {
             return;
         }
         let share = clock.moving.as_secs_f64() / window.as_secs_f64();
@@ -1143,7 +1145,8 @@ pub(super) fn next_extra_slack(
     if share >= budget / 4.0 || extra == 0.0 {
         return (extra, 0);
     }
-    let quiet = quiet_windows.saturating_add(spans.max(1));
+    // A window closed early (`spans` 0) does not count towards the quiet spell.
+    let quiet = quiet_windows.saturating_add(spans);
     if quiet < QUIET_WINDOWS_BEFORE_DECAY {
         return (extra, quiet);
     }

@@ -80,7 +80,9 @@ impl DeviceAllocator {
         self.sync_device(st)?;
         let lists = st.caches.releasable();
         self.release_whole_segments(st, &lists)?;
-        self.release_paged_cache(st)
+        let released = self.release_paged_cache(st);
+        st.caches.prune();
+        released
     }
 
     /// Releases every cached block that spans a whole segment in the given free lists.

@@ -3,9 +3,11 @@
 //! of steady small-block churn) sit in exact 512-byte size classes, found through a two-level
 //! bitmap of the non-empty classes, each class a short vector sorted by (size, address);
 //! larger blocks (few: big cached blocks, a paged segment's unused remainder) stay in a
-//! B-tree. Best fit, the next fits in order, and insert/remove of a small block then cost a
-//! few word scans and a short vector shift instead of B-tree descents and node shifts (which
-//! took 46% of small churn).
+//! B-tree, as do blocks of a class that already holds `CLASS_CAP` (thousands of free blocks
+//! of one size would make a vector's shifts slow). Queries merge the two in order. Best fit,
+//! the next fits in order, and insert/remove of a small block then cost a few word scans and
+//! a short vector shift instead of B-tree descents and node shifts (which took 46% of small
+//! churn).
 
 use crate::driver::DevicePtr;
 use std::collections::BTreeMap;
@@ -17,19 +19,27 @@ const CLASS_BYTES: u64 = 512;
 /// Blocks smaller than `EXACT_CLASSES * CLASS_BYTES` (2 MiB) are kept in size classes.
 const EXACT_CLASSES: usize = 4096;
 const WORDS: usize = EXACT_CLASSES / 64;
+/// Blocks kept in one class's vector; more of that class go to the B-tree.
+const CLASS_CAP: usize = 64;
 
 /// (size, address, id), ordered by (size, address).
 type Entry = (u64, DevicePtr, BlockId);
 
 #[derive(Default)]
 pub struct SizeIndex {
-    /// Per class, its blocks sorted by (size, address); grown to the highest class used.
+    /// Per class, up to `CLASS_CAP` of its blocks sorted by (size, address); grown to the
+    /// highest class used.
     classes: Vec<Vec<Entry>>,
     /// Bit c: class c is non-empty.
     words: Vec<u64>,
     /// Bit w: `words[w]` is non-zero.
     summary: u64,
+    /// Blocks of 2 MiB or more, and those that found their class full.
     big: BTreeMap<(u64, DevicePtr), BlockId>,
+    /// Bit c: some blocks of class c are in `big` (so a duplicate check must look there).
+    spilled: Vec<u64>,
+    /// `big`'s first key: a best fit below it never opens the B-tree.
+    big_first: Option<(u64, DevicePtr)>,
 }
 
 fn class_of(size: u64) -> Option<usize> {
@@ -45,13 +55,7 @@ impl SizeIndex {
     /// Adds a block; false (and nothing changed) if one of this size and address is listed.
     pub fn insert(&mut self, size: u64, addr: DevicePtr, id: BlockId) -> bool {
         let Some(class) = class_of(size) else {
-            return match self.big.entry((size, addr)) {
-                std::collections::btree_map::Entry::Occupied(_) => false,
-                std::collections::btree_map::Entry::Vacant(slot) => {
-                    slot.insert(id);
-                    true
-                }
-            };
+            return self.insert_big(size, addr, id);
         };
         if self.classes.len() <= class {
             self.classes.resize_with(class + 1, Vec::new);
@@ -62,20 +66,80 @@ impl SizeIndex {
         if blocks.get(at).is_some_and(|e| (e.0, e.1) == (size, addr)) {
             return false;
         }
+        if blocks.len() >= CLASS_CAP {
+            self.spilled.resize(WORDS, 0);
+            self.spilled[class / 64] |= 1 << (class % 64);
+            return self.insert_big(size, addr, id);
+        }
+        let spilled = self
+            .spilled
+            .get(class / 64)
+            .is_some_and(|w| w & (1 << (class % 64)) != 0);
+        if spilled && self.big.contains_key(&(size, addr)) {
+            return false;
+        }
         blocks.insert(at, (size, addr, id));
         self.words[class / 64] |= 1 << (class % 64);
         self.summary |= 1 << (class / 64);
         true
     }
 
+    fn insert_big(&mut self, size: u64, addr: DevicePtr, id: BlockId) -> bool {
+        match self.big.entry((size, addr)) {
+            std::collections::btree_map::Entry::Occupied(_) => false,
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert(id);
+                if self.big_first.is_none_or(|first| (size, addr) < first) {
+                    self.big_first = Some((size, addr));
+                }
+                true
+            }
+        }
+    }
+
+    fn remove_big(&mut self, size: u64, addr: DevicePtr) -> Option<BlockId> {
+        let id = self.big.remove(&(size, addr))?;
+        if self.big_first == Some((size, addr)) {
+            self.big_first = self.big.first_key_value().map(|(&key, _)| key);
+        }
+        Some(id)
+    }
+
+    fn is_spilled(&self, class: usize) -> bool {
+        self.spilled
+            .get(class / 64)
+            .is_some_and(|w| w & (1 << (class % 64)) != 0)
+    }
+
+    /// Removes a block of `class` from `big`; the class stops counting as spilled once none
+    /// of its blocks is left there.
+    fn remove_spilled(&mut self, class: usize, size: u64, addr: DevicePtr) -> Option<BlockId> {
+        if !self.is_spilled(class) {
+            return None;
+        }
+        let id = self.remove_big(size, addr)?;
+        let lo = class as u64 * CLASS_BYTES;
+        if self
+            .big
+            .range((lo, 0)..(lo + CLASS_BYTES, 0))
+            .next()
+            .is_none()
+        {
+            self.spilled[class / 64] &= !(1 << (class % 64));
+        }
+        Some(id)
+    }
+
     pub fn remove(&mut self, size: u64, addr: DevicePtr) -> Option<BlockId> {
         let Some(class) = class_of(size) else {
-            return self.big.remove(&(size, addr));
+            return self.remove_big(size, addr);
         };
-        let blocks = self.classes.get_mut(class)?;
-        let at = blocks
-            .binary_search_by(|e| (e.0, e.1).cmp(&(size, addr)))
-            .ok()?;
+        let Some(blocks) = self.classes.get_mut(class) else {
+            return self.remove_spilled(class, size, addr);
+        };
+        let Ok(at) = blocks.binary_search_by(|e| (e.0, e.1).cmp(&(size, addr))) else {
+            return self.remove_spilled(class, size, addr);
+        };
         let (_, _, id) = blocks.remove(at);
         if blocks.is_empty() {
             let word = &mut self.words[class / 64];
@@ -126,11 +190,10 @@ impl SizeIndex {
 
     /// Blocks of at least `size` bytes, smallest first (then lowest address): (size, id).
     pub fn fits(&self, size: u64) -> Fits<'_> {
-        let class = class_of(size);
         Fits {
             index: self,
             size,
-            class: class.and_then(|c| self.next_class(c)),
+            class: class_of(size).and_then(|c| self.next_class(c)),
             pos: 0,
             big: None,
         }
@@ -138,38 +201,29 @@ impl SizeIndex {
 
     /// The largest block (highest address among equals), if it holds at least `size` bytes.
     pub fn largest_fit(&self, size: u64) -> Option<BlockId> {
-        let (found, id) = match self.big.last_key_value() {
-            Some((&(found, _), &id)) => (found, id),
-            None => {
-                let class = self.prev_class(EXACT_CLASSES - 1)?;
-                let &(found, _, id) = self.classes[class].last()?;
-                (found, id)
-            }
-        };
+        let big = self.big.last_key_value().map(|(&(s, a), &id)| (s, a, id));
+        let class = self
+            .prev_class(EXACT_CLASSES - 1)
+            .and_then(|c| self.classes[c].last().copied());
+        let (found, _, id) = big.into_iter().chain(class).max_by_key(|e| (e.0, e.1))?;
         (found >= size).then_some(id)
     }
 
     /// Blocks of at least `min_size` bytes, largest first.
     pub fn largest_first(&self, min_size: u64) -> Vec<BlockId> {
-        let mut out: Vec<BlockId> = self
+        let mut all: Vec<Entry> = self
             .big
             .range((min_size, 0)..)
-            .rev()
-            .map(|(_, &id)| id)
+            .map(|(&(s, a), &id)| (s, a, id))
             .collect();
         let lowest = class_of(min_size).unwrap_or(EXACT_CLASSES);
         let mut class = self.prev_class(EXACT_CLASSES - 1);
         while let Some(c) = class.filter(|&c| c >= lowest) {
-            out.extend(
-                self.classes[c]
-                    .iter()
-                    .rev()
-                    .filter(|e| e.0 >= min_size)
-                    .map(|e| e.2),
-            );
+            all.extend(self.classes[c].iter().filter(|e| e.0 >= min_size));
             class = c.checked_sub(1).and_then(|c| self.prev_class(c));
         }
-        out
+        all.sort_unstable_by_key(|e| std::cmp::Reverse((e.0, e.1)));
+        all.into_iter().map(|e| e.2).collect()
     }
 
     /// Every block, smallest first (then lowest address).
@@ -178,37 +232,69 @@ impl SizeIndex {
     }
 }
 
-/// `SizeIndex::fits`: the size classes from the request's up, then the large blocks.
+/// `SizeIndex::fits`: the size classes from the request's up, merged with the B-tree's
+/// blocks in (size, address) order.
 pub struct Fits<'a> {
     index: &'a SizeIndex,
     size: u64,
-    /// The class being read (`None`: past the classes, reading `big`).
+    /// The class being read (`None`: past the classes).
     class: Option<usize>,
     pos: usize,
-    big: Option<std::collections::btree_map::Range<'a, (u64, DevicePtr), BlockId>>,
+    /// The B-tree's blocks from `size` on, opened only once a class entry is not certainly
+    /// smaller than all of them (most best fits never descend the tree).
+    big: Option<
+        std::iter::Peekable<std::collections::btree_map::Range<'a, (u64, DevicePtr), BlockId>>,
+    >,
+}
+
+impl Fits<'_> {
+    /// The next class entry of at least `size` bytes, not consumed.
+    fn class_head(&mut self) -> Option<Entry> {
+        while let Some(class) = self.class {
+            let blocks = &self.index.classes[class];
+            while let Some(&entry) = blocks.get(self.pos) {
+                if entry.0 >= self.size {
+                    return Some(entry);
+                }
+                self.pos += 1;
+            }
+            self.class = self.index.next_class(class + 1);
+            self.pos = 0;
+        }
+        None
+    }
 }
 
 impl Iterator for Fits<'_> {
     type Item = (u64, BlockId);
 
     fn next(&mut self) -> Option<Self::Item> {
-        while let Some(class) = self.class {
-            let blocks = &self.index.classes[class];
-            while let Some(&(size, _, id)) = blocks.get(self.pos) {
+        let head = self.class_head();
+        if self.big.is_none() {
+            let below = |c: &Entry| self.index.big_first.is_some_and(|key| key <= (c.0, c.1));
+            if let Some(c) = head.filter(|c| !below(c)) {
                 self.pos += 1;
-                if size >= self.size {
-                    return Some((size, id));
-                }
+                return Some((c.0, c.2));
             }
-            self.class = self.index.next_class(class + 1);
-            self.pos = 0;
+            self.big = Some(self.index.big.range((self.size, 0)..).peekable());
         }
-        let size = self.size;
-        let index = self.index;
-        self.big
-            .get_or_insert_with(|| index.big.range((size, 0)..))
-            .next()
-            .map(|(&(size, _), &id)| (size, id))
+        let big = self.big.as_mut().expect("opened above");
+        let b = big.peek().map(|(&(s, a), &id)| (s, a, id));
+        match (head, b) {
+            (Some(c), Some(b)) if (b.0, b.1) < (c.0, c.1) => {
+                big.next();
+                Some((b.0, b.2))
+            }
+            (Some(c), _) => {
+                self.pos += 1;
+                Some((c.0, c.2))
+            }
+            (None, Some(b)) => {
+                big.next();
+                Some((b.0, b.2))
+            }
+            (None, None) => None,
+        }
     }
 }
 
@@ -232,8 +318,9 @@ mod tests {
             let mut index = SizeIndex::default();
             let mut reference: BTreeMap<(u64, DevicePtr), BlockId> = BTreeMap::new();
             let span = [4 << 10, 64 << 10, 2 << 20, 8 << 20][round % 4];
-            for step in 0..600u32 {
-                let remove = !reference.is_empty() && rand(3) == 0;
+            let steps = if round % 5 == 4 { 1500u32 } else { 600 };
+            for step in 0..steps {
+                let remove = !reference.is_empty() && rand(4) == 0;
                 if remove {
                     let nth = rand(reference.len() as u64) as usize;
                     let (&(size, addr), &id) = reference.iter().nth(nth).unwrap();
@@ -241,19 +328,22 @@ mod tests {
                     assert_eq!(index.remove(size, addr), Some(id));
                     assert_eq!(index.remove(size, addr), None, "removed twice");
                 } else {
-                    let size = if rand(4) == 0 {
-                        1 + rand(span)
+                    let (size, addr) = if round % 5 == 4 {
+                        // Few sizes, many blocks each: classes overflow into the B-tree.
+                        let sizes = [512, 1024, 1536, (2 << 20) - 1, 2 << 20, 1 << 56];
+                        (sizes[rand(6) as usize], rand(4096) << 21)
+                    } else if rand(4) == 0 {
+                        (rand(span), rand(64) << 21)
                     } else {
-                        (1 + rand(span / 512)) * 512
+                        ((1 + rand(span / 512)) * 512, rand(64) << 21)
                     };
-                    let addr = rand(64) << 21;
                     let fresh = !reference.contains_key(&(size, addr));
                     assert_eq!(index.insert(size, addr, step), fresh);
                     if fresh {
                         reference.insert((size, addr), step);
                     }
                 }
-                let probe = rand(span + span / 4);
+                let probe = [rand(span + span / 4), rand(4 << 20), 0, 512][rand(4) as usize];
                 let want: Vec<(u64, BlockId)> = reference
                     .range((probe, 0)..)
                     .take(40)
@@ -276,6 +366,10 @@ mod tests {
                     reference.values().copied().collect::<Vec<_>>()
                 );
                 assert_eq!(index.is_empty(), reference.is_empty());
+                assert_eq!(
+                    index.big_first,
+                    index.big.first_key_value().map(|(&k, _)| k)
+                );
             }
         }
     }
@@ -295,5 +389,35 @@ mod tests {
         assert!(index.insert(2 << 20, 0, 9));
         assert_eq!(index.fits(top + 1).next(), Some((2 << 20, 9)));
         assert_eq!(index.largest_fit(0), Some(9));
+    }
+
+    #[test]
+    fn a_full_class_spills_into_the_btree_in_order() {
+        let mut index = SizeIndex::default();
+        // Every other address first, then the ones between: spilled blocks interleave.
+        let addrs: Vec<u64> = (0..100)
+            .map(|i| i * 2)
+            .chain((0..100).map(|i| i * 2 + 1))
+            .collect();
+        for (i, &addr) in addrs.iter().enumerate() {
+            assert!(index.insert(512, addr << 21, i as BlockId));
+        }
+        assert_eq!(index.classes[1].len(), CLASS_CAP);
+        assert_eq!(index.big.len(), 200 - CLASS_CAP);
+        assert!(
+            !index.insert(512, 150 << 21, 999),
+            "a spilled block is found as listed"
+        );
+        assert!(index.is_spilled(1) && !index.is_spilled(2));
+        let order: Vec<u64> = index.fits(1).map(|(_, id)| addrs[id as usize]).collect();
+        assert_eq!(order, (0..200).collect::<Vec<u64>>());
+        for &addr in &addrs {
+            assert!(index.remove(512, addr << 21).is_some());
+        }
+        assert!(index.is_empty());
+        assert!(
+            !index.is_spilled(1),
+            "no block of the class is left in the B-tree"
+        );
     }
 }

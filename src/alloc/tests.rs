@@ -915,6 +915,8 @@ fn extra_slack_grows_in_steps_over_budget_and_decays_only_after_a_quiet_spell() 
     // A quiet gap spanning many windows (no growth closed them) counts for all of them.
     assert_eq!(next(0.25, 0, 5, 0.0, 0.02, base), (0.125, 0));
     assert_eq!(next(0.25, 0, 3, 0.0, 0.02, base), (0.25, 3));
+    // A window shorter than one (closed early) is no quiet time.
+    assert_eq!(next(0.25, 4, 0, 0.0, 0.5, base), (0.25, 4));
     // Budget 0 drops the extra slack at once.
     assert_eq!(next(0.5, 0, 1, 0.9, 0.0, base), (0.0, 0));
 }
@@ -1037,4 +1039,30 @@ fn a_growth_the_device_refuses_still_counts() {
     assert!(after.growths > before.growths, "{before:?} -> {after:?}");
     assert!(after.growth_ns > before.growth_ns);
     a.free(p).unwrap();
+}
+
+#[test]
+fn empty_cache_forgets_the_free_lists_of_streams_with_nothing_cached() {
+    let (sim, a) = paged(1 << 30, "expandable_segments:False");
+    for s in 1..=50u64 {
+        let p = a.malloc(4096, StreamId(s)).unwrap();
+        a.free(p).unwrap();
+    }
+    let indexed = |a: &DeviceAllocator| {
+        let st = a.state.lock().unwrap();
+        st.caches
+            .general
+            .iter()
+            .map(|l| l.indexed_streams())
+            .sum::<usize>()
+    };
+    assert_eq!(indexed(&a), 50, "one small-pool index per stream");
+    let keep = a.malloc(4096, StreamId(7)).unwrap();
+    a.empty_cache().unwrap();
+    // Stream 7's segment keeps its free rest (the segment holds a live block).
+    assert_eq!(indexed(&a), 1);
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(indexed(&a), 0);
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
