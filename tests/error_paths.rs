@@ -27,6 +27,7 @@ struct Faulty {
     /// Each map takes this long and page moves are timed, as on a GPU.
     slow_map: Option<Duration>,
     releases_fail: std::sync::atomic::AtomicBool,
+    allocate_panics: std::sync::atomic::AtomicBool,
 }
 
 impl Faulty {
@@ -53,6 +54,9 @@ impl Driver for Faulty {
         self.sim.total_memory(d)
     }
     fn allocate(&self, d: usize, s: u64) -> DriverResult<DevicePtr> {
+        if self.allocate_panics.load(SeqCst) {
+            panic!("injected panic in allocate");
+        }
         self.sim.allocate(d, s)
     }
     fn release(&self, d: usize, p: DevicePtr, s: u64) -> DriverResult<()> {
@@ -161,6 +165,7 @@ fn faulty_with(
         set_access_fails: false.into(),
         slow_map,
         releases_fail: false.into(),
+        allocate_panics: false.into(),
     });
     let mut config = Config::default();
     config.apply(conf).unwrap();
@@ -477,4 +482,22 @@ fn a_refused_release_keeps_the_memory_accounted_and_retries_later() {
         0,
         "the refused chunks were released later"
     );
+}
+
+#[test]
+fn a_panic_inside_the_allocator_poisons_it_and_is_reported() {
+    let (_sim, f, a) = faulty_with(1 << 30, "expandable_segments:False", Duration::ZERO, None);
+    let kept = a.malloc(1 << 20, StreamId(0)).unwrap();
+    f.allocate_panics.store(true, SeqCst);
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = a.malloc(64 << 20, StreamId(0));
+    }));
+    assert!(caught.is_err(), "the driver panicked under the lock");
+    f.allocate_panics.store(false, SeqCst);
+    for result in [a.malloc(4096, StreamId(0)).map(|_| ()), a.free(kept), a.empty_cache()] {
+        let e = result.unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Internal, "{e}");
+        assert!(e.message.contains("poisoned"), "{e}");
+    }
+    assert!(a.stats().is_err());
 }
