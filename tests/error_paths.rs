@@ -494,7 +494,11 @@ fn a_panic_inside_the_allocator_poisons_it_and_is_reported() {
     }));
     assert!(caught.is_err(), "the driver panicked under the lock");
     f.allocate_panics.store(false, SeqCst);
-    for result in [a.malloc(4096, StreamId(0)).map(|_| ()), a.free(kept), a.empty_cache()] {
+    for result in [
+        a.malloc(4096, StreamId(0)).map(|_| ()),
+        a.free(kept),
+        a.empty_cache(),
+    ] {
         let e = result.unwrap_err();
         assert_eq!(e.kind, ErrorKind::Internal, "{e}");
         assert!(e.message.contains("poisoned"), "{e}");
