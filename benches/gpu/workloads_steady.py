@@ -191,6 +191,18 @@ def clock(r: dict, loop_clock: bool) -> list:
     return r["loop_seconds"] if loop_clock else r["seconds"]
 
 
+def grid(names: list, allocs: list, values: dict, spread, unit: str) -> None:
+    """A workload x allocator table of `values[(workload, allocator)]`: "median (spread)"."""
+    print("| workload | " + " | ".join(f"{a}{unit}" for a in allocs) + " |")
+    print("|---" * (len(allocs) + 1) + "|")
+    for w in names:
+        cells = []
+        for a in allocs:
+            v = values.get((w, a), [])
+            cells.append(f"{statistics.median(v):.3f} ({spread(v):.3f})" if v else "—")
+        print(f"| {w} | " + " | ".join(cells) + " |")
+
+
 def summarize(path: str) -> int:
     records = []
     with open(path) as f:
@@ -234,15 +246,7 @@ def summarize(path: str) -> int:
     print("Steady state (benches/gpu/workloads_steady.py): each process runs the workload once to warm "
           "up, then times the next runs. Loop clock: from the workload's first loop to its end (model "
           "construction excluded); median (min) seconds over all timed runs of all processes.\n")
-    head = "| workload | " + " | ".join(f"{a} s" for a in allocs)
-    print(head + " |")
-    print("|---" * head.count("|") + "|")
-    for w in names:
-        cells = []
-        for a in allocs:
-            t = loop.get((w, a), [])
-            cells.append(f"{statistics.median(t):.3f} ({min(t):.3f})" if t else "—")
-        print(f"| {w} | " + " | ".join(cells) + " |")
+    grid(names, allocs, loop, min, " s")
     verdicts = []
     if "native" in allocs and variants:
         print("\nccalloc / native, loop clock: paired = median over rounds of the ratio of the two "
@@ -270,14 +274,7 @@ def summarize(path: str) -> int:
     if memory:
         print("\nPeak reserved / peak allocated per process (PyTorch's max_memory_reserved / "
               "max_memory_allocated, or ccalloc's; warm-up included): median (max).\n")
-        print("| workload | " + " | ".join(allocs) + " |")
-        print("|---" * (len(allocs) + 1) + "|")
-        for w in names:
-            cells = []
-            for a in allocs:
-                m = memory.get((w, a), [])
-                cells.append(f"{statistics.median(m):.3f} ({max(m):.3f})" if m else "—")
-            print(f"| {w} | " + " | ".join(cells) + " |")
+        grid(names, allocs, memory, max, "")
     if paging_rows:
         print("\nccalloc's own time in paged-segment growth during the timed runs (share of their "
               "seconds; moving = growth that moved pages; per process):\n")

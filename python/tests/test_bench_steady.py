@@ -99,21 +99,26 @@ def test_conf_variants():
     assert steady.known_allocator("ccalloc@x:1") and not steady.known_allocator("rmm")
 
 
+def summarize_records(steady, tmp_path, capsys, records, row_prefix):
+    """What summarize prints for these STEADY records, and the cells of the row starting so."""
+    path = tmp_path / "steady.jsonl"
+    path.write_text("".join("STEADY " + json.dumps(r) + "\n" for r in records))
+    steady.summarize(str(path))
+    out = capsys.readouterr().out
+    row = next(l for l in out.splitlines() if l.startswith(row_prefix))
+    return out, row, [c.strip() for c in row.split("|")]
+
+
 def test_summary_never_mixes_clocks_and_pairs_records_without_rounds(tmp_path, capsys):
     steady = load_steady()
-    lines = []
+    records = []
     for i, (alloc, t) in enumerate((("native", 1.0), ("ccalloc", 1.05), ("native", 2.0), ("ccalloc", 2.02))):
         r = {"workload": "mlp_sidestream", "allocator": alloc, "seconds": [t],
              "max_memory_reserved": 1, "max_memory_allocated": 1}
         if i == 0:
             r["loop_seconds"] = [0.1]  # a newer record beside older ones
-        lines.append("STEADY " + json.dumps(r))
-    path = tmp_path / "steady.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    steady.summarize(str(path))
-    out = capsys.readouterr().out
-    row = next(l for l in out.splitlines() if l.startswith("| mlp_sidestream | ccalloc |"))
-    cells = [c.strip() for c in row.split("|")]
+        records.append(r)
+    out, row, cells = summarize_records(steady, tmp_path, capsys, records, "| mlp_sidestream | ccalloc |")
     # Whole-run clock for all four; the k-th process of each allocator pairs: 1.05 and 1.01.
     assert cells[4] == "2" and cells[5] == "1.050, 1.010", row
     assert "Whole-run clock for mlp_sidestream" in out
@@ -121,20 +126,15 @@ def test_summary_never_mixes_clocks_and_pairs_records_without_rounds(tmp_path, c
 
 def test_summary_pairs_rounds_on_the_loop_clock(tmp_path, capsys):
     steady = load_steady()
-    lines = []
     # Round 2 is 30% slower for both: the paired ratio cancels it, pooling does not.
-    for rnd, slow in ((1, 1.0), (2, 1.3)):
-        for alloc, t in (("native", 1.0), ("ccalloc", 1.01)):
-            r = {"workload": "bert_infer_varlen", "allocator": alloc, "round": rnd,
-                 "seconds": [t * slow + 0.5], "loop_seconds": [t * slow],
-                 "max_memory_reserved": 110, "max_memory_allocated": 100}
-            lines.append("STEADY " + json.dumps(r))
-    path = tmp_path / "steady.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    steady.summarize(str(path))
-    out = capsys.readouterr().out
-    row = next(l for l in out.splitlines() if l.startswith("| bert_infer_varlen | ccalloc |"))
-    cells = [c.strip() for c in row.split("|")]
+    records = [
+        {"workload": "bert_infer_varlen", "allocator": alloc, "round": rnd,
+         "seconds": [t * slow + 0.5], "loop_seconds": [t * slow],
+         "max_memory_reserved": 110, "max_memory_allocated": 100}
+        for rnd, slow in ((1, 1.0), (2, 1.3))
+        for alloc, t in (("native", 1.0), ("ccalloc", 1.01))
+    ]
+    out, row, cells = summarize_records(steady, tmp_path, capsys, records, "| bert_infer_varlen | ccalloc |")
     assert cells[3] == "1.010" and cells[4] == "2"
     assert "1.100 (1.100)" in out  # the memory ratio
     assert "within 2% of native on every workload (paired): YES" in out

@@ -61,6 +61,7 @@ impl SizeIndex {
             self.classes.resize_with(class + 1, Vec::new);
             self.words.resize(WORDS, 0);
         }
+        let spilled = self.is_spilled(class);
         let blocks = &mut self.classes[class];
         let at = blocks.partition_point(|e| (e.0, e.1) < (size, addr));
         if blocks.get(at).is_some_and(|e| (e.0, e.1) == (size, addr)) {
@@ -71,10 +72,6 @@ impl SizeIndex {
             self.spilled[class / 64] |= 1 << (class % 64);
             return self.insert_big(size, addr, id);
         }
-        let spilled = self
-            .spilled
-            .get(class / 64)
-            .is_some_and(|w| w & (1 << (class % 64)) != 0);
         if spilled && self.big.contains_key(&(size, addr)) {
             return false;
         }
