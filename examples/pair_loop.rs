@@ -12,7 +12,7 @@ fn main() {
         .unwrap_or(4096);
     let iters: u64 = 20_000_000;
     let sim = Arc::new(SimDriver::new(1, 80 << 30));
-    let a = DeviceAllocator::new(0, sim, Config::default()).unwrap();
+    let a = DeviceAllocator::new(0, sim, Config::from_env().unwrap()).unwrap();
     let start = Instant::now();
     for _ in 0..iters {
         let p = a.malloc(std::hint::black_box(size), StreamId(0)).unwrap();

@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh gpu_test sim_c  # only these steps (names as in the table)
 #
 # Steps: environment, build_gpu_test, gpu_test (paged segments, the default), gpu_test_plain
-# (CCALLOC_CONF=expandable_segments:False), sanitizer (memcheck), header_c (ccalloc.h with
+# (CCALLOC_CONF=expandable_segments:False), gpu_test_shards (per_stream_shards:True), sanitizer (memcheck), header_c (ccalloc.h with
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
 # (tests/c/test_api.c on the sim backend against the same library), torch_checks and
 # python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_torch_empty, bench_steady and vmm_cost
@@ -236,6 +236,11 @@ step_gpu_test_plain() {
     run_gpu_test gpu_test_plain "expandable_segments:False"
 }
 
+step_gpu_test_shards() {
+    needs build_gpu_test || return 2
+    run_gpu_test gpu_test_shards "per_stream_shards:True"
+}
+
 step_sanitizer() {
     needs build_gpu_test || return 2
     need_tool "$SANITIZER" || return 2
@@ -386,6 +391,7 @@ add_step environment "machine, GPU, tools, library"
 add_step build_gpu_test "nvcc tests/gpu/test_gpu.cu against gpu/libccalloc.so"
 add_step gpu_test "tests/gpu/test_gpu.cu on the CUDA driver (default: paged segments)"
 add_step gpu_test_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
+add_step gpu_test_shards "the same with an allocator per stream (CCALLOC_CONF=per_stream_shards:True)"
 add_step sanitizer "test_gpu --sanitizer under compute-sanitizer memcheck"
 add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
 add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"

@@ -30,6 +30,13 @@ pub struct Config {
     /// Paged segments cache more (up to twice the live bytes) while moving pages takes more
     /// than this share of the time; 0 = never (only `page_slack`).
     pub page_move_budget: f64,
+    /// A separate allocator (lock, cache, statistics) per stream, so that threads on
+    /// different streams never contend. The cost: paged segments no longer move free pages
+    /// from one stream to another (other streams' caches are emptied before an OOM instead),
+    /// and with several streams the peak statistics are each stream's peak summed, an upper
+    /// bound (see `DeviceAllocator::stats`). Off by default; may change only before the
+    /// device's first allocation.
+    pub per_stream_shards: bool,
 }
 
 impl Default for Config {
@@ -43,6 +50,7 @@ impl Default for Config {
             expandable_segments: true,
             page_slack: DEFAULT_PAGE_SLACK,
             page_move_budget: DEFAULT_PAGE_MOVE_BUDGET,
+            per_stream_shards: false,
         }
     }
 }
@@ -57,7 +65,7 @@ pub const DEFAULT_PAGE_SLACK: f64 = 1.0 / 32.0;
 pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.02;
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 8] = [
+pub const KEYS: [&str; 9] = [
     "expandable_segments",
     "page_slack",
     "page_move_budget",
@@ -66,10 +74,21 @@ pub const KEYS: [&str; 8] = [
     "roundup_power2_divisions",
     "garbage_collection_threshold",
     "per_process_memory_fraction",
+    "per_stream_shards",
 ];
 
 fn config_error(message: String) -> Error {
     Error::new(ErrorKind::Config, message)
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool> {
+    match value {
+        "True" | "true" | "1" => Ok(true),
+        "False" | "false" | "0" => Ok(false),
+        _ => Err(config_error(format!(
+            "{key} must be True or False (got {value:?})"
+        ))),
+    }
 }
 
 impl Config {
@@ -134,17 +153,8 @@ impl Config {
             "page_move_budget" => {
                 self.page_move_budget = parse_within(key, value, 1.0, "a share of the time; ")?;
             }
-            "expandable_segments" => {
-                self.expandable_segments = match value {
-                    "True" | "true" | "1" => true,
-                    "False" | "false" | "0" => false,
-                    _ => {
-                        return Err(config_error(format!(
-                            "expandable_segments must be True or False (got {value:?})"
-                        )))
-                    }
-                }
-            }
+            "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
+            "per_stream_shards" => self.per_stream_shards = parse_bool(key, value)?,
             _ => {
                 return Err(config_error(format!(
                     "unknown config key {key:?} (known keys: {})",

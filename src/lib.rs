@@ -2,7 +2,7 @@
 //!
 //! Layers, bottom up: `driver` (the CUDA driver or a simulated device), `alloc` (the caching
 //! allocator for one device, safe Rust), `runtime` (the process-wide set of devices),
-//! and `ffi` (the only place with `extern "C"`).
+//! and `ffi` (the only place with `extern "C"`); `sync` holds the device lock.
 
 pub mod alloc;
 pub mod config;
@@ -11,6 +11,7 @@ pub mod error;
 pub mod ffi;
 pub mod replay;
 pub mod runtime;
+pub mod sync;
 
 pub use alloc::stats::{DeviceStats, Stat, StatArray};
 pub use alloc::DeviceAllocator;

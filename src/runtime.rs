@@ -119,6 +119,14 @@ impl Runtime {
             .map_err(|e| self.blame_other_device(e, ptr, device))
     }
 
+    /// `free` for a block allocated on `stream`: its stream's shard is asked first.
+    pub fn free_on(&self, ptr: DevicePtr, device: i64, stream: StreamId) -> Result<()> {
+        let allocator = self.device(device)?;
+        allocator
+            .free_on(ptr, stream)
+            .map_err(|e| self.blame_other_device(e, ptr, device))
+    }
+
     pub fn record_stream(&self, ptr: DevicePtr, device: i64, stream: StreamId) -> Result<()> {
         let allocator = self.device(device)?;
         allocator

@@ -45,8 +45,24 @@ fn threads_with_a_gpu_behind_the_host_never_unmap_pages_in_use() {
     stress(Arc::new(SimDriver::new(1, 8 << 30).with_event_lag(2)));
 }
 
+/// Each thread's stream in a shard of its own, blocks handed across shards by record_stream
+/// and freed through the shard-less `free`, while the controller empties every shard.
+#[test]
+fn threads_on_their_own_shards_never_share_memory() {
+    stress_with(
+        Arc::new(SimDriver::new(1, 8 << 30).with_event_lag(2)),
+        "per_stream_shards:True",
+    );
+}
+
 fn stress(sim: Arc<SimDriver>) {
-    let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap());
+    stress_with(sim, "");
+}
+
+fn stress_with(sim: Arc<SimDriver>, conf: &str) {
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), config).unwrap());
     let stop = Arc::new(AtomicBool::new(false));
 
     let controller = {

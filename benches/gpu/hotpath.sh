@@ -14,7 +14,8 @@
 #   OUT                   $OUT/hotpath.jsonl, $OUT/hotpath.md, logs in $OUT/hotpath_logs/
 #                         (default OUT=/tmp)
 #   KINDS                 default "native native_async cudamallocasync ccalloc"; also
-#                         native_expandable, cudamalloc (slow)
+#                         native_expandable, cudamalloc (slow), and ccalloc@CONF: ccalloc
+#                         with CCALLOC_CONF=CONF (e.g. ccalloc@per_stream_shards:True)
 #   REPEATS               runs per kind, default 3
 #   TORCH_EXTENSIONS_DIR  where the harness is built (default /tmp/ccalloc_torch_extensions);
 #                         the first run compiles it (~1 min, needs ninja), later runs reuse it
@@ -60,6 +61,7 @@ for rep in $(seq 1 "$REPEATS"); do
         log="$LOG_DIR/$k.rep$rep.log"
         case "$k" in
             ccalloc) cmd=("$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
+            ccalloc@*) cmd=(env CCALLOC_CONF="${k#ccalloc@}" "$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
             *) cmd=("$PYTHON" "$BENCH/hotpath.py" "$k") ;;
         esac
         t0=$SECONDS

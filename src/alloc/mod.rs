@@ -9,6 +9,7 @@
 
 pub mod blocks;
 pub mod caches;
+mod device;
 mod paged;
 pub mod pools;
 mod release;
@@ -20,12 +21,14 @@ pub mod stats;
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
+use crate::sync::SpinThenBlock;
 use blocks::{BlockId, BlockState};
 use caches::PoolId;
+pub use device::DeviceAllocator;
 use sizing::PoolKind;
-use state::State;
+use state::{Elsewhere, State};
 use stats::DeviceStats;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, MutexGuard};
 
 /// One segment as seen from outside (tests, snapshots, the replay tool).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -39,11 +42,13 @@ pub struct SegmentView {
     pub blocks: Vec<(DevicePtr, u64, BlockState)>,
 }
 
-pub struct DeviceAllocator {
+/// One stream's allocator (see `device`): everything `DeviceAllocator` does, for the streams
+/// routed to it, under its own lock.
+pub(crate) struct Shard {
     device: usize,
     total_memory: u64,
     driver: Arc<dyn Driver>,
-    state: Mutex<State>,
+    state: SpinThenBlock<State>,
     /// `Driver::min_free_fence_interval` and `Driver::times_page_moves`, read once.
     free_fence_interval: std::time::Duration,
     times_page_moves: bool,
@@ -65,32 +70,25 @@ pub fn driver_error_of(e: DriverError) -> Error {
     }
 }
 
-impl DeviceAllocator {
-    pub fn new(device: usize, driver: Arc<dyn Driver>, config: Config) -> Result<Self> {
-        // Capped at 2^56 bytes (64 PiB) so that size arithmetic can never overflow.
-        let total_memory = driver
-            .total_memory(device)
-            .map_err(|e| driver_error(device, e))?
-            .min(1 << 56);
+impl Shard {
+    fn new(
+        device: usize,
+        total_memory: u64,
+        driver: Arc<dyn Driver>,
+        config: Config,
+        device_reserved: Arc<stats::DeviceReserved>,
+    ) -> Self {
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
         let times_page_moves = driver.times_page_moves();
-        Ok(Self {
+        Self {
             device,
             total_memory,
             driver,
-            state: Mutex::new(State::new(config, limit)),
+            state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
             free_fence_interval,
             times_page_moves,
-        })
-    }
-
-    pub fn device(&self) -> usize {
-        self.device
-    }
-
-    pub fn total_memory(&self) -> u64 {
-        self.total_memory
+        }
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
@@ -113,8 +111,15 @@ impl DeviceAllocator {
         Ok(state)
     }
 
-    /// Allocates at least `size` bytes for use on `stream`.
-    pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
+    /// Allocates at least `size` bytes for use on `stream`. With `oom_final` `None`, an OOM
+    /// is not counted: the caller will empty the other shards' caches and try again; else
+    /// it is, and its message adds what the other shards hold.
+    fn malloc(
+        &self,
+        size: u64,
+        stream: StreamId,
+        oom_final: Option<Elsewhere>,
+    ) -> Result<DevicePtr> {
         if size == 0 {
             return Err(Error::new(
                 ErrorKind::InvalidSize,
@@ -122,6 +127,7 @@ impl DeviceAllocator {
             ));
         }
         let mut st = self.lock()?;
+        st.oom_final = oom_final;
         if size > self.total_memory {
             // Larger than the device: fail at once, without flushing the cache for nothing.
             return Err(self.out_of_memory(&mut st, size, size));
@@ -220,7 +226,9 @@ impl DeviceAllocator {
                 }
             }
             self.release_all_cached(st)?;
-            st.stats.num_alloc_retries += 1;
+            if !st.oom_final.is_some_and(|e| e.second_try) {
+                st.stats.num_alloc_retries += 1;
+            }
             if let Some(id) = self.new_segment(st, owner, pool, stream, segment_size)? {
                 return Ok(id);
             }
@@ -230,15 +238,22 @@ impl DeviceAllocator {
 
     /// Counts an OOM and describes it: what was asked, reserved, live, cached, largest free.
     fn out_of_memory(&self, st: &mut State, size: u64, needed: u64) -> Error {
-        st.stats.num_ooms += 1;
+        if st.oom_final.is_some() {
+            st.stats.num_ooms += 1;
+        }
         // Parked blocks are cached free memory too: the message counts them merged.
         st.flush_parked();
         Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
     }
 
     fn oom_message(&self, st: &State, size: u64, segment_size: u64) -> String {
-        let allocated = st.stats.allocated_bytes.all().current as u64;
+        let elsewhere = st.oom_final.unwrap_or_default();
+        let allocated = st.stats.allocated_bytes.all().current as u64 + elsewhere.live;
         let (cached, largest) = st.cached_free();
+        let (cached, largest) = (
+            cached + elsewhere.cached,
+            largest.max(elsewhere.largest_free),
+        );
         let limit = if st.limit < self.total_memory {
             format!(
                 " Limit {} from per_process_memory_fraction.",
@@ -247,16 +262,25 @@ impl DeviceAllocator {
         } else {
             String::new()
         };
+        let held = if st.reserved_elsewhere() > 0 {
+            format!(
+                "{} reserved ({} of it for other streams, whose caches were emptied first):",
+                human_bytes(st.device_reserved()),
+                human_bytes(st.reserved_elsewhere())
+            )
+        } else {
+            format!("{} reserved:", human_bytes(st.reserved()))
+        };
         format!(
             "CUDA out of memory on device {}. Tried to allocate {} (needing {} more from the device). The device has {} in all.{} \
-             ccalloc holds {} reserved: {} live in allocations, {} cached free, largest free block {}. \
+             ccalloc holds {} {} live in allocations, {} cached free, largest free block {}. \
              If reserved is much larger than live, fragmentation is the cause: try CCALLOC_CONF=max_split_size_mb:<MB>.",
             self.device,
             human_bytes(size),
             human_bytes(segment_size),
             human_bytes(self.total_memory),
             limit,
-            human_bytes(st.reserved()),
+            held,
             human_bytes(allocated),
             human_bytes(cached),
             human_bytes(largest),
@@ -272,7 +296,7 @@ impl DeviceAllocator {
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>> {
-        if st.reserved().saturating_add(size) > st.limit {
+        if st.device_reserved().saturating_add(size) > st.limit {
             return Ok(None);
         }
         let addr = match self.driver.allocate(self.device, size) {
@@ -284,12 +308,12 @@ impl DeviceAllocator {
         Ok(Some(st.add_segment(addr, size, stream, pool, owner)))
     }
 
-    /// Frees a block handed out by `malloc`. Unknown pointers and double frees are refused
-    /// with nothing changed.
-    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+    /// Frees a block handed out by `malloc`; `false` (nothing changed) when `ptr` is not a
+    /// live block of this shard.
+    fn free(&self, ptr: DevicePtr) -> Result<bool> {
         let mut st = self.lock()?;
         let Some(&id) = st.live.get(&ptr) else {
-            return Err(st.diagnose_not_live(self.device, ptr));
+            return Ok(false);
         };
         let uses = st.take_back(id);
         if uses.is_empty() {
@@ -302,14 +326,22 @@ impl DeviceAllocator {
                 // Later growth may want these pages: a fence tells it when they are free.
                 self.record_fence(&mut st, stream);
             }
-            Ok(())
         } else if st.caches.capturing() {
             st.blocks.get_mut(id).stream_uses = uses;
             st.deferred.push(id);
-            Ok(())
         } else {
-            self.await_streams(&mut st, id, uses)
+            self.await_streams(&mut st, id, uses)?;
         }
+        Ok(true)
+    }
+
+    /// Why `ptr` is not live, when it lies in this shard's memory (a double free, or a pointer
+    /// into a block); `None` when this shard never held it.
+    fn explain_not_live(&self, ptr: DevicePtr) -> Result<Option<Error>> {
+        let st = self.lock()?;
+        Ok(st
+            .segment_of(ptr)
+            .map(|_| st.diagnose_not_live(self.device, ptr)))
     }
 
     /// Whether a fence due at a free on `stream` may be recorded now: at most one per
@@ -329,16 +361,40 @@ impl DeviceAllocator {
 
     /// Marks a live block as used on `stream` too: on free it is reused only after the work
     /// queued there has completed.
-    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+    /// `false` (nothing changed) when `ptr` is not a live block of this shard.
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<bool> {
         let mut st = self.lock()?;
         let Some(&id) = st.live.get(&ptr) else {
-            return Err(st.diagnose_not_live(self.device, ptr));
+            return Ok(false);
         };
         let block = st.blocks.get_mut(id);
         if block.stream != stream && !block.stream_uses.contains(&stream) {
             block.stream_uses.push(stream);
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// What this shard holds, for another shard's OOM message.
+    fn holdings(&self) -> Result<Elsewhere> {
+        let st = self.lock()?;
+        let (cached, largest_free) = st.cached_free();
+        Ok(Elsewhere {
+            live: st.stats.allocated_bytes.all().current as u64,
+            cached,
+            largest_free,
+            second_try: false,
+        })
+    }
+
+    /// Live blocks and their bytes.
+    fn live(&self) -> Result<(usize, u64)> {
+        let st = self.lock()?;
+        Ok((st.live.len(), st.stats.allocated_bytes.all().current as u64))
+    }
+
+    /// Whether `pool` is known here (a window was opened for it while this shard existed).
+    fn knows_pool(&self, pool: PoolId) -> Result<bool> {
+        Ok(self.lock()?.caches.private.contains_key(&pool))
     }
 
     /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).
@@ -369,38 +425,6 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// Applies `key:value,...` to this device's settings; keys not named (such as a memory
-    /// fraction set with `set_memory_fraction`) keep their values.
-    pub fn apply_config(&self, text: &str) -> Result<()> {
-        let mut st = self.lock()?;
-        let mut next = st.config.clone();
-        next.apply(text)?;
-        st.limit = limit_for(&next, self.total_memory);
-        st.config = next;
-        Ok(())
-    }
-
-    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(0.0..=1.0).contains(&fraction) {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("memory fraction {fraction} is outside [0, 1]"),
-            ));
-        }
-        let mut st = self.lock()?;
-        st.config.per_process_memory_fraction = Some(fraction);
-        st.limit = limit_for(&st.config, self.total_memory);
-        Ok(())
-    }
-
-    pub fn memory_fraction(&self) -> Result<f64> {
-        Ok(self
-            .lock()?
-            .config
-            .per_process_memory_fraction
-            .unwrap_or(1.0))
-    }
-
     pub fn stats(&self) -> Result<DeviceStats> {
         Ok(self.lock()?.stats)
     }
@@ -409,10 +433,6 @@ impl DeviceAllocator {
     /// plus what `page_move_budget` has added.
     pub fn page_slack(&self) -> Result<f64> {
         Ok(self.lock()?.page_slack())
-    }
-
-    pub fn max_split_size(&self) -> Result<u64> {
-        Ok(self.lock()?.config.max_split_size)
     }
 
     pub fn reset_peak_stats(&self) -> Result<()> {
@@ -452,8 +472,9 @@ impl DeviceAllocator {
             .collect())
     }
 
-    /// Releases everything; refused while blocks are still live.
-    pub fn shutdown(&self) -> Result<()> {
+    /// Releases everything; refused while blocks are still live (`DeviceAllocator::shutdown`
+    /// checks every shard first).
+    fn shutdown(&self) -> Result<()> {
         let mut st = self.lock()?;
         if st.caches.capturing() {
             return Err(Error::new(
@@ -482,7 +503,7 @@ impl DeviceAllocator {
 
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
-        if let Ok(mut st) = self.state.lock() {
+        if let Ok(mut st) = self.state.lock_blocking() {
             st.shut_down = false;
         }
     }

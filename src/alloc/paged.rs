@@ -19,7 +19,7 @@
 use super::blocks::{Block, BlockState};
 use super::sizing::PoolKind;
 use super::state::{Fence, Segment, State};
-use super::{driver_error, DeviceAllocator};
+use super::{driver_error, Shard};
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
 use std::collections::BTreeSet;
@@ -344,7 +344,7 @@ fn pages_of(spares: &[Spare]) -> usize {
     spares.iter().map(|s| s.pages).sum()
 }
 
-impl DeviceAllocator {
+impl Shard {
     /// The page size when requests of this kind use paged segments.
     pub(super) fn paging(&self, st: &State, private: bool) -> Option<u64> {
         if private || !st.config.expandable_segments {
@@ -665,9 +665,12 @@ impl DeviceAllocator {
         missing: &[usize],
         done: &mut usize,
     ) -> Result<()> {
-        let seg = st.paged.get_mut(&base).expect("segment exists");
-        let page = seg.page;
+        let (page, pool) = {
+            let seg = st.paged_segment_mut(base);
+            (seg.page, seg.pool)
+        };
         for &(first, spare) in placed {
+            let seg = st.paged.get_mut(&base).expect("segment exists");
             self.driver
                 .map(
                     self.device,
@@ -677,12 +680,11 @@ impl DeviceAllocator {
                 )
                 .map_err(|e| driver_error(self.device, e))?;
             seg.set_chunk(first, spare);
-            st.stats
-                .reserved_bytes
-                .increase(seg.pool, spare.pages as u64 * page);
+            st.add_reserved(pool, spare.pages as u64 * page);
             st.stats.paging.chunks_mapped += 1;
             *done += 1;
         }
+        let seg = st.paged.get_mut(&base).expect("segment exists");
         for run in Plan::new(missing).gaps {
             self.driver
                 .set_access(self.device, seg.va(run.start), run.len() as u64 * page)
@@ -721,17 +723,13 @@ impl DeviceAllocator {
     /// Keeps unmapped memory for later growth (it stays reserved).
     fn park(&self, st: &mut State, spare: Spare, page: u64) {
         st.idle_chunks.push(spare);
-        st.stats
-            .reserved_bytes
-            .increase(PoolKind::Large, spare.pages as u64 * page);
+        st.add_reserved(PoolKind::Large, spare.pages as u64 * page);
     }
 
     /// Takes every parked chunk (no longer counted until mapped).
     fn unpark_all(&self, st: &mut State, page: u64) -> Vec<Spare> {
         let spares = std::mem::take(&mut st.idle_chunks);
-        st.stats
-            .reserved_bytes
-            .decrease(PoolKind::Large, pages_of(&spares) as u64 * page);
+        st.sub_reserved(PoolKind::Large, pages_of(&spares) as u64 * page);
         spares
     }
 
@@ -744,7 +742,7 @@ impl DeviceAllocator {
             .map_err(|e| driver_error(self.device, e))?;
         let spare = seg.take_chunk(first);
         let (pool, page) = (seg.pool, seg.page);
-        st.stats.reserved_bytes.decrease(pool, pages * page);
+        st.sub_reserved(pool, pages * page);
         st.stats.paging.chunks_unmapped += 1;
         Ok(spare)
     }
@@ -763,7 +761,7 @@ impl DeviceAllocator {
         page: u64,
     ) -> Result<Option<PhysHandle>> {
         let bytes = pages as u64 * page;
-        if st.reserved() + in_hand + bytes > self.hard_limit(st) {
+        if st.device_reserved() + in_hand + bytes > self.hard_limit(st) {
             return Ok(None);
         }
         match self.driver.create_physical(self.device, bytes) {

@@ -5,10 +5,10 @@
 
 use super::caches::{PoolId, PrivatePool, Route, RouteFilter};
 use super::sizing::PoolKind;
-use super::DeviceAllocator;
+use super::Shard;
 use crate::error::{Error, ErrorKind, Result};
 
-impl DeviceAllocator {
+impl Shard {
     /// Opens a window routing allocations on streams accepted by `filter` to `pool`
     /// (created on first use; each begin holds it once more).
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> Result<()> {
@@ -23,6 +23,22 @@ impl DeviceAllocator {
                 segments: 0,
             });
         st.caches.routes.push(Route { pool, filter });
+        Ok(())
+    }
+
+    /// Holds `pool` `users` times, as the device does (for a shard made after the pool's
+    /// windows opened: `DeviceAllocator::make_shard`).
+    pub(super) fn set_pool_users(&self, pool: PoolId, users: u32) -> Result<()> {
+        let mut st = self.lock()?;
+        st.caches
+            .private
+            .entry(pool)
+            .or_insert_with(|| PrivatePool {
+                lists: Default::default(),
+                users,
+                segments: 0,
+            })
+            .users = users;
         Ok(())
     }
 

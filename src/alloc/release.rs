@@ -5,11 +5,11 @@ use super::blocks::BlockId;
 use super::caches::PoolId;
 use super::sizing::PoolKind;
 use super::state::{AwaitingEvents, State};
-use super::{driver_error, DeviceAllocator};
+use super::{driver_error, Shard};
 use crate::driver::StreamId;
 use crate::error::Result;
 
-impl DeviceAllocator {
+impl Shard {
     /// Returns a cached whole-segment block to the driver.
     pub(super) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
         let block = st.blocks.get(id);
@@ -202,7 +202,7 @@ impl DeviceAllocator {
     pub(super) fn collect_garbage(&self, st: &mut State) -> Result<()> {
         let threshold =
             (st.config.garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
-        let reserved = st.reserved();
+        let reserved = st.device_reserved();
         if reserved <= threshold {
             return Ok(());
         }

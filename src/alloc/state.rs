@@ -5,11 +5,12 @@ use super::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::caches::{Caches, PoolId};
 use super::paged::PagedSegment;
 use super::sizing::{self, PoolKind};
-use super::stats::DeviceStats;
+use super::stats::{DeviceReserved, DeviceStats};
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use crate::error::{Error, ErrorKind};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 
 /// A block freed while other streams may still use it; reusable once every event completes.
 pub struct AwaitingEvents {
@@ -79,6 +80,16 @@ pub struct Parked {
     pub paused: u32,
 }
 
+/// Memory held by a device's other shards, for OOM messages.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Elsewhere {
+    pub live: u64,
+    pub cached: u64,
+    pub largest_free: u64,
+    /// This is the device's second try: the first already counted its retry.
+    pub second_try: bool,
+}
+
 pub struct State {
     pub config: Config,
     /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
@@ -107,20 +118,27 @@ pub struct State {
     pub free_seq: u64,
     /// Freed paged blocks waiting for a request of their exact size (see `park`).
     pub parked: Parked,
-    /// The time page moves take (see `DeviceAllocator::account_growth`).
+    /// The time page moves take (see `Shard::account_growth`).
     pub moves: MoveClock,
     /// Fences not yet seen complete, oldest first (in order per stream).
     pub fences: VecDeque<Fence>,
-    /// Per stream, when a free last recorded a fence (`DeviceAllocator::free_fence_allowed`).
+    /// Per stream, when a free last recorded a fence (`Shard::free_fence_allowed`).
     pub last_free_fence: rustc_hash::FxHashMap<StreamId, std::time::Instant>,
     /// Per stream, the newest free whose work is known to be done on the device.
     pub done_seq: HashMap<StreamId, u64>,
+    /// Reserved bytes on the whole device, every shard's (`add_reserved`): the memory
+    /// limit is the device's.
+    device_reserved: Arc<DeviceReserved>,
+    /// What the device's other shards hold, when an OOM now is final (counted, and reported
+    /// with their figures); `None` when the device may still avoid it by emptying their
+    /// caches (`DeviceAllocator::malloc` retries then).
+    pub oom_final: Option<Elsewhere>,
     /// Every free up to this one is done on the device (it was synchronized after it).
     pub synced_seq: u64,
 }
 
 impl State {
-    pub fn new(config: Config, limit: u64) -> Self {
+    pub fn new(config: Config, limit: u64, device_reserved: Arc<DeviceReserved>) -> Self {
         Self {
             config,
             limit,
@@ -143,11 +161,34 @@ impl State {
             moves: MoveClock::default(),
             done_seq: HashMap::new(),
             synced_seq: 0,
+            device_reserved,
+            oom_final: Some(Elsewhere::default()),
         }
     }
 
     pub fn reserved(&self) -> u64 {
         self.stats.reserved_bytes.all().current as u64
+    }
+
+    /// Reserved on the whole device: this shard's and its other shards'.
+    pub fn device_reserved(&self) -> u64 {
+        self.device_reserved.all()
+    }
+
+    /// What the device's other shards reserve.
+    pub fn reserved_elsewhere(&self) -> u64 {
+        self.device_reserved().saturating_sub(self.reserved())
+    }
+
+    /// Counts `bytes` more reserved in `pool`, here and in the device's total.
+    pub fn add_reserved(&mut self, pool: PoolKind, bytes: u64) {
+        self.stats.reserved_bytes.increase(pool, bytes);
+        self.device_reserved.increase(pool, bytes);
+    }
+
+    pub fn sub_reserved(&mut self, pool: PoolKind, bytes: u64) {
+        self.stats.reserved_bytes.decrease(pool, bytes);
+        self.device_reserved.decrease(pool, bytes);
     }
 
     /// Fast path: the best cached fit, obeying the oversize rules. With it, whether every
@@ -322,9 +363,9 @@ impl State {
         if let Some(p) = owner.and_then(|o| self.caches.private.get_mut(&o)) {
             p.segments += 1;
         }
+        self.add_reserved(pool, size);
         let s = &mut self.stats;
         s.segment.increase(pool, 1);
-        s.reserved_bytes.increase(pool, size);
         s.num_device_alloc += 1;
         if oversize {
             s.oversize_segments.increase(1);
@@ -351,9 +392,9 @@ impl State {
                 self.caches.private.remove(&owner);
             }
         }
+        self.sub_reserved(block.pool, block.size);
         let s = &mut self.stats;
         s.segment.decrease(block.pool, 1);
-        s.reserved_bytes.decrease(block.pool, block.size);
         if segment.oversize {
             s.oversize_segments.decrease(1);
         }

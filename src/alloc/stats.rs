@@ -1,6 +1,7 @@
 //! Memory statistics with `torch.cuda.memory_stats()`'s names and meanings.
 
 use super::sizing::PoolKind;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -42,6 +43,15 @@ impl Stat {
     fn reset_peak(&mut self) {
         self.peak = self.current;
     }
+
+    /// Another shard's counter added in. Peaks add too: their sum bounds the device's peak
+    /// from above, and equals it while one shard is in use (see `DeviceAllocator::stats`).
+    fn add(&mut self, other: &Stat) {
+        self.current += other.current;
+        self.peak += other.peak;
+        self.allocated += other.allocated;
+        self.freed += other.freed;
+    }
 }
 
 /// A stat kept for all blocks and for each pool: index 0 = all, 1 = small pool, 2 = large pool.
@@ -72,6 +82,52 @@ impl StatArray {
 
     fn for_each(&mut self, f: impl Fn(&mut Stat)) {
         self.0.iter_mut().for_each(f);
+    }
+
+    fn add(&mut self, other: &StatArray) {
+        self.0.iter_mut().zip(&other.0).for_each(|(s, o)| s.add(o));
+    }
+}
+
+/// Reserved bytes of a whole device, every shard's, with their peaks (all, small, large as in
+/// `StatArray`). Shards change it only when they map or release memory (the slow path), so
+/// it can be shared: the memory limit holds for the device, and the reserved peaks stay
+/// exact with several shards.
+#[derive(Debug, Default)]
+pub struct DeviceReserved {
+    current: [AtomicU64; 3],
+    peak: [AtomicU64; 3],
+}
+
+impl DeviceReserved {
+    pub fn increase(&self, pool: PoolKind, bytes: u64) {
+        for i in [0, 1 + pool as usize] {
+            let now = self.current[i].fetch_add(bytes, Ordering::Relaxed) + bytes;
+            self.peak[i].fetch_max(now, Ordering::Relaxed);
+        }
+    }
+
+    pub fn decrease(&self, pool: PoolKind, bytes: u64) {
+        for i in [0, 1 + pool as usize] {
+            self.current[i].fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+
+    pub fn all(&self) -> u64 {
+        self.current[0].load(Ordering::Relaxed)
+    }
+
+    /// The device's peaks in place of the summed ones.
+    pub fn set_peaks(&self, stat: &mut StatArray) {
+        for (s, peak) in stat.0.iter_mut().zip(&self.peak) {
+            s.peak = peak.load(Ordering::Relaxed) as i64;
+        }
+    }
+
+    pub fn reset_peaks(&self) {
+        for (current, peak) in self.current.iter().zip(&self.peak) {
+            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
     }
 }
 
@@ -120,7 +176,40 @@ pub struct PagingCounters {
     pub moving_ns: u64,
 }
 
+impl PagingCounters {
+    fn add(&mut self, o: &PagingCounters) {
+        self.growths += o.growths;
+        self.moving_growths += o.moving_growths;
+        self.chunks_mapped += o.chunks_mapped;
+        self.chunks_unmapped += o.chunks_unmapped;
+        self.host_waits += o.host_waits;
+        self.growth_ns += o.growth_ns;
+        self.moving_ns += o.moving_ns;
+    }
+}
+
 impl DeviceStats {
+    /// Another shard's statistics added in (`DeviceAllocator::stats`).
+    pub fn add(&mut self, o: &DeviceStats) {
+        self.allocation.add(&o.allocation);
+        self.segment.add(&o.segment);
+        self.active.add(&o.active);
+        self.inactive_split.add(&o.inactive_split);
+        self.allocated_bytes.add(&o.allocated_bytes);
+        self.reserved_bytes.add(&o.reserved_bytes);
+        self.active_bytes.add(&o.active_bytes);
+        self.inactive_split_bytes.add(&o.inactive_split_bytes);
+        self.requested_bytes.add(&o.requested_bytes);
+        self.num_alloc_retries += o.num_alloc_retries;
+        self.num_ooms += o.num_ooms;
+        self.num_sync_all_streams += o.num_sync_all_streams;
+        self.num_device_alloc += o.num_device_alloc;
+        self.num_device_free += o.num_device_free;
+        self.oversize_allocations.add(&o.oversize_allocations);
+        self.oversize_segments.add(&o.oversize_segments);
+        self.paging.add(&o.paging);
+    }
+
     pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
         [
             ("allocation", &self.allocation),

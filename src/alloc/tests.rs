@@ -70,7 +70,7 @@ fn parked_blocks_serve_their_exact_size_and_stream_and_are_bounded() {
         a.free(b).unwrap();
     }
     {
-        let st = a.state.lock().unwrap();
+        let st = a.state_of(S0);
         assert!(st.parked.count <= 64 && st.parked.small_bytes <= 4 << 20);
     }
     for b in [keep, other_stream, other_size] {
@@ -736,7 +736,7 @@ fn fences_keep_coming_through_a_long_run_without_page_moves() {
         let p = a.malloc(4 * MIB, S0).unwrap();
         a.free(p).unwrap();
     }
-    let st = a.state.lock().unwrap();
+    let st = a.state_of(S0);
     let newest = st.fences.iter().map(|f| f.seq).max().unwrap_or(0);
     assert!(
         st.free_seq - newest <= 16,
@@ -879,7 +879,7 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
     for b in blocks {
         a.free(b).unwrap();
     }
-    let st = a.state.lock().unwrap();
+    let st = a.state_of(S0);
     assert!(st.parked.paused > 0, "parking paused");
     assert!(st.parked.count < 64, "{} parked", st.parked.count);
 }
@@ -963,11 +963,7 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     let keep = a.malloc(4 * MIB, S0).unwrap();
     let big = a.malloc(64 * MIB, S0).unwrap();
     a.free(big).unwrap();
-    assert_eq!(
-        a.state.lock().unwrap().parked.count,
-        1,
-        "the large block parked"
-    );
+    assert_eq!(a.state_of(S0).parked.count, 1, "the large block parked");
     // The same size on the same stream: the parked block, with no driver call.
     let maps = sim.counters(0).maps;
     let again = a.malloc(64 * MIB, S0).unwrap();
@@ -981,7 +977,7 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     assert!(smaller >= big && smaller + 60 * MIB <= big + 64 * MIB);
     assert_eq!(stats(&a).reserved_bytes.all().current, reserved);
     assert_eq!(stats(&a).paging.growths, paging.growths);
-    assert_eq!(a.state.lock().unwrap().parked.count, 0);
+    assert_eq!(a.state_of(S0).parked.count, 0);
     a.free(smaller).unwrap();
     a.free(keep).unwrap();
 }
@@ -1049,12 +1045,13 @@ fn empty_cache_forgets_the_free_lists_of_streams_with_nothing_cached() {
         a.free(p).unwrap();
     }
     let indexed = |a: &DeviceAllocator| {
-        let st = a.state.lock().unwrap();
-        st.caches
-            .general
-            .iter()
-            .map(|l| l.indexed_streams())
-            .sum::<usize>()
+        a.sum_over_states(|st| {
+            st.caches
+                .general
+                .iter()
+                .map(|l| l.indexed_streams())
+                .sum::<usize>()
+        })
     };
     assert_eq!(indexed(&a), 50, "one small-pool index per stream");
     let keep = a.malloc(4096, StreamId(7)).unwrap();

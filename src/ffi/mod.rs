@@ -335,9 +335,16 @@ pub extern "C" fn ccalloc_torch_free(
     device: c_int,
     stream: cudaStream_t,
 ) {
-    // The block's own size and stream are known; PyTorch's copies are not needed.
-    let _ = (size, stream);
-    log_torch_failure("ccalloc_torch_free", ccalloc_free(ptr, device));
+    // The block's own size is known. The stream is the one it was allocated on: its shard
+    // is asked first (any other still finds it).
+    let _ = size;
+    let status = guard(|| {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        runtime::global()?.free_on(ptr as DevicePtr, device as i64, stream_of(stream))
+    });
+    log_torch_failure("ccalloc_torch_free", status);
 }
 
 /// The hook-style functions have no status to return: log what failed (the message stays

@@ -1,0 +1,556 @@
+//! The allocator of one device: a shard per stream.
+//!
+//! Blocks are never shared between streams anyway (free lists are per stream, as in
+//! PyTorch), so each stream gets a `Shard`, a whole caching allocator with its own lock and
+//! its own data. Threads that work on different streams then share neither: on a many-core
+//! host, most of a shared allocator's time under contention goes to cache misses on data
+//! another core wrote last, not to the lock itself.
+//!
+//! What stays device-wide:
+//! - the memory limit: each shard counts the others' reserved bytes (`Shard::lock`);
+//! - the OOM retry: before an allocation fails, the other shards' caches are emptied;
+//! - settings and private-pool windows: applied to every shard, and to shards made later;
+//! - statistics: the sum over shards (peaks too: see `stats`).
+//!
+//! Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
+//! lookup reads the filled ones. A process with more streams than slots shares the last
+//! slots' shards among the extra streams (a shard serves any number of streams).
+
+use super::caches::{PoolId, RouteFilter};
+use super::state::Elsewhere;
+use super::stats::DeviceReserved;
+use super::{SegmentView, Shard};
+use crate::config::Config;
+use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::error::{Error, ErrorKind, Result};
+use crate::DeviceStats;
+use once_cell::sync::OnceCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Streams with a shard of their own; more share.
+const MAX_SHARDS: usize = 32;
+
+struct Slot {
+    stream: StreamId,
+    shard: Shard,
+}
+
+/// What a shard made later must start with. Held while a shard is made and while either
+/// changes, so that no shard misses a change.
+struct Setup {
+    config: Config,
+    /// Open `begin_allocate_to_pool` windows (shared by every shard's route).
+    windows: Vec<(PoolId, Arc<Mutex<RouteFilter>>)>,
+    /// Private pools and their holders (begins not yet released).
+    pools: HashMap<PoolId, u32>,
+}
+
+pub struct DeviceAllocator {
+    device: usize,
+    total_memory: u64,
+    driver: Arc<dyn Driver>,
+    device_reserved: Arc<DeviceReserved>,
+    slots: [OnceCell<Slot>; MAX_SHARDS],
+    setup: Mutex<Setup>,
+    shut_down: AtomicBool,
+    /// `Config::per_stream_shards`; may change only while no shard exists.
+    sharded: AtomicBool,
+}
+
+impl DeviceAllocator {
+    pub fn new(device: usize, driver: Arc<dyn Driver>, config: Config) -> Result<Self> {
+        // Capped at 2^56 bytes (64 PiB) so that size arithmetic can never overflow.
+        let total_memory = driver
+            .total_memory(device)
+            .map_err(|e| super::driver_error(device, e))?
+            .min(1 << 56);
+        let sharded = AtomicBool::new(config.per_stream_shards);
+        Ok(Self {
+            sharded,
+            device,
+            total_memory,
+            driver,
+            device_reserved: Arc::default(),
+            slots: std::array::from_fn(|_| OnceCell::new()),
+            setup: Mutex::new(Setup {
+                config,
+                windows: Vec::new(),
+                pools: HashMap::new(),
+            }),
+            shut_down: AtomicBool::new(false),
+        })
+    }
+
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    pub fn total_memory(&self) -> u64 {
+        self.total_memory
+    }
+
+    fn shards(&self) -> impl Iterator<Item = &Shard> {
+        self.slots
+            .iter()
+            .map_while(OnceCell::get)
+            .map(|slot| &slot.shard)
+    }
+
+    fn setup(&self) -> Result<MutexGuard<'_, Setup>> {
+        self.setup.lock().map_err(|_| {
+            Error::new(
+                ErrorKind::Internal,
+                format!(
+                    "device {}: allocator settings poisoned by an earlier panic",
+                    self.device
+                ),
+            )
+        })
+    }
+
+    fn shut_down_error(&self) -> Error {
+        Error::new(
+            ErrorKind::ShutDown,
+            format!("device {}: the allocator has been shut down", self.device),
+        )
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.shut_down.load(Ordering::Acquire) {
+            return Err(self.shut_down_error());
+        }
+        Ok(())
+    }
+
+    /// The shard of `stream` and its slot, made on its first use.
+    fn shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
+        if !self.sharded.load(Ordering::Relaxed) {
+            return match self.slots[0].get() {
+                Some(slot) => Ok((0, &slot.shard)),
+                None => self.make_shard(stream),
+            };
+        }
+        for (i, slot) in self.slots.iter().enumerate() {
+            match slot.get() {
+                Some(s) if s.stream == stream => return Ok((i, &s.shard)),
+                Some(_) => continue,
+                None => return self.make_shard(stream),
+            }
+        }
+        Ok(self.shared_shard(stream))
+    }
+
+    /// Streams past `MAX_SHARDS` share the filled slots' shards, spread by stream.
+    fn shared_shard(&self, stream: StreamId) -> (usize, &Shard) {
+        let i = (stream.0 as usize).wrapping_mul(0x9E37_79B9) % MAX_SHARDS;
+        (i, &self.slots[i].get().expect("every slot is filled").shard)
+    }
+
+    fn make_shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
+        let setup = self.setup()?;
+        self.check_open()?;
+        // Slots fill only under this lock: look again now that it is held.
+        let sharded = self.sharded.load(Ordering::Relaxed);
+        for (i, slot) in self.slots.iter().enumerate() {
+            match slot.get() {
+                Some(s) if s.stream == stream || !sharded => return Ok((i, &s.shard)),
+                Some(_) => continue,
+                None => {
+                    let shard = Shard::new(
+                        self.device,
+                        self.total_memory,
+                        self.driver.clone(),
+                        setup.config.clone(),
+                        self.device_reserved.clone(),
+                    );
+                    // The device's holds, not one per window (a pool may be released while
+                    // its window is open).
+                    for (pool, filter) in &setup.windows {
+                        shard.begin_allocate_to_pool(*pool, route_to(filter))?;
+                        shard.set_pool_users(*pool, 0)?;
+                    }
+                    for (&pool, &users) in &setup.pools {
+                        shard.set_pool_users(pool, users)?;
+                    }
+                    let _ = slot.set(Slot { stream, shard });
+                    return Ok((i, &slot.get().expect("just set").shard));
+                }
+            }
+        }
+        Ok(self.shared_shard(stream))
+    }
+
+    fn several_shards(&self) -> bool {
+        self.slots[1].get().is_some()
+    }
+
+    /// Allocates at least `size` bytes for use on `stream`.
+    pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
+        let (slot, shard) = self.shard(stream)?;
+        if !self.several_shards() || size > self.total_memory {
+            // One shard, or a size no emptying could make room for: nothing to retry.
+            return shard.malloc(size, stream, Some(Elsewhere::default()));
+        }
+        match shard.malloc(size, stream, None) {
+            Err(e) if e.kind == ErrorKind::OutOfMemory && size > self.limit()? => {
+                // Past the memory limit: emptying caches could not help. Counted now.
+                shard.malloc(size, stream, Some(Elsewhere::default()))
+            }
+            Err(e) if e.kind == ErrorKind::OutOfMemory => {
+                // Other streams' caches may hold the memory: they go back first (PyTorch
+                // frees every stream's cache before it fails).
+                let mut elsewhere = Elsewhere {
+                    second_try: true,
+                    ..Elsewhere::default()
+                };
+                for other in self.shards().filter(|s| !std::ptr::eq(*s, shard)) {
+                    if let Err(e) = other.empty_cache() {
+                        tracing::debug!(device = self.device, "cache not emptied: {e}");
+                    }
+                    let held = other.holdings()?;
+                    elsewhere.live += held.live;
+                    elsewhere.cached += held.cached;
+                    elsewhere.largest_free = elsewhere.largest_free.max(held.largest_free);
+                }
+                shard.malloc(size, stream, Some(elsewhere))
+            }
+            other => other,
+        }
+        .inspect(|_| LAST_SLOT.set((self as *const Self as usize, slot)))
+    }
+
+    /// Frees a block handed out by `malloc`. Unknown pointers and double frees are refused
+    /// with nothing changed. The shard this thread last allocated from is asked first: a
+    /// thread mostly frees what it allocated, and asking a shard takes its lock.
+    pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        let (device, slot) = LAST_SLOT.get();
+        let first = (device == self as *const Self as usize)
+            .then(|| self.slots[slot].get())
+            .flatten();
+        self.free_trying(ptr, first.map(|s| &s.shard))
+    }
+
+    /// `free` for a block allocated on `stream` (as PyTorch's free says): its shard is
+    /// asked first.
+    pub fn free_on(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        let first = self
+            .slots
+            .iter()
+            .map_while(OnceCell::get)
+            .find(|s| s.stream == stream);
+        self.free_trying(ptr, first.map(|s| &s.shard))
+    }
+
+    fn free_trying(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
+        if let Some(shard) = first {
+            if shard.free(ptr)? {
+                return Ok(());
+            }
+        }
+        for shard in self.shards() {
+            if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr)? {
+                return Ok(());
+            }
+        }
+        Err(self.not_live(ptr))
+    }
+
+    /// Why `ptr` is not a live block of this device.
+    fn not_live(&self, ptr: DevicePtr) -> Error {
+        for shard in self.shards() {
+            match shard.explain_not_live(ptr) {
+                Ok(Some(e)) | Err(e) => return e,
+                Ok(None) => {}
+            }
+        }
+        if self.shut_down.load(Ordering::Acquire) {
+            return self.shut_down_error();
+        }
+        Error::new(
+            ErrorKind::UnknownPointer,
+            format!(
+                "{ptr:#x} was not allocated by ccalloc on device {}",
+                self.device
+            ),
+        )
+    }
+
+    /// Marks a live block as used on `stream` too: on free it is reused only after the work
+    /// queued there has completed.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        for shard in self.shards() {
+            if shard.record_stream(ptr, stream)? {
+                return Ok(());
+            }
+        }
+        Err(self.not_live(ptr))
+    }
+
+    /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).
+    pub fn holds(&self, ptr: DevicePtr) -> bool {
+        self.shards().any(|s| s.holds(ptr))
+    }
+
+    /// Returns every unused segment to the driver (deferred during a capture: see
+    /// `Shard::empty_cache`). Every shard is emptied; the first error is returned.
+    pub fn empty_cache(&self) -> Result<()> {
+        self.check_open()?;
+        self.each_shard(Shard::empty_cache)
+    }
+
+    /// Runs `f` on every shard, past failures; returns the first.
+    fn each_shard(&self, f: impl Fn(&Shard) -> Result<()>) -> Result<()> {
+        let mut first = Ok(());
+        for shard in self.shards() {
+            let result = f(shard);
+            if first.is_ok() {
+                first = result;
+            }
+        }
+        first
+    }
+
+    /// Settings for every shard, and for those made later.
+    fn configure(&self, change: impl FnOnce(&mut Config) -> Result<()>) -> Result<()> {
+        let mut setup = self.setup()?;
+        self.check_open()?;
+        let mut next = setup.config.clone();
+        change(&mut next)?;
+        if next.per_stream_shards != setup.config.per_stream_shards {
+            if self.slots[0].get().is_some() {
+                return Err(Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "per_stream_shards can change only before device {} first allocates",
+                        self.device
+                    ),
+                ));
+            }
+            self.sharded
+                .store(next.per_stream_shards, Ordering::Relaxed);
+        }
+        setup.config = next.clone();
+        self.each_shard(|s| s.set_config(next.clone()))
+    }
+
+    pub fn set_config(&self, config: Config) -> Result<()> {
+        self.configure(|c| {
+            *c = config;
+            Ok(())
+        })
+    }
+
+    /// Applies `key:value,...` to this device's settings; keys not named (such as a memory
+    /// fraction set with `set_memory_fraction`) keep their values.
+    pub fn apply_config(&self, text: &str) -> Result<()> {
+        self.configure(|c| c.apply(text))
+    }
+
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("memory fraction {fraction} is outside [0, 1]"),
+            ));
+        }
+        self.configure(|c| {
+            c.per_process_memory_fraction = Some(fraction);
+            Ok(())
+        })
+    }
+
+    fn config(&self) -> Result<Config> {
+        let setup = self.setup()?;
+        self.check_open()?;
+        Ok(setup.config.clone())
+    }
+
+    /// The most this device may reserve (`per_process_memory_fraction`).
+    fn limit(&self) -> Result<u64> {
+        Ok(super::limit_for(&self.config()?, self.total_memory))
+    }
+
+    pub fn memory_fraction(&self) -> Result<f64> {
+        Ok(self.config()?.per_process_memory_fraction.unwrap_or(1.0))
+    }
+
+    pub fn max_split_size(&self) -> Result<u64> {
+        Ok(self.config()?.max_split_size)
+    }
+
+    /// The device's statistics: every shard's summed. Currents and totals are exact, and
+    /// so are the reserved-bytes peaks (kept device-wide: they change on the slow path
+    /// only). The other peaks are exact while one shard is in use; with several (one per
+    /// stream under `per_stream_shards`), each is the sum of the shards' peaks, which bounds
+    /// the device's from above: an exact one would need a counter that every stream writes
+    /// on every allocation, which is what shards avoid.
+    pub fn stats(&self) -> Result<DeviceStats> {
+        self.check_open()?;
+        let mut sum = DeviceStats::default();
+        for shard in self.shards() {
+            sum.add(&shard.stats()?);
+        }
+        self.device_reserved.set_peaks(&mut sum.reserved_bytes);
+        Ok(sum)
+    }
+
+    /// The share of peak live bytes that paged segments may now keep beyond it: `page_slack`
+    /// plus what `page_move_budget` has added (the largest over streams).
+    pub fn page_slack(&self) -> Result<f64> {
+        let mut slack = self.config()?.page_slack;
+        for shard in self.shards() {
+            slack = slack.max(shard.page_slack()?);
+        }
+        Ok(slack)
+    }
+
+    pub fn reset_peak_stats(&self) -> Result<()> {
+        self.check_open()?;
+        self.device_reserved.reset_peaks();
+        self.each_shard(Shard::reset_peak_stats)
+    }
+
+    pub fn reset_accumulated_stats(&self) -> Result<()> {
+        self.check_open()?;
+        self.each_shard(Shard::reset_accumulated_stats)
+    }
+
+    /// Every segment with its blocks, in address order (parked blocks as they are).
+    pub fn segments(&self) -> Result<Vec<SegmentView>> {
+        self.check_open()?;
+        let mut all = Vec::new();
+        for shard in self.shards() {
+            all.extend(shard.segments()?);
+        }
+        all.sort_by_key(|s| s.addr);
+        Ok(all)
+    }
+
+    /// Opens a window routing allocations on streams accepted by `filter` to `pool`, in
+    /// every shard (a capture may span streams).
+    pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> Result<()> {
+        let mut setup = self.setup()?;
+        self.check_open()?;
+        let filter = Arc::new(Mutex::new(filter));
+        setup.windows.push((pool, filter.clone()));
+        *setup.pools.entry(pool).or_insert(0) += 1;
+        let opened = self.each_shard(|s| s.begin_allocate_to_pool(pool, route_to(&filter)));
+        drop(setup);
+        opened
+    }
+
+    /// Closes the window opened for `pool`.
+    pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<()> {
+        let mut setup = self.setup()?;
+        let Some(i) = setup.windows.iter().position(|(p, _)| *p == pool) else {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("end_allocate_to_pool: no open window for pool {pool:?}"),
+            ));
+        };
+        let window = setup.windows.remove(i);
+        let closed = self.each_shard(|s| s.end_allocate_to_pool(pool));
+        drop(setup);
+        // Dropped last, with no lock held: dropping the filter runs the caller's release
+        // callback, which may call back into ccalloc.
+        drop(window);
+        closed
+    }
+
+    /// Drops one hold on `pool`, in every shard.
+    pub fn release_pool(&self, pool: PoolId) -> Result<()> {
+        let mut setup = self.setup()?;
+        let Some(users) = setup.pools.get_mut(&pool) else {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!("release_pool: unknown pool {pool:?}"),
+            ));
+        };
+        *users = users.saturating_sub(1);
+        if *users == 0 {
+            setup.pools.remove(&pool);
+        }
+        let mut result = Ok(());
+        for shard in self.shards() {
+            if shard.knows_pool(pool)? {
+                result = result.and(shard.release_pool(pool));
+            }
+        }
+        result
+    }
+
+    /// Releases everything; refused while blocks are still live or a capture is open.
+    pub fn shutdown(&self) -> Result<()> {
+        let setup = self.setup()?;
+        self.check_open()?;
+        if !setup.windows.is_empty() {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "device {}: a CUDA graph capture is in progress",
+                    self.device
+                ),
+            ));
+        }
+        let (mut count, mut bytes) = (0, 0);
+        for shard in self.shards() {
+            let (c, b) = shard.live()?;
+            (count, bytes) = (count + c, bytes + b);
+        }
+        if count > 0 {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!(
+                    "device {}: {count} allocations ({}) are still live; free them before shutdown",
+                    self.device,
+                    crate::error::human_bytes(bytes)
+                ),
+            ));
+        }
+        let shards: Vec<&Shard> = self.shards().collect();
+        for (i, shard) in shards.iter().enumerate() {
+            if let Err(e) = shard.shutdown() {
+                // Allocated meanwhile: the device stays open.
+                shards[..i].iter().for_each(|s| s.reopen());
+                return Err(e);
+            }
+        }
+        self.shut_down.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Undoes `shutdown` (when shutting down several devices fails part-way).
+    pub fn reopen(&self) {
+        let _setup = self.setup.lock();
+        self.shards().for_each(Shard::reopen);
+        self.shut_down.store(false, Ordering::Release);
+    }
+}
+
+thread_local! {
+    /// (device allocator's address, slot) of this thread's last allocation: where its
+    /// `free` looks first. A stale entry (a dropped allocator's address reused) only costs
+    /// a look in the wrong shard.
+    static LAST_SLOT: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// A shard's view of a window's filter.
+fn route_to(filter: &Arc<Mutex<RouteFilter>>) -> RouteFilter {
+    let filter = filter.clone();
+    Box::new(move |stream| filter.lock().is_ok_and(|f| f(stream)))
+}
+
+#[cfg(test)]
+impl DeviceAllocator {
+    /// The locked state of `stream`'s shard.
+    pub(crate) fn state_of(&self, stream: StreamId) -> MutexGuard<'_, super::state::State> {
+        self.shard(stream).unwrap().1.state.lock().unwrap()
+    }
+
+    /// `f` summed over every shard's state.
+    pub(crate) fn sum_over_states(&self, f: impl Fn(&super::state::State) -> usize) -> usize {
+        self.shards().map(|s| f(&s.state.lock().unwrap())).sum()
+    }
+}

@@ -1,0 +1,264 @@
+//! `per_stream_shards`: one allocator per stream under one device. What stays device-wide
+//! (the memory limit, the OOM retry, statistics, settings, private-pool windows, shutdown)
+//! and what each shard keeps to itself.
+
+use ccalloc::driver::sim::SimDriver;
+use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const S1: StreamId = StreamId(1);
+const S2: StreamId = StreamId(2);
+
+fn sharded(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let mut config = Config::default();
+    config
+        .apply(&format!("per_stream_shards:True,{conf}"))
+        .unwrap();
+    (sim.clone(), DeviceAllocator::new(0, sim, config).unwrap())
+}
+
+#[test]
+fn statistics_sum_over_streams_and_blocks_free_from_anywhere() {
+    let (sim, a) = sharded(1 << 30, "");
+    let p = a.malloc(3 * MIB, S1).unwrap();
+    let q = a.malloc(5 * MIB, S2).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 2);
+    assert_eq!(s.allocated_bytes.all().current as u64, 8 * MIB);
+    assert_eq!(
+        s.reserved_bytes.all().current as u64,
+        sim.counters(0).bytes_in_use
+    );
+    let streams: Vec<_> = a.segments().unwrap().iter().map(|s| s.stream).collect();
+    assert!(
+        streams.contains(&S1) && streams.contains(&S2),
+        "{streams:?}"
+    );
+    // A wrong stream hint, and none: both find the block's shard.
+    a.free_on(p, S2).unwrap();
+    a.free(q).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(s.allocation.all().allocated, 2);
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn bad_pointers_are_diagnosed_by_the_shard_that_held_them() {
+    let (_sim, a) = sharded(1 << 30, "");
+    let keep = a.malloc(4096, S1).unwrap();
+    let p = a.malloc(4096, S2).unwrap();
+    a.free(p).unwrap();
+    assert_eq!(a.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+    assert_eq!(a.free_on(p, S2).unwrap_err().kind, ErrorKind::DoubleFree);
+    assert_eq!(
+        a.free(keep + 512).unwrap_err().kind,
+        ErrorKind::UnknownPointer
+    );
+    assert_eq!(
+        a.free(0xdead_0000).unwrap_err().kind,
+        ErrorKind::UnknownPointer
+    );
+    assert_eq!(
+        a.record_stream(p, S1).unwrap_err().kind,
+        ErrorKind::DoubleFree
+    );
+    // Nothing else changed.
+    assert_eq!(a.stats().unwrap().allocation.all().current, 1);
+    a.free(keep).unwrap();
+}
+
+#[test]
+fn the_memory_limit_counts_every_stream() {
+    let (sim, a) = sharded(100 * MIB, "per_process_memory_fraction:0.5");
+    let p = a.malloc(30 * MIB, S1).unwrap();
+    let err = a.malloc(30 * MIB, S2).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfMemory);
+    assert!(err.message.contains("for other streams"), "{}", err.message);
+    assert!(err.message.contains("30.00 MiB live"), "{}", err.message);
+    let s = a.stats().unwrap();
+    assert_eq!(s.num_ooms, 1);
+    assert!(sim.counters(0).bytes_in_use <= 50 * MIB);
+    a.free(p).unwrap();
+    // S1's cache goes back when S2 needs the room.
+    let q = a.malloc(30 * MIB, S2).unwrap();
+    assert_eq!(a.stats().unwrap().num_ooms, 1);
+    a.free(q).unwrap();
+}
+
+#[test]
+fn an_oom_empties_the_other_streams_caches_before_it_fails() {
+    let (sim, a) = sharded(64 * MIB, "");
+    let p = a.malloc(40 * MIB, S1).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(50 * MIB, S2).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.num_ooms, s.num_alloc_retries), (0, 1));
+    assert_eq!(
+        s.reserved_bytes.all().current as u64,
+        sim.counters(0).bytes_in_use
+    );
+    // Past the device: fails at once, nothing emptied or counted as a retry.
+    let r = a.malloc(10 * MIB, S1).unwrap();
+    a.free(r).unwrap();
+    let before = a.stats().unwrap();
+    assert_eq!(
+        a.malloc(1 << 40, S1).unwrap_err().kind,
+        ErrorKind::OutOfMemory
+    );
+    let after = a.stats().unwrap();
+    assert_eq!(after.num_ooms, before.num_ooms + 1);
+    assert_eq!(after.reserved_bytes, before.reserved_bytes);
+    a.free(q).unwrap();
+}
+
+#[test]
+fn one_stream_alone_keeps_exact_peaks_and_several_sum_theirs() {
+    let (_sim, a) = sharded(1 << 30, "");
+    let p = a.malloc(8 * MIB, S1).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4 * MIB, S1).unwrap();
+    let peak = |a: &DeviceAllocator| a.stats().unwrap().allocated_bytes.all().peak as u64;
+    assert_eq!(peak(&a), 8 * MIB, "exact with one stream");
+    a.free(q).unwrap();
+    // Never live at once, yet each stream's own peak adds: an upper bound, as documented.
+    let r = a.malloc(2 * MIB, S2).unwrap();
+    assert_eq!(peak(&a), 10 * MIB);
+    a.free(r).unwrap();
+    a.reset_peak_stats().unwrap();
+    assert_eq!(peak(&a), 0);
+}
+
+#[test]
+fn reserved_peaks_stay_exact_across_streams() {
+    let (_sim, a) = sharded(1 << 30, "expandable_segments:False");
+    let reserved = |a: &DeviceAllocator| a.stats().unwrap().reserved_bytes;
+    let p = a.malloc(30 * MIB, S1).unwrap();
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    let q = a.malloc(30 * MIB, S2).unwrap();
+    let r = reserved(&a);
+    assert_eq!(r.all().current as u64, 30 * MIB);
+    assert_eq!(r.all().peak as u64, 30 * MIB, "never both at once");
+    assert_eq!(r.0[2].peak as u64, 30 * MIB, "large pool");
+    let s = a.malloc(4096, S1).unwrap();
+    assert_eq!(
+        reserved(&a).all().peak as u64,
+        32 * MIB,
+        "with S1's small segment"
+    );
+    a.free(q).unwrap();
+    a.free(s).unwrap();
+    a.empty_cache().unwrap();
+    a.reset_peak_stats().unwrap();
+    assert_eq!(reserved(&a).all().peak, 0);
+}
+
+#[test]
+fn streams_past_the_slots_share_shards_and_still_work() {
+    let (sim, a) = sharded(1 << 30, "");
+    let blocks: Vec<_> = (0..80u64)
+        .map(|s| (a.malloc(4096 + s, StreamId(1000 + s)).unwrap(), s))
+        .collect();
+    for &(p, s) in &blocks {
+        a.record_stream(p, StreamId(s)).unwrap();
+    }
+    for (p, _) in blocks {
+        a.free(p).unwrap();
+    }
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(s.allocation.all().allocated, 80);
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn settings_reach_every_shard_and_sharding_is_fixed_once_in_use() {
+    let (_sim, a) = sharded(1 << 30, "");
+    let p = a.malloc(4096, S1).unwrap();
+    a.apply_config("max_split_size_mb:64").unwrap();
+    let q = a.malloc(4096, S2).unwrap();
+    assert_eq!(a.max_split_size().unwrap(), 64 * MIB);
+    a.set_memory_fraction(0.25).unwrap();
+    assert_eq!(a.memory_fraction().unwrap(), 0.25);
+    let err = a.apply_config("per_stream_shards:False").unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Config);
+    assert_eq!(a.max_split_size().unwrap(), 64 * MIB, "nothing changed");
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+
+    // Before the first allocation it may change.
+    let (_sim, b) = sharded(1 << 30, "");
+    b.apply_config("per_stream_shards:False").unwrap();
+    let p = b.malloc(4096, S1).unwrap();
+    let q = b.malloc(4096, S2).unwrap();
+    let segments = b.segments().unwrap();
+    assert_eq!(segments.len(), 2, "per-stream segments, one allocator");
+    b.free(p).unwrap();
+    b.free(q).unwrap();
+}
+
+#[test]
+fn a_window_opened_before_a_stream_first_allocates_routes_it_too() {
+    let (sim, a) = sharded(1 << 30, "");
+    let pool = (4, 2);
+    let before = a.malloc(4096, S1).unwrap();
+    a.begin_allocate_to_pool(pool, Box::new(|s| s == S2))
+        .unwrap();
+    let p = a.malloc(4096, S2).unwrap();
+    let q = a.malloc(4096, S1).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    let owner = |ptr| {
+        a.segments()
+            .unwrap()
+            .into_iter()
+            .find(|s| s.addr <= ptr && ptr < s.addr + s.size)
+            .unwrap()
+            .private_pool
+    };
+    assert_eq!(
+        owner(p),
+        Some(pool),
+        "S2's first allocation went to the pool"
+    );
+    assert_eq!(owner(q), None);
+    // Released with the window still held by no one: the pool's memory goes once freed.
+    a.release_pool(pool).unwrap();
+    assert_eq!(
+        a.release_pool(pool).unwrap_err().kind,
+        ErrorKind::InvalidArgument
+    );
+    for x in [before, p, q] {
+        a.free(x).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn shutdown_waits_for_every_stream() {
+    let (_sim, a) = sharded(1 << 30, "");
+    let p = a.malloc(4096, S1).unwrap();
+    let q = a.malloc(4096, S2).unwrap();
+    a.free(p).unwrap();
+    let err = a.shutdown().unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Busy);
+    assert!(err.message.contains("1 allocations"), "{}", err.message);
+    // Still open: S1 allocates again.
+    let r = a.malloc(4096, S1).unwrap();
+    a.free(r).unwrap();
+    a.free(q).unwrap();
+    a.shutdown().unwrap();
+    for result in [
+        a.malloc(4096, S1).map(|_| ()),
+        a.malloc(4096, StreamId(77)).map(|_| ()),
+        a.free(q),
+        a.stats().map(|_| ()),
+    ] {
+        assert_eq!(result.unwrap_err().kind, ErrorKind::ShutDown);
+    }
+}
