@@ -22,6 +22,9 @@ cargo build --locked
 step "cargo test"
 cargo test --locked
 
+step "loom model of the device lock (own target dir: --cfg loom rebuilds every crate)"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --locked --release --test loom_lock
+
 step "python tests (sim backend)"
 venv=target/pyenv
 if [ ! -x "$venv/bin/python" ]; then

@@ -12,7 +12,9 @@
 //! protocol runs on loom's mutex, for the model in `tests/loom_lock.rs`.
 
 #[cfg(loom)]
-use loom::sync::{Mutex, MutexGuard, TryLockError};
+use loom::sync::{Mutex, MutexGuard};
+#[cfg(loom)]
+use std::sync::TryLockError;
 #[cfg(not(loom))]
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
@@ -23,13 +25,18 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 const SPIN_BUDGET: std::time::Duration = std::time::Duration::from_micros(20);
 /// Backoff between tries grows to this many pause instructions: enough to keep a few
 /// spinners from bouncing the lock's cache line, short next to a critical section.
+#[cfg(not(loom))]
 const MAX_BACKOFF: u32 = 64;
 /// Spinning tries before the first look at the clock (the clock costs ~20 ns).
+#[cfg(not(loom))]
 const TRIES_BEFORE_CLOCK: u32 = 8;
 
 pub struct SpinThenBlock<T> {
     inner: Mutex<T>,
 }
+
+/// The guard `lock` returns (std's, or loom's under `--cfg loom`).
+pub type Guard<'a, T> = MutexGuard<'a, T>;
 
 /// What `lock` returns when a panic poisoned the lock: the guard, as `std` gives it.
 pub type Poisoned<'a, T> = std::sync::PoisonError<MutexGuard<'a, T>>;

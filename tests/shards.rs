@@ -262,3 +262,37 @@ fn shutdown_waits_for_every_stream() {
         assert_eq!(result.unwrap_err().kind, ErrorKind::ShutDown);
     }
 }
+
+/// Threads racing to make the same streams' shards: each stream must end with exactly one
+/// (two shards for one stream would show as two small segments for it). Many fresh devices,
+/// so that the race is run many times.
+#[test]
+fn racing_first_allocations_make_one_shard_per_stream() {
+    const THREADS: u64 = 8;
+    for round in 0..100 {
+        let (_sim, a) = sharded(1 << 30, "");
+        let a = Arc::new(a);
+        let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (a, barrier) = (a.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    a.malloc(512, StreamId(t % 3)).unwrap()
+                })
+            })
+            .collect();
+        let blocks: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        let segments = a.segments().unwrap();
+        let mut streams: Vec<_> = segments.iter().map(|s| s.stream).collect();
+        streams.sort_by_key(|s| s.0);
+        assert_eq!(
+            streams,
+            [StreamId(0), StreamId(1), StreamId(2)],
+            "round {round}: one small segment per stream"
+        );
+        for p in blocks {
+            a.free(p).unwrap();
+        }
+    }
+}

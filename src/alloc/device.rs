@@ -32,6 +32,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Streams with a shard of their own; more share.
 const MAX_SHARDS: usize = 32;
 
+/// Cache-line aligned (128: adjacent-line prefetch pairs lines) so that neighbouring
+/// shards, written by different threads, share no line.
+#[repr(align(128))]
 struct Slot {
     stream: StreamId,
     shard: Shard,

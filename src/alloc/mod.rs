@@ -21,14 +21,14 @@ pub mod stats;
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
-use crate::sync::SpinThenBlock;
+use crate::sync::{Guard, SpinThenBlock};
 use blocks::{BlockId, BlockState};
 use caches::PoolId;
 pub use device::DeviceAllocator;
 use sizing::PoolKind;
 use state::{Elsewhere, State};
 use stats::DeviceStats;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 
 /// One segment as seen from outside (tests, snapshots, the replay tool).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,7 +91,7 @@ impl Shard {
         }
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+    fn lock(&self) -> Result<Guard<'_, State>> {
         // A panic while holding the lock leaves bookkeeping we can no longer trust.
         let state = self.state.lock().map_err(|_| {
             Error::new(
