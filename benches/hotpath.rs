@@ -93,11 +93,13 @@ fn churn(c: &mut Criterion) {
     group.finish();
 }
 
-/// Wall time per step over all threads, each churning small blocks on its own stream.
+/// Wall time per step over all threads, each churning small blocks on its own stream; also
+/// with an allocator per stream (`per_stream_shards`).
 fn threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("threads");
     group.throughput(Throughput::Elements(1));
-    for (mode, conf) in modes() {
+    let shards = ("shards", "per_stream_shards:True");
+    for (mode, conf) in modes().into_iter().chain([shards]) {
         for n in [1usize, 4, 8] {
             let a = allocator(conf);
             group.bench_function(BenchmarkId::new(mode, n), |b| {

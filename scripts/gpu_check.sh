@@ -9,7 +9,8 @@
 #   bash scripts/gpu_check.sh gpu_test sim_c  # only these steps (names as in the table)
 #
 # Steps: environment, build_gpu_test, gpu_test (paged segments, the default), gpu_test_plain
-# (CCALLOC_CONF=expandable_segments:False), gpu_test_shards (per_stream_shards:True), sanitizer (memcheck), header_c (ccalloc.h with
+# (CCALLOC_CONF=expandable_segments:False), gpu_test_shards (per_stream_shards:True),
+# sanitizer (memcheck), header_c (ccalloc.h with
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
 # (tests/c/test_api.c on the sim backend against the same library), torch_checks and
 # python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_torch_empty, bench_steady and vmm_cost

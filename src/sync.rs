@@ -49,7 +49,18 @@ impl<T> SpinThenBlock<T> {
     }
 
     /// Locks, spinning first. Errs (with the guard) when a panic poisoned the lock.
+    #[inline]
     pub fn lock(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
+        match self.inner.try_lock() {
+            Ok(guard) => Ok(guard),
+            Err(TryLockError::Poisoned(poisoned)) => Err(poisoned),
+            Err(TryLockError::WouldBlock) => self.lock_contended(),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn lock_contended(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
         let mut tries = 0u32;
         #[cfg(not(loom))]
         let mut deadline = None;

@@ -228,6 +228,9 @@ impl DeviceAllocator {
     /// with nothing changed. The shard this thread last allocated from is asked first: a
     /// thread mostly frees what it allocated, and asking a shard takes its lock.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if !self.several_shards() {
+            return self.free_trying(ptr, None);
+        }
         let (device, slot) = LAST_SLOT.get();
         let first = (device == self as *const Self as usize)
             .then(|| self.slots[slot].get())
