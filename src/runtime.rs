@@ -165,6 +165,11 @@ impl Runtime {
         let mut config = self.config.lock().unwrap();
         let mut next = config.clone();
         next.apply(text)?;
+        // Every device must accept it before any changes (per_stream_shards is fixed once a
+        // device allocates).
+        for device in self.started_devices() {
+            device.check_config(text)?;
+        }
         for device in self.started_devices() {
             device.apply_config(text)?;
         }

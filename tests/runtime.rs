@@ -79,3 +79,19 @@ fn config_applies_to_started_and_later_devices() {
     rt.reset_config().unwrap();
     assert_eq!(rt.device(1).unwrap().max_split_size().unwrap(), u64::MAX);
 }
+
+#[test]
+fn per_stream_shards_is_refused_everywhere_once_any_device_allocates() {
+    let (_sim, rt) = runtime(2);
+    rt.device(0).unwrap();
+    let p = rt.malloc(4096, 1, StreamId(0)).unwrap();
+    let err = rt
+        .set_config("max_split_size_mb:64,per_stream_shards:True")
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Config);
+    // All or nothing: device 0 (started, no allocation yet) did not take it either.
+    for d in 0..2 {
+        assert_eq!(rt.device(d).unwrap().max_split_size().unwrap(), u64::MAX);
+    }
+    rt.free(p, 1).unwrap();
+}

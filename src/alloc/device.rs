@@ -324,21 +324,33 @@ impl DeviceAllocator {
         self.check_open()?;
         let mut next = setup.config.clone();
         change(&mut next)?;
-        if next.per_stream_shards != setup.config.per_stream_shards {
-            if self.slots[0].get().is_some() {
-                return Err(Error::new(
-                    ErrorKind::Config,
-                    format!(
-                        "per_stream_shards can change only before device {} first allocates",
-                        self.device
-                    ),
-                ));
-            }
-            self.sharded
-                .store(next.per_stream_shards, Ordering::Relaxed);
-        }
+        self.check_sharding(&setup.config, &next)?;
+        self.sharded
+            .store(next.per_stream_shards, Ordering::Relaxed);
         setup.config = next.clone();
         self.each_shard(|s| s.set_config(next.clone()))
+    }
+
+    /// `per_stream_shards` may change only while no shard exists.
+    fn check_sharding(&self, now: &Config, next: &Config) -> Result<()> {
+        if next.per_stream_shards != now.per_stream_shards && self.slots[0].get().is_some() {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "per_stream_shards can change only before device {} first allocates",
+                    self.device
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether `apply_config(text)` would succeed (nothing is changed).
+    pub fn check_config(&self, text: &str) -> Result<()> {
+        let setup = self.setup()?;
+        let mut next = setup.config.clone();
+        next.apply(text)?;
+        self.check_sharding(&setup.config, &next)
     }
 
     pub fn set_config(&self, config: Config) -> Result<()> {
