@@ -8,8 +8,9 @@
 //! threads stay in user space, and a waiter behind a long driver call still goes to sleep.
 //!
 //! No unsafe code: the lock is std's, spun on with `try_lock`, so poisoning (a panic while
-//! the lock was held) is reported exactly as std reports it. Under `--cfg loom` the same
-//! protocol runs on loom's mutex, for the model in `tests/loom_lock.rs`.
+//! the lock was held) is reported exactly as std reports it. Under `--cfg loom` the protocol
+//! (try, then block) runs on loom's mutex for the model in `tests/loom_lock.rs`; the spin's
+//! timing (backoff, deadline) is compiled out there, as loom has no clock.
 
 #[cfg(loom)]
 use loom::sync::{Mutex, MutexGuard};

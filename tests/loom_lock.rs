@@ -1,5 +1,7 @@
 //! Model check of the device lock (`ccalloc::sync::SpinThenBlock`) with loom, which runs
-//! every interleaving of the threads below. Only under `--cfg loom`:
+//! every interleaving of the threads below. What it checks is the protocol (try the lock,
+//! then fall back to blocking): mutual exclusion and no lost wake-up across both paths. The
+//! spin's timing is not modelled (see `src/sync.rs`). Only under `--cfg loom`:
 //! `RUSTFLAGS="--cfg loom" cargo test --release --test loom_lock` (scripts/test.sh runs it).
 #![cfg(loom)]
 

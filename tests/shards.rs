@@ -3,8 +3,9 @@
 //! and what each shard keeps to itself.
 
 use ccalloc::driver::sim::SimDriver;
-use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
-use std::sync::Arc;
+use ccalloc::driver::{DriverResult, EventId};
+use ccalloc::{Config, DeviceAllocator, DevicePtr, Driver, ErrorKind, StreamId};
+use std::sync::{Arc, Barrier};
 
 const MIB: u64 = 1 << 20;
 const S1: StreamId = StreamId(1);
@@ -111,6 +112,7 @@ fn an_oom_empties_the_other_streams_caches_before_it_fails() {
     );
     let after = a.stats().unwrap();
     assert_eq!(after.num_ooms, before.num_ooms + 1);
+    assert_eq!(after.num_alloc_retries, before.num_alloc_retries);
     assert_eq!(after.reserved_bytes, before.reserved_bytes);
     a.free(q).unwrap();
 }
@@ -185,6 +187,11 @@ fn settings_reach_every_shard_and_sharding_is_fixed_once_in_use() {
     assert_eq!(a.max_split_size().unwrap(), 64 * MIB);
     a.set_memory_fraction(0.25).unwrap();
     assert_eq!(a.memory_fraction().unwrap(), 0.25);
+    // S2's shard (made before the change) holds to the new limit: 256 MiB of 1 GiB.
+    assert_eq!(
+        a.malloc(300 * MIB, S2).unwrap_err().kind,
+        ErrorKind::OutOfMemory
+    );
     let err = a.apply_config("per_stream_shards:False").unwrap_err();
     assert_eq!(err.kind, ErrorKind::Config);
     assert_eq!(a.max_split_size().unwrap(), 64 * MIB, "nothing changed");
@@ -295,4 +302,150 @@ fn racing_first_allocations_make_one_shard_per_stream() {
             a.free(p).unwrap();
         }
     }
+}
+
+/// A plain-segment driver whose allocations take 50 ms: two shards growing at once.
+struct Slow(SimDriver);
+
+impl Driver for Slow {
+    fn name(&self) -> &'static str {
+        "slow"
+    }
+    fn device_count(&self) -> usize {
+        1
+    }
+    fn total_memory(&self, d: usize) -> DriverResult<u64> {
+        self.0.total_memory(d)
+    }
+    fn allocate(&self, d: usize, size: u64) -> DriverResult<DevicePtr> {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        self.0.allocate(d, size)
+    }
+    fn release(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.0.release(d, p, size)
+    }
+    fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
+        self.0.record_event(d, s)
+    }
+    fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
+        self.0.event_done(d, e)
+    }
+    fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
+        self.0.wait_event(d, e)
+    }
+    fn destroy_event(&self, d: usize, e: EventId) {
+        self.0.destroy_event(d, e)
+    }
+    fn synchronize(&self, d: usize) -> DriverResult<()> {
+        self.0.synchronize(d)
+    }
+    fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
+        self.0.synchronize_stream(d, s)
+    }
+}
+
+#[test]
+fn shards_growing_at_once_stay_within_the_limit() {
+    let slow = Arc::new(Slow(SimDriver::new(1, 100 * MIB)));
+    let mut config = Config::default();
+    config
+        .apply("per_stream_shards:True,per_process_memory_fraction:0.5")
+        .unwrap();
+    let a = Arc::new(DeviceAllocator::new(0, slow.clone(), config).unwrap());
+    let keep = [a.malloc(4096, S1).unwrap(), a.malloc(4096, S2).unwrap()];
+    let barrier = Arc::new(Barrier::new(2));
+    let growers: Vec<_> = [S1, S2]
+        .into_iter()
+        .map(|s| {
+            let (a, barrier) = (a.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                a.malloc(30 * MIB, s)
+            })
+        })
+        .collect();
+    let results: Vec<_> = growers.into_iter().map(|g| g.join().unwrap()).collect();
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "one fits");
+    assert!(slow.0.counters(0).bytes_in_use <= 50 * MIB);
+    for p in results.into_iter().flatten().chain(keep) {
+        a.free(p).unwrap();
+    }
+}
+
+#[test]
+fn one_oom_counts_one_retry_as_without_shards() {
+    let counts = |conf: &str| {
+        let (_sim, a) = sharded(64 * MIB, conf);
+        let keep = a.malloc(4096, S2).unwrap();
+        let p = a.malloc(40 * MIB, S1).unwrap();
+        assert_eq!(
+            a.malloc(30 * MIB, S2).unwrap_err().kind,
+            ErrorKind::OutOfMemory
+        );
+        let s = a.stats().unwrap();
+        a.free(p).unwrap();
+        a.free(keep).unwrap();
+        (s.num_alloc_retries, s.num_ooms)
+    };
+    assert_eq!(counts(""), (1, 1), "paged");
+    assert_eq!(counts("expandable_segments:False"), (1, 1), "plain");
+}
+
+#[test]
+fn an_oom_past_the_limit_empties_nothing_and_says_so() {
+    let (sim, a) = sharded(
+        100 * MIB,
+        "per_process_memory_fraction:0.5,expandable_segments:False",
+    );
+    let p = a.malloc(10 * MIB, S1).unwrap();
+    a.free(p).unwrap();
+    let before = sim.counters(0).bytes_in_use;
+    let err = a.malloc(60 * MIB, S2).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfMemory);
+    assert_eq!(sim.counters(0).bytes_in_use, before, "S1's cache kept");
+    assert!(!err.message.contains("emptied"), "{}", err.message);
+    assert!(
+        err.message.contains("10.00 MiB cached free"),
+        "{}",
+        err.message
+    );
+}
+
+#[test]
+fn pool_calls_after_shutdown_are_refused_and_change_nothing() {
+    let (sim, a) = sharded(1 << 30, "expandable_segments:False");
+    let pool = (7, 7);
+    a.begin_allocate_to_pool(pool, Box::new(|_| true)).unwrap();
+    let p = a.malloc(4096, S1).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.free(p).unwrap();
+    a.shutdown().unwrap();
+    assert_eq!(a.release_pool(pool).unwrap_err().kind, ErrorKind::ShutDown);
+    assert_eq!(
+        a.end_allocate_to_pool(pool).unwrap_err().kind,
+        ErrorKind::ShutDown
+    );
+    // Reopened (another device's shutdown failed): the hold is still there to release.
+    a.reopen();
+    a.release_pool(pool).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn blocks_freed_by_another_thread_are_found_in_their_shard() {
+    let (_sim, a) = sharded(1 << 30, "");
+    let a = Arc::new(a);
+    let p = a.malloc(4096, S1).unwrap();
+    let b = a.clone();
+    std::thread::spawn(move || {
+        // This thread's hint points at S2's shard: the free must search.
+        let q = b.malloc(4096, S2).unwrap();
+        b.free(p).unwrap();
+        assert_eq!(b.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+        b.free(q).unwrap();
+    })
+    .join()
+    .unwrap();
+    assert_eq!(a.stats().unwrap().allocation.all().current, 0);
 }

@@ -147,7 +147,7 @@ impl DeviceAllocator {
 
     /// Streams past `MAX_SHARDS` share the filled slots' shards, spread by stream.
     fn shared_shard(&self, stream: StreamId) -> (usize, &Shard) {
-        let i = (stream.0 as usize).wrapping_mul(0x9E37_79B9) % MAX_SHARDS;
+        let i = shared_slot(stream);
         (i, &self.slots[i].get().expect("every slot is filled").shard)
     }
 
@@ -199,29 +199,39 @@ impl DeviceAllocator {
         match shard.malloc(size, stream, None) {
             Err(e) if e.kind == ErrorKind::OutOfMemory && size > self.limit()? => {
                 // Past the memory limit: emptying caches could not help. Counted now.
-                shard.malloc(size, stream, Some(Elsewhere::default()))
+                let elsewhere = self.held_elsewhere(shard, false)?;
+                shard.malloc(size, stream, Some(elsewhere))
             }
             Err(e) if e.kind == ErrorKind::OutOfMemory => {
                 // Other streams' caches may hold the memory: they go back first (PyTorch
                 // frees every stream's cache before it fails).
-                let mut elsewhere = Elsewhere {
-                    second_try: true,
-                    ..Elsewhere::default()
-                };
-                for other in self.shards().filter(|s| !std::ptr::eq(*s, shard)) {
-                    if let Err(e) = other.empty_cache() {
-                        tracing::debug!(device = self.device, "cache not emptied: {e}");
-                    }
-                    let held = other.holdings()?;
-                    elsewhere.live += held.live;
-                    elsewhere.cached += held.cached;
-                    elsewhere.largest_free = elsewhere.largest_free.max(held.largest_free);
-                }
+                let elsewhere = self.held_elsewhere(shard, true)?;
                 shard.malloc(size, stream, Some(elsewhere))
             }
             other => other,
         }
         .inspect(|_| LAST_SLOT.set((self as *const Self as usize, slot)))
+    }
+
+    /// What the shards other than `shard` hold, for its OOM message; with `empty`, after
+    /// emptying their caches (the device's second try).
+    fn held_elsewhere(&self, shard: &Shard, empty: bool) -> Result<Elsewhere> {
+        let mut elsewhere = Elsewhere {
+            second_try: empty,
+            ..Elsewhere::default()
+        };
+        for other in self.shards().filter(|s| !std::ptr::eq(*s, shard)) {
+            if empty {
+                if let Err(e) = other.empty_cache() {
+                    tracing::debug!(device = self.device, "cache not emptied: {e}");
+                }
+            }
+            let held = other.holdings()?;
+            elsewhere.live += held.live;
+            elsewhere.cached += held.cached;
+            elsewhere.largest_free = elsewhere.largest_free.max(held.largest_free);
+        }
+        Ok(elsewhere)
     }
 
     /// Frees a block handed out by `malloc`. Unknown pointers and double frees are refused
@@ -398,12 +408,13 @@ impl DeviceAllocator {
         Ok(self.config()?.max_split_size)
     }
 
-    /// The device's statistics: every shard's summed. Currents and totals are exact, and
-    /// so are the reserved-bytes peaks (kept device-wide: they change on the slow path
-    /// only). The other peaks are exact while one shard is in use; with several (one per
-    /// stream under `per_stream_shards`), each is the sum of the shards' peaks, which bounds
-    /// the device's from above: an exact one would need a counter that every stream writes
-    /// on every allocation, which is what shards avoid.
+    /// The device's statistics: every shard's summed, each read under its own lock (not one
+    /// snapshot of all). Currents and totals are exact, and so are the reserved-bytes peaks
+    /// (kept device-wide: they change on the slow path only). The other peaks are exact while
+    /// the device has one shard; once a second stream has allocated under
+    /// `per_stream_shards`, each is the sum of the shards' peaks, which bounds the device's
+    /// from above: an exact one would need a counter that every stream writes on every
+    /// allocation, which is what shards avoid.
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
         let mut sum = DeviceStats::default();
@@ -462,6 +473,7 @@ impl DeviceAllocator {
     /// Closes the window opened for `pool`.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<()> {
         let mut setup = self.setup()?;
+        self.check_open()?;
         let Some(i) = setup.windows.iter().position(|(p, _)| *p == pool) else {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -480,6 +492,7 @@ impl DeviceAllocator {
     /// Drops one hold on `pool`, in every shard.
     pub fn release_pool(&self, pool: PoolId) -> Result<()> {
         let mut setup = self.setup()?;
+        self.check_open()?;
         let Some(users) = setup.pools.get_mut(&pool) else {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
@@ -547,6 +560,12 @@ impl DeviceAllocator {
     }
 }
 
+/// The slot a stream past `MAX_SHARDS` shares. The hash's high bits: stream handles are
+/// aligned heap pointers, whose low bits are all alike.
+fn shared_slot(stream: StreamId) -> usize {
+    (stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - MAX_SHARDS.trailing_zeros())) as usize
+}
+
 thread_local! {
     /// (device allocator's address, slot) of this thread's last allocation: where its
     /// `free` looks first. A stale entry (a dropped allocator's address reused) only costs
@@ -570,5 +589,19 @@ impl DeviceAllocator {
     /// `f` summed over every shard's state.
     pub(crate) fn sum_over_states(&self, f: impl Fn(&super::state::State) -> usize) -> usize {
         self.shards().map(|s| f(&s.state.lock().unwrap())).sum()
+    }
+}
+
+#[cfg(test)]
+mod slot_tests {
+    use super::*;
+
+    #[test]
+    fn aligned_stream_handles_spread_over_the_shared_slots() {
+        // cudaStream_t values are heap pointers: 64-byte aligned here.
+        let used: std::collections::BTreeSet<usize> = (0..1000u64)
+            .map(|k| shared_slot(StreamId(0x7f00_0000_0000 + k * 0x40)))
+            .collect();
+        assert_eq!(used.len(), MAX_SHARDS, "{used:?}");
     }
 }

@@ -263,8 +263,13 @@ impl Shard {
             String::new()
         };
         let held = if st.reserved_elsewhere() > 0 {
+            let emptied = if elsewhere.second_try {
+                ", whose caches were emptied first"
+            } else {
+                ""
+            };
             format!(
-                "{} reserved ({} of it for other streams, whose caches were emptied first):",
+                "{} reserved ({} of it for other streams{emptied}):",
                 human_bytes(st.device_reserved()),
                 human_bytes(st.reserved_elsewhere())
             )
@@ -296,13 +301,18 @@ impl Shard {
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>> {
-        if st.device_reserved().saturating_add(size) > st.limit {
+        if !st.commit(size, st.limit) {
             return Ok(None);
         }
         let addr = match self.driver.allocate(self.device, size) {
             Ok(addr) => addr,
-            Err(DriverError::OutOfMemory) => return Ok(None),
-            Err(e) => return Err(driver_error(self.device, e)),
+            Err(e) => {
+                st.uncommit(size);
+                return match e {
+                    DriverError::OutOfMemory => Ok(None),
+                    e => Err(driver_error(self.device, e)),
+                };
+            }
         };
         tracing::debug!(device = self.device, addr, size, "segment allocated");
         Ok(Some(st.add_segment(addr, size, stream, pool, owner)))

@@ -620,18 +620,20 @@ impl Shard {
             let surplus = pages_of(spares).saturating_sub(batch);
             self.release_smallest(st, spares, surplus, page)?;
         }
-        self.add_new_chunks(st, plan, in_hand(plan, spares), page)?;
+        self.add_new_chunks(st, plan, page)?;
         if plan.unfilled() > 0 && !capturing {
             // Out of memory: take every reclaimable chunk, then the plain cache too.
             let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Some(stream))?;
             spares.extend(all);
             plan.fill(spares);
             self.release_chunks(st, spares.drain(..), page)?;
-            self.add_new_chunks(st, plan, plan.placed_pages(), page)?;
+            self.add_new_chunks(st, plan, page)?;
             if plan.unfilled() > 0 {
                 self.release_all_cached(st)?;
-                st.stats.num_alloc_retries += 1;
-                self.add_new_chunks(st, plan, plan.placed_pages(), page)?;
+                if !st.oom_final.is_some_and(|e| e.second_try) {
+                    st.stats.num_alloc_retries += 1;
+                }
+                self.add_new_chunks(st, plan, page)?;
             }
         }
         Ok(())
@@ -694,24 +696,16 @@ impl Shard {
     }
 
     /// Fills the plan's gaps with new chunks (`chunk_pages_for` each gap) while the device and
-    /// the limit allow; `in_hand` pages gathered but not yet mapped count against the limit.
-    /// A chunk the device refuses is tried again in halves, down to one page.
-    fn add_new_chunks(
-        &self,
-        st: &mut State,
-        plan: &mut Plan,
-        mut in_hand: usize,
-        page: u64,
-    ) -> Result<()> {
+    /// the limit allow (pages gathered but not yet mapped stay committed against the limit:
+    /// see `DeviceReserved`). A chunk the device refuses is tried again in halves, down to
+    /// one page.
+    fn add_new_chunks(&self, st: &mut State, plan: &mut Plan, page: u64) -> Result<()> {
         for gap in 0..plan.gaps.len() {
             let mut size = chunk_pages_for(plan.gaps[gap].len());
             while !plan.gaps[gap].is_empty() {
                 let pages = size.min(plan.gaps[gap].len());
-                match self.new_chunk(st, pages, in_hand as u64 * page, page)? {
-                    Some(handle) => {
-                        plan.place(gap, Spare { handle, pages });
-                        in_hand += pages;
-                    }
+                match self.new_chunk(st, pages, page)? {
+                    Some(handle) => plan.place(gap, Spare { handle, pages }),
                     None if pages > 1 => size = pages / 2,
                     None => return Ok(()),
                 }
@@ -753,15 +747,10 @@ impl Shard {
 
     /// A fresh physical chunk of `pages` pages, counted as reserved by no pool until mapped;
     /// `None` when the device or the limit refuses.
-    fn new_chunk(
-        &self,
-        st: &mut State,
-        pages: usize,
-        in_hand: u64,
-        page: u64,
-    ) -> Result<Option<PhysHandle>> {
+    fn new_chunk(&self, st: &mut State, pages: usize, page: u64) -> Result<Option<PhysHandle>> {
         let bytes = pages as u64 * page;
-        if st.device_reserved() + in_hand + bytes > self.hard_limit(st) {
+        // Pages in hand (gathered, not yet mapped) are committed already.
+        if !st.commit(bytes, self.hard_limit(st)) {
             return Ok(None);
         }
         match self.driver.create_physical(self.device, bytes) {
@@ -769,8 +758,13 @@ impl Shard {
                 st.stats.num_device_alloc += 1;
                 Ok(Some(handle))
             }
-            Err(crate::driver::DriverError::OutOfMemory) => Ok(None),
-            Err(e) => Err(driver_error(self.device, e)),
+            Err(e) => {
+                st.uncommit(bytes);
+                match e {
+                    crate::driver::DriverError::OutOfMemory => Ok(None),
+                    e => Err(driver_error(self.device, e)),
+                }
+            }
         }
     }
 
@@ -784,6 +778,7 @@ impl Shard {
         {
             Ok(()) => {
                 st.stats.num_device_free += 1;
+                st.uncommit(spare.pages as u64 * page);
                 Ok(())
             }
             Err(e) => {

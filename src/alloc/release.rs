@@ -22,6 +22,7 @@ impl Shard {
             return Err(driver_error(self.device, e));
         }
         st.remove_segment(id);
+        st.uncommit(size);
         tracing::debug!(device = self.device, addr, size, "segment released");
         Ok(())
     }

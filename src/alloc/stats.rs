@@ -93,13 +93,32 @@ impl StatArray {
 /// `StatArray`). Shards change it only when they map or release memory (the slow path), so
 /// it can be shared: the memory limit holds for the device, and the reserved peaks stay
 /// exact with several shards.
+///
+/// The memory limit counts `committed` bytes instead: memory taken from the driver (mapped,
+/// parked or in hand during a growth), claimed *before* the driver is asked, so that shards
+/// growing at the same time cannot pass the limit together.
 #[derive(Debug, Default)]
 pub struct DeviceReserved {
     current: [AtomicU64; 3],
     peak: [AtomicU64; 3],
+    committed: AtomicU64,
 }
 
 impl DeviceReserved {
+    /// Claims `bytes` of device memory under `limit`; false (nothing claimed) past it.
+    pub fn try_commit(&self, bytes: u64, limit: u64) -> bool {
+        self.committed
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                c.checked_add(bytes).filter(|&n| n <= limit)
+            })
+            .is_ok()
+    }
+
+    /// Gives back a claim: memory released, or a driver that refused.
+    pub fn uncommit(&self, bytes: u64) {
+        self.committed.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
     pub fn increase(&self, pool: PoolKind, bytes: u64) {
         for i in [0, 1 + pool as usize] {
             let now = self.current[i].fetch_add(bytes, Ordering::Relaxed) + bytes;
@@ -127,6 +146,8 @@ impl DeviceReserved {
     pub fn reset_peaks(&self) {
         for (current, peak) in self.current.iter().zip(&self.peak) {
             peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
+            // An increase between the load and the store must not leave peak below current.
+            peak.fetch_max(current.load(Ordering::Relaxed), Ordering::Relaxed);
         }
     }
 }
