@@ -198,6 +198,11 @@ fn settings_reach_every_shard_and_sharding_is_fixed_once_in_use() {
     a.free(p).unwrap();
     a.free(q).unwrap();
 
+    // Replacing every setting (reset_config) keeps the sharding the device runs with.
+    a.set_config(Config::default()).unwrap();
+    assert_eq!(a.max_split_size().unwrap(), u64::MAX);
+    a.apply_config("per_stream_shards:True").unwrap();
+
     // Before the first allocation it may change.
     let (_sim, b) = sharded(1 << 30, "");
     b.apply_config("per_stream_shards:False").unwrap();

@@ -363,8 +363,13 @@ impl DeviceAllocator {
         self.check_sharding(&setup.config, &next)
     }
 
-    pub fn set_config(&self, config: Config) -> Result<()> {
+    /// Replaces every setting (`ccalloc_reset_config`), except `per_stream_shards` once the
+    /// device has allocated: that one is fixed for the device's life.
+    pub fn set_config(&self, mut config: Config) -> Result<()> {
         self.configure(|c| {
+            if self.slots[0].get().is_some() {
+                config.per_stream_shards = c.per_stream_shards;
+            }
             *c = config;
             Ok(())
         })
@@ -463,9 +468,11 @@ impl DeviceAllocator {
         let mut setup = self.setup()?;
         self.check_open()?;
         let filter = Arc::new(Mutex::new(filter));
-        setup.windows.push((pool, filter.clone()));
-        *setup.pools.entry(pool).or_insert(0) += 1;
         let opened = self.each_shard(|s| s.begin_allocate_to_pool(pool, route_to(&filter)));
+        if opened.is_ok() {
+            setup.windows.push((pool, filter));
+            *setup.pools.entry(pool).or_insert(0) += 1;
+        }
         drop(setup);
         opened
     }
