@@ -532,28 +532,38 @@ impl DeviceAllocator {
                 ),
             ));
         }
-        let (mut count, mut bytes) = (0, 0);
-        for shard in self.shards() {
-            let (c, b) = shard.live()?;
-            (count, bytes) = (count + c, bytes + b);
+        // Every shard held at once (in slot order; no other path holds two), so that no
+        // allocation slips in between the check and the release, and a refusal leaves every
+        // shard open.
+        let shards: Vec<&Shard> = self.shards().collect();
+        let mut locked = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            locked.push(shard.lock_for_shutdown()?);
         }
+        let count: i64 = locked
+            .iter()
+            .map(|st| st.stats.allocation.all().current)
+            .sum();
         if count > 0 {
+            let bytes: i64 = locked
+                .iter()
+                .map(|st| st.stats.allocated_bytes.all().current)
+                .sum();
             return Err(Error::new(
                 ErrorKind::Busy,
                 format!(
                     "device {}: {count} allocations ({}) are still live; free them before shutdown",
                     self.device,
-                    crate::error::human_bytes(bytes)
+                    crate::error::human_bytes(bytes as u64)
                 ),
             ));
         }
-        let shards: Vec<&Shard> = self.shards().collect();
-        for (i, shard) in shards.iter().enumerate() {
-            if let Err(e) = shard.shutdown() {
-                // Allocated meanwhile: the device stays open.
-                shards[..i].iter().for_each(|s| s.reopen());
-                return Err(e);
-            }
+        // Closed only once every cache is released: a driver failure leaves them all open.
+        for (shard, st) in shards.iter().zip(locked.iter_mut()) {
+            shard.release_all_cached(st)?;
+        }
+        for st in &mut locked {
+            st.shut_down = true;
         }
         self.shut_down.store(true, Ordering::Release);
         Ok(())

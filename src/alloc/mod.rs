@@ -396,12 +396,6 @@ impl Shard {
         })
     }
 
-    /// Live blocks and their bytes.
-    fn live(&self) -> Result<(usize, u64)> {
-        let st = self.lock()?;
-        Ok((st.live.len(), st.stats.allocated_bytes.all().current as u64))
-    }
-
     /// Whether `pool` is known here (a window was opened for it while this shard existed).
     fn knows_pool(&self, pool: PoolId) -> Result<bool> {
         Ok(self.lock()?.caches.private.contains_key(&pool))
@@ -482,33 +476,9 @@ impl Shard {
             .collect())
     }
 
-    /// Releases everything; refused while blocks are still live (`DeviceAllocator::shutdown`
-    /// checks every shard first).
-    fn shutdown(&self) -> Result<()> {
-        let mut st = self.lock()?;
-        if st.caches.capturing() {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!(
-                    "device {}: a CUDA graph capture is in progress",
-                    self.device
-                ),
-            ));
-        }
-        if !st.live.is_empty() {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!(
-                    "device {}: {} allocations ({}) are still live; free them before shutdown",
-                    self.device,
-                    st.live.len(),
-                    human_bytes(st.stats.allocated_bytes.all().current as u64)
-                ),
-            ));
-        }
-        self.release_all_cached(&mut st)?;
-        st.shut_down = true;
-        Ok(())
+    /// Locks this shard for `DeviceAllocator::shutdown`, which holds every shard at once.
+    fn lock_for_shutdown(&self) -> Result<Guard<'_, State>> {
+        self.lock()
     }
 
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
