@@ -505,3 +505,36 @@ fn a_panic_inside_the_allocator_poisons_it_and_is_reported() {
     }
     assert!(a.stats().is_err());
 }
+
+#[test]
+fn shards_growing_at_once_stay_within_the_limit() {
+    // Each map takes 50 ms: both streams' shards grow at once, and only one fits under the
+    // limit (50 MiB of 100). The limit must be claimed before the driver is asked, not
+    // counted once pages are mapped.
+    let (sim, _f, a) = faulty_with(
+        100 * MIB,
+        "per_stream_shards:True,per_process_memory_fraction:0.5",
+        Duration::ZERO,
+        Some(Duration::from_millis(50)),
+    );
+    let a = Arc::new(a);
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let keep = [a.malloc(4096, s1).unwrap(), a.malloc(4096, s2).unwrap()];
+    let barrier = Arc::new(std::sync::Barrier::new(2));
+    let growers: Vec<_> = [s1, s2]
+        .into_iter()
+        .map(|s| {
+            let (a, barrier) = (a.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                a.malloc(30 * MIB, s)
+            })
+        })
+        .collect();
+    let results: Vec<_> = growers.into_iter().map(|g| g.join().unwrap()).collect();
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1, "one fits");
+    assert!(sim.counters(0).bytes_in_use <= 50 * MIB);
+    for p in results.into_iter().flatten().chain(keep) {
+        a.free(p).unwrap();
+    }
+}

@@ -7,7 +7,8 @@
 //! another core wrote last, not to the lock itself.
 //!
 //! What stays device-wide:
-//! - the memory limit: each shard counts the others' reserved bytes (`Shard::lock`);
+//! - the memory limit: shards claim device memory from one shared count before the driver
+//!   is asked (`DeviceReserved`), which also keeps the reserved-bytes peaks;
 //! - the OOM retry: before an allocation fails, the other shards' caches are emptied;
 //! - settings and private-pool windows: applied to every shard, and to shards made later;
 //! - statistics: the sum over shards (peaks too: see `stats`).
@@ -129,60 +130,54 @@ impl DeviceAllocator {
 
     /// The shard of `stream` and its slot, made on its first use.
     fn shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
-        if !self.sharded.load(Ordering::Relaxed) {
-            return match self.slots[0].get() {
-                Some(slot) => Ok((0, &slot.shard)),
-                None => self.make_shard(stream),
-            };
+        match self.find_slot(stream) {
+            Ok(found) => Ok(found),
+            Err(_) => self.make_shard(stream),
         }
-        for (i, slot) in self.slots.iter().enumerate() {
-            match slot.get() {
-                Some(s) if s.stream == stream => return Ok((i, &s.shard)),
-                Some(_) => continue,
-                None => return self.make_shard(stream),
-            }
-        }
-        Ok(self.shared_shard(stream))
     }
 
-    /// Streams past `MAX_SHARDS` share the filled slots' shards, spread by stream.
-    fn shared_shard(&self, stream: StreamId) -> (usize, &Shard) {
+    /// `stream`'s shard and slot (with shards off, the one shard; past `MAX_SHARDS` streams,
+    /// a shared one), or the first empty slot when it has none yet.
+    fn find_slot(&self, stream: StreamId) -> std::result::Result<(usize, &Shard), usize> {
+        let sharded = self.sharded.load(Ordering::Relaxed);
+        for (i, slot) in self.slots.iter().enumerate() {
+            match slot.get() {
+                Some(s) if s.stream == stream || !sharded => return Ok((i, &s.shard)),
+                Some(_) => continue,
+                None => return Err(i),
+            }
+        }
         let i = shared_slot(stream);
-        (i, &self.slots[i].get().expect("every slot is filled").shard)
+        Ok((i, &self.slots[i].get().expect("every slot is filled").shard))
     }
 
     fn make_shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
         let setup = self.setup()?;
         self.check_open()?;
         // Slots fill only under this lock: look again now that it is held.
-        let sharded = self.sharded.load(Ordering::Relaxed);
-        for (i, slot) in self.slots.iter().enumerate() {
-            match slot.get() {
-                Some(s) if s.stream == stream || !sharded => return Ok((i, &s.shard)),
-                Some(_) => continue,
-                None => {
-                    let shard = Shard::new(
-                        self.device,
-                        self.total_memory,
-                        self.driver.clone(),
-                        setup.config.clone(),
-                        self.device_reserved.clone(),
-                    );
-                    // The device's holds, not one per window (a pool may be released while
-                    // its window is open).
-                    for (pool, filter) in &setup.windows {
-                        shard.begin_allocate_to_pool(*pool, route_to(filter))?;
-                        shard.set_pool_users(*pool, 0)?;
-                    }
-                    for (&pool, &users) in &setup.pools {
-                        shard.set_pool_users(pool, users)?;
-                    }
-                    let _ = slot.set(Slot { stream, shard });
-                    return Ok((i, &slot.get().expect("just set").shard));
-                }
-            }
+        let i = match self.find_slot(stream) {
+            Ok(found) => return Ok(found),
+            Err(empty) => empty,
+        };
+        let shard = Shard::new(
+            self.device,
+            self.total_memory,
+            self.driver.clone(),
+            setup.config.clone(),
+            self.device_reserved.clone(),
+        );
+        // The device's holds, not one per window (a pool may be released while its window
+        // is open).
+        for (pool, filter) in &setup.windows {
+            shard.begin_allocate_to_pool(*pool, route_to(filter))?;
+            shard.set_pool_users(*pool, 0)?;
         }
-        Ok(self.shared_shard(stream))
+        for (&pool, &users) in &setup.pools {
+            shard.set_pool_users(pool, users)?;
+        }
+        let slot = &self.slots[i];
+        let _ = slot.set(Slot { stream, shard });
+        Ok((i, &slot.get().expect("just set").shard))
     }
 
     fn several_shards(&self) -> bool {
@@ -538,7 +533,7 @@ impl DeviceAllocator {
         let shards: Vec<&Shard> = self.shards().collect();
         let mut locked = Vec::with_capacity(shards.len());
         for shard in &shards {
-            locked.push(shard.lock_for_shutdown()?);
+            locked.push(shard.lock()?);
         }
         let count: i64 = locked
             .iter()

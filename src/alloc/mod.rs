@@ -476,11 +476,6 @@ impl Shard {
             .collect())
     }
 
-    /// Locks this shard for `DeviceAllocator::shutdown`, which holds every shard at once.
-    fn lock_for_shutdown(&self) -> Result<Guard<'_, State>> {
-        self.lock()
-    }
-
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
         if let Ok(mut st) = self.state.lock_blocking() {
