@@ -7,6 +7,7 @@ use dashmap::DashMap;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// cudaMalloc hands out whole 2 MiB pages; capacity is charged the same way here.
 pub const SIM_GRANULARITY: u64 = 2 << 20;
@@ -89,6 +90,39 @@ struct SimEvent {
     sequence: u64,
 }
 
+/// What each driver call costs the host (`SimDriver::with_call_costs`).
+#[derive(Clone, Copy, Debug)]
+pub struct CallCosts {
+    pub allocate: Duration,
+    pub release: Duration,
+    pub create_physical: Duration,
+    pub release_physical: Duration,
+    pub map: Duration,
+    pub set_access: Duration,
+    pub unmap: Duration,
+    pub record_event: Duration,
+    pub event_query: Duration,
+}
+
+impl CallCosts {
+    /// Typical of an H100 (`benches/gpu/vmm_cost.cu`, `results/gpu-2026-11-22/vmm_cost_*`):
+    /// tens of µs per virtual-memory call whatever the size, about a µs per event call.
+    pub fn h100() -> Self {
+        let us = Duration::from_micros;
+        Self {
+            allocate: us(30),
+            release: us(30),
+            create_physical: us(25),
+            release_physical: us(25),
+            map: us(2),
+            set_access: us(45),
+            unmap: us(22),
+            record_event: Duration::from_nanos(800),
+            event_query: Duration::from_nanos(900),
+        }
+    }
+}
+
 pub struct SimDriver {
     devices: Vec<SimDeviceState>,
     events: DashMap<u64, SimEvent>,
@@ -98,6 +132,8 @@ pub struct SimDriver {
     /// A stream's event completes only once this many later events were recorded there:
     /// a device running behind the host, as a busy GPU does.
     event_lag: u64,
+    /// Host time each driver call takes, as on a GPU (`with_call_costs`); none by default.
+    costs: Option<CallCosts>,
 }
 
 impl SimDriver {
@@ -115,6 +151,7 @@ impl SimDriver {
             next_event: AtomicU64::new(1),
             vmm: true,
             event_lag: 0,
+            costs: None,
         }
     }
 
@@ -141,6 +178,24 @@ impl SimDriver {
     pub fn with_event_lag(mut self, lag: u64) -> Self {
         self.event_lag = lag;
         self
+    }
+
+    /// Each driver call takes the host as long as it would on a GPU (spinning), and the
+    /// allocator times page moves as it does on one (`Driver::times_page_moves`): the
+    /// page-move budget can then be studied without a GPU. Replays stay unaffected: they
+    /// never ask for this.
+    pub fn with_call_costs(mut self, costs: CallCosts) -> Self {
+        self.costs = Some(costs);
+        self
+    }
+
+    fn spend(&self, cost: impl Fn(&CallCosts) -> Duration) {
+        if let Some(costs) = &self.costs {
+            let until = Instant::now() + cost(costs);
+            while Instant::now() < until {
+                std::hint::spin_loop();
+            }
+        }
     }
 
     /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`) and `CCALLOC_SIM_DEVICES` (default 1).
@@ -255,6 +310,7 @@ impl Driver for SimDriver {
     }
 
     fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        self.spend(|c| c.allocate);
         let d = self.device(device)?;
         let charged = round_up(size.max(1), SIM_GRANULARITY);
         let mut memory = d.memory.lock().unwrap();
@@ -273,6 +329,7 @@ impl Driver for SimDriver {
     }
 
     fn release(&self, device: usize, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
+        self.spend(|c| c.release);
         let d = self.device(device)?;
         let streams = d.streams.lock().unwrap();
         let mut memory = d.memory.lock().unwrap();
@@ -299,6 +356,7 @@ impl Driver for SimDriver {
     }
 
     fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
+        self.spend(|c| c.record_event);
         let d = self.device(device)?;
         let mut streams = d.streams.lock().unwrap();
         let state = streams.entry(stream).or_default();
@@ -321,6 +379,7 @@ impl Driver for SimDriver {
     }
 
     fn event_done(&self, device: usize, event: EventId) -> DriverResult<bool> {
+        self.spend(|c| c.event_query);
         let d = self.device(device)?;
         let (stream, sequence) = match self.events.get(&event.0) {
             Some(e) if e.device == device => (e.stream, e.sequence),
@@ -374,6 +433,18 @@ impl Driver for SimDriver {
         Ok(())
     }
 
+    fn times_page_moves(&self) -> bool {
+        self.costs.is_some()
+    }
+
+    fn min_free_fence_interval(&self) -> Duration {
+        // As the CUDA driver's, once calls cost what they do on a GPU.
+        match self.costs {
+            Some(_) => Duration::from_millis(1),
+            None => Duration::ZERO,
+        }
+    }
+
     fn vmm_granularity(&self, device: usize) -> Option<u64> {
         (self.vmm && device < self.devices.len()).then_some(SIM_GRANULARITY)
     }
@@ -413,6 +484,7 @@ impl Driver for SimDriver {
     }
 
     fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
+        self.spend(|c| c.create_physical);
         let d = self.device(device)?;
         if size == 0 || !size.is_multiple_of(SIM_GRANULARITY) {
             return Err(sim_error(
@@ -463,6 +535,7 @@ impl Driver for SimDriver {
     }
 
     fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
+        self.spend(|c| c.release_physical);
         let d = self.device(device)?;
         let mut memory = d.memory.lock().unwrap();
         match memory.live_slots.get(&handle.0) {
@@ -499,6 +572,7 @@ impl Driver for SimDriver {
     }
 
     fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        self.spend(|c| c.map);
         let d = self.device(device)?;
         let mut memory = d.memory.lock().unwrap();
         let inside = memory
@@ -531,6 +605,7 @@ impl Driver for SimDriver {
     }
 
     fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        self.spend(|c| c.set_access);
         // Mappings are read/write already; check the range is wholly mapped, as CUDA requires.
         let d = self.device(device)?;
         let memory = d.memory.lock().unwrap();
@@ -547,6 +622,7 @@ impl Driver for SimDriver {
     }
 
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        self.spend(|c| c.unmap);
         let d = self.device(device)?;
         let streams = d.streams.lock().unwrap();
         let mut memory = d.memory.lock().unwrap();
