@@ -2,7 +2,7 @@
 //! middle of moving pages, private pools released while their window is open, captures, and
 //! configuration changes between an allocation and its free.
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::driver::sim::{CallCosts, SimDriver};
 use ccalloc::driver::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle};
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
@@ -456,6 +456,50 @@ fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
         "steps in 1.5 s: {loose_steps} with the budget, {tight_steps} without; \
          unmaps in the last 0.5 s: {loose_moves} and {tight_moves}"
     );
+}
+
+#[test]
+fn a_short_burst_of_page_moves_raises_the_slack_within_tens_of_ms() {
+    // The GPU harness's churn mixed: random sizes of 256 B-256 MiB, one of the live blocks
+    // replaced per step, each driver call as slow as on an H100. Moves take most of the
+    // time, so the page-move budget must act well within the 0.2 s such a burst lasts.
+    let sim = Arc::new(SimDriver::new(1, 64 << 30).with_call_costs(CallCosts::h100()));
+    let a = DeviceAllocator::new(0, sim, Config::default()).unwrap();
+    let base = a.page_slack().unwrap();
+    let mut seed = 11u64;
+    let mut size = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let unit = (seed >> 11) as f64 / (1u64 << 53) as f64;
+        (256f64.ln() + unit * ((256 * MIB) as f64 / 256.0).ln()).exp() as u64
+    };
+    let mut live: Vec<u64> = (0..128)
+        .map(|_| a.malloc(size(), StreamId(0)).unwrap())
+        .collect();
+    let start = std::time::Instant::now();
+    let (mut raised_after, mut step) = (None, 0usize);
+    while start.elapsed() < Duration::from_millis(300) {
+        let i = step % live.len();
+        a.free(live[i]).unwrap();
+        live[i] = a.malloc(size(), StreamId(0)).unwrap();
+        if raised_after.is_none() && a.page_slack().unwrap() > base {
+            raised_after = Some(start.elapsed());
+        }
+        step += 1;
+    }
+    let paging = a.stats().unwrap().paging;
+    eprintln!("slack raised after {raised_after:?}; {step} steps; {paging:?}");
+    // A window of the whole second (or a quarter of one) would not have closed yet.
+    let raised_after = raised_after.expect("the slack rose within 0.3 s");
+    assert!(
+        raised_after < Duration::from_millis(200),
+        "{raised_after:?}"
+    );
+    for p in live {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
 }
 
 #[test]

@@ -41,6 +41,10 @@ const FREES_PER_FENCE: u32 = 16;
 /// like a trend. (At 250 ms, bursts pushed bert's slack to 0.5 where 0.2 keeps moves near
 /// 0.5% of the time.)
 const MOVE_WINDOW: Duration = Duration::from_secs(1);
+/// A window closes early when moves took at least this long in it (`account_growth`) ...
+const EARLY_MOVES: Duration = Duration::from_millis(10);
+/// ... and it has lasted this long.
+const EARLY_WINDOW: Duration = Duration::from_millis(25);
 /// Windows in a row with moves under a quarter of the budget before the extra slack halves.
 /// Halving lets later growth release spares and move pages again, so it waits for a phase
 /// change (several seconds quiet), not for the quiet the extra slack itself bought.
@@ -553,10 +557,7 @@ impl Shard {
             clock.moving += took;
         }
         let window = now - *clock.window_start.get_or_insert(started);
-        // A window also closes once moves alone have filled a tenth of one (and it has lasted
-        // a quarter of one, so that one long growth is not a trend): a job that does little
-        // but move pages adapts within tenths of a second.
-        let early = window >= MOVE_WINDOW / 4 && clock.moving >= MOVE_WINDOW / 10;
+        let early = closes_early(window, clock.moving, budget);
         if window < MOVE_WINDOW && !early {
             return;
         }
@@ -1107,6 +1108,18 @@ fn take_until(into: &mut Vec<Victim>, taken: &mut usize, from: Vec<Victim>, limi
         *taken += v.pages;
         into.push(v);
     }
+}
+
+/// Whether a move window (`account_growth`) that has lasted `window`, of which page moves
+/// took `moving`, closes before `MOVE_WINDOW`: once moves have plainly overrun the budget,
+/// for at least `EARLY_MOVES` and more than `SEVERE_OVERRUN` times the budget's share of at
+/// least `EARLY_WINDOW`. A job that does little but move pages (random sizes up to hundreds
+/// of MiB) then adapts within tens of ms instead of a second, while a new batch shape's
+/// burst (tens of moves, a few ms in all) is not taken for a trend.
+pub(super) fn closes_early(window: Duration, moving: Duration, budget: f64) -> bool {
+    window >= EARLY_WINDOW
+        && moving >= EARLY_MOVES
+        && moving.as_secs_f64() > window.as_secs_f64() * SEVERE_OVERRUN * budget
 }
 
 /// The extra slack after a window (`spans` times `MOVE_WINDOW` long) in which page moves

@@ -885,6 +885,25 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
 }
 
 #[test]
+fn a_move_window_closes_early_only_on_a_plain_overrun() {
+    use super::paged::closes_early;
+    use std::time::Duration;
+    let ms = Duration::from_millis;
+    // 20 ms of moves in 40 ms (50%, 25 times the 2% budget): closes at once.
+    assert!(closes_early(ms(40), ms(20), 0.02));
+    // The same share over less than 25 ms is too short to be a trend.
+    assert!(!closes_early(ms(20), ms(10), 0.02));
+    // A new batch shape's burst: 8 ms of moves, nearly all of a 25 ms window.
+    assert!(!closes_early(ms(25), ms(8), 0.02));
+    // 10 ms of moves over 100 ms is 10%: over budget, but not 8 times over (16%).
+    assert!(!closes_early(ms(100), ms(10), 0.02));
+    assert!(closes_early(ms(100), ms(17), 0.02));
+    // A larger budget needs a larger share.
+    assert!(!closes_early(ms(100), ms(30), 0.05));
+    assert!(closes_early(ms(100), ms(41), 0.05));
+}
+
+#[test]
 fn extra_slack_grows_in_steps_over_budget_and_decays_only_after_a_quiet_spell() {
     use super::paged::next_extra_slack as next;
     let base = 1.0 / 32.0;
