@@ -8,12 +8,12 @@
 //! makes each driver call take as long as on an H100 (`CallCosts::h100`), as the GPU
 //! harness's churn mixed sees it: `churn_loop 268435456 500 1 50000`.
 use ccalloc::driver::sim::{CallCosts, SimDriver};
-use ccalloc::{Config, DeviceAllocator, StreamId};
+use ccalloc::{Config, DeviceAllocator, PagingCounters, StreamId};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 /// Returns how long the steps took (the fill and the final frees are not timed, as in the
-/// harness).
+/// harness), and the paging counters when they started.
 fn churn(
     a: &DeviceAllocator,
     stream: StreamId,
@@ -22,7 +22,7 @@ fn churn(
     steps: usize,
     seed: u64,
     barrier: &Barrier,
-) -> std::time::Duration {
+) -> (std::time::Duration, PagingCounters) {
     let mut seed = 0x9E3779B97F4A7C15u64 ^ seed;
     let mut next = move || {
         seed ^= seed << 13;
@@ -37,6 +37,7 @@ fn churn(
         .map(|_| a.malloc(size(next()), stream).unwrap())
         .collect();
     barrier.wait();
+    let before = a.stats().unwrap().paging;
     let start = Instant::now();
     for _ in 0..steps {
         let i = (next() % live as u64) as usize;
@@ -47,7 +48,7 @@ fn churn(
     for p in ptrs {
         a.free(p).unwrap();
     }
-    took
+    (took, before)
 }
 
 fn main() {
@@ -72,15 +73,24 @@ fn main() {
             })
         })
         .collect();
-    let slowest = workers
-        .into_iter()
-        .map(|w| w.join().unwrap())
-        .max()
-        .unwrap_or_default();
-    let paging = a.stats().unwrap().paging;
+    let runs: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let slowest = runs.iter().map(|r| r.0).max().unwrap_or_default();
+    // Counted from the first thread's start: with one thread, exactly the timed steps.
+    let (after, before) = (a.stats().unwrap().paging, runs[0].1);
+    let paging = PagingCounters {
+        growths: after.growths - before.growths,
+        moving_growths: after.moving_growths - before.moving_growths,
+        chunks_mapped: after.chunks_mapped - before.chunks_mapped,
+        chunks_unmapped: after.chunks_unmapped - before.chunks_unmapped,
+        host_waits: after.host_waits - before.host_waits,
+        growth_ns: after.growth_ns - before.growth_ns,
+        moving_ns: after.moving_ns - before.moving_ns,
+    };
+    let stats = a.stats().unwrap();
     println!(
-        "{:.1} ns per step ({threads} threads); page slack {:.3}; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits",
+        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits",
         slowest.as_nanos() as f64 / (steps * threads) as f64,
+        stats.reserved_bytes.all().peak as f64 / stats.active_bytes.all().peak as f64,
         a.page_slack().unwrap(),
         paging.growth_ns as f64 / 1e6,
         paging.growths,

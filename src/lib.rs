@@ -13,7 +13,7 @@ pub mod replay;
 pub mod runtime;
 pub mod sync;
 
-pub use alloc::stats::{DeviceStats, Stat, StatArray};
+pub use alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};
 pub use alloc::DeviceAllocator;
 pub use config::Config;
 pub use driver::{DevicePtr, Driver, StreamId};
