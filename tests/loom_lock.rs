@@ -37,3 +37,26 @@ fn two_threads_and_the_main_one_never_hold_it_at_once() {
         assert_eq!(*lock.lock().unwrap(), 3);
     });
 }
+
+/// The front caches' cell (`ccalloc::sync::SpinCell`): its owner and another thread (as a
+/// drain from a slow path) update its value; loom's `UnsafeCell` fails the model if two
+/// accesses are not ordered by the flag's acquire/release, whatever the interleaving, and a
+/// lost update fails the count. (Two threads, as in use: with two waiters yielding to each
+/// other loom's search of the spin does not end.)
+#[test]
+fn spin_cell_lets_one_thread_in_at_a_time() {
+    use ccalloc::sync::SpinCell;
+    loom::model(|| {
+        let cell = Arc::new(SpinCell::new(0u32));
+        let other = {
+            let cell = cell.clone();
+            thread::spawn(move || {
+                cell.with(|v| *v += 1);
+                cell.with(|v| *v += 10);
+            })
+        };
+        cell.with(|v| *v += 100);
+        other.join().unwrap();
+        assert_eq!(cell.with(|v| *v), 111);
+    });
+}
