@@ -37,6 +37,10 @@ pub struct Config {
     /// bound (see `DeviceAllocator::stats`). Off by default; may change only before the
     /// device's first allocation.
     pub per_stream_shards: bool,
+    /// Each thread keeps up to 8 blocks it freed, for its next request of exactly their
+    /// size and stream, and frees them without the device lock (`alloc::front`). Only with
+    /// paged segments and without `per_stream_shards`. On by default.
+    pub thread_cache: bool,
 }
 
 impl Default for Config {
@@ -51,6 +55,7 @@ impl Default for Config {
             page_slack: DEFAULT_PAGE_SLACK,
             page_move_budget: DEFAULT_PAGE_MOVE_BUDGET,
             per_stream_shards: false,
+            thread_cache: true,
         }
     }
 }
@@ -65,7 +70,7 @@ pub const DEFAULT_PAGE_SLACK: f64 = 1.0 / 32.0;
 pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.02;
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 9] = [
+pub const KEYS: [&str; 10] = [
     "expandable_segments",
     "page_slack",
     "page_move_budget",
@@ -75,6 +80,7 @@ pub const KEYS: [&str; 9] = [
     "garbage_collection_threshold",
     "per_process_memory_fraction",
     "per_stream_shards",
+    "thread_cache",
 ];
 
 fn config_error(message: String) -> Error {
@@ -155,6 +161,7 @@ impl Config {
             }
             "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
             "per_stream_shards" => self.per_stream_shards = parse_bool(key, value)?,
+            "thread_cache" => self.thread_cache = parse_bool(key, value)?,
             _ => {
                 return Err(config_error(format!(
                     "unknown config key {key:?} (known keys: {})",

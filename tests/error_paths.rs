@@ -142,7 +142,8 @@ fn faulty_spacing_fences(
     capacity: u64,
     fence_interval: Duration,
 ) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
-    faulty_with(capacity, "", fence_interval, None)
+    // Frees through the shard (a thread front keeps same-size blocks without one).
+    faulty_with(capacity, "thread_cache:False", fence_interval, None)
 }
 
 fn faulty_with(

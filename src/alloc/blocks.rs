@@ -45,6 +45,8 @@ pub struct Block {
     pub stream_uses: Vec<StreamId>,
     /// The pool's lookup count when the block was cached; its age for garbage collection.
     pub cached_at: u64,
+    /// The thread front (`front::FrontCell::id`) that holds this handed-out block; 0: none.
+    pub front: u64,
 }
 
 impl Block {
@@ -85,6 +87,7 @@ impl Block {
             state: BlockState::Free,
             stream_uses: Vec::new(),
             cached_at,
+            front: 0,
         }
     }
 }

@@ -18,16 +18,17 @@
 //! slots' shards among the extra streams (a shard serves any number of streams).
 
 use super::caches::{PoolId, RouteFilter};
+use super::front::{self, Fronts, GiveBack};
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;
-use super::{SegmentView, Shard};
+use super::{Freed, SegmentView, Shard};
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::DeviceStats;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Streams with a shard of their own; more share.
@@ -61,7 +62,13 @@ pub struct DeviceAllocator {
     shut_down: AtomicBool,
     /// `Config::per_stream_shards`; may change only while no shard exists.
     sharded: AtomicBool,
+    /// Each thread's front cache for this device (`front`), and this allocator's key in
+    /// the threads' lists of them (unique for the process's life).
+    fronts: Arc<Fronts>,
+    key: u64,
 }
+
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 impl DeviceAllocator {
     pub fn new(device: usize, driver: Arc<dyn Driver>, config: Config) -> Result<Self> {
@@ -71,8 +78,14 @@ impl DeviceAllocator {
             .map_err(|e| super::driver_error(device, e))?
             .min(1 << 56);
         let sharded = AtomicBool::new(config.per_stream_shards);
+        let fronts = Arc::new(Fronts::default());
+        fronts
+            .open
+            .store(fronts_open(&config, false, false), Ordering::Relaxed);
         Ok(Self {
             sharded,
+            fronts,
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             device,
             total_memory,
             driver,
@@ -165,6 +178,7 @@ impl DeviceAllocator {
             self.driver.clone(),
             setup.config.clone(),
             self.device_reserved.clone(),
+            self.fronts.clone(),
         );
         // The device's holds, not one per window (a pool may be released while its window
         // is open).
@@ -186,6 +200,10 @@ impl DeviceAllocator {
 
     /// Allocates at least `size` bytes for use on `stream`.
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
+        // A block this thread freed, of exactly this size and stream (see `front`).
+        if let Some(ptr) = front::take(&self.fronts, self.key, size, stream) {
+            return Ok(ptr);
+        }
         let (slot, shard) = self.shard(stream)?;
         if !self.several_shards() || size > self.total_memory {
             // One shard, or a size no emptying could make room for: nothing to retry.
@@ -233,6 +251,9 @@ impl DeviceAllocator {
     /// with nothing changed. The shard this thread last allocated from is asked first: a
     /// thread mostly frees what it allocated, and asking a shard takes its lock.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if let Some(done) = self.free_in_front(ptr) {
+            return done;
+        }
         if !self.several_shards() {
             return self.free_trying(ptr, None);
         }
@@ -246,6 +267,9 @@ impl DeviceAllocator {
     /// `free` for a block allocated on `stream` (as PyTorch's free says): its shard is
     /// asked first.
     pub fn free_on(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        if let Some(done) = self.free_in_front(ptr) {
+            return done;
+        }
         let first = self
             .slots
             .iter()
@@ -254,14 +278,46 @@ impl DeviceAllocator {
         self.free_trying(ptr, first.map(|s| &s.shard))
     }
 
+    /// The fast free: `ptr` was handed out by this thread's front.
+    fn free_in_front(&self, ptr: DevicePtr) -> Option<Result<()>> {
+        match front::give_back(&self.fronts, self.key, ptr)? {
+            GiveBack::Held => Some(Ok(())),
+            GiveBack::AlreadyFree => Some(Err(Error::new(
+                ErrorKind::DoubleFree,
+                format!(
+                    "{ptr:#x} on device {} is not live: it was already freed",
+                    self.device
+                ),
+            ))),
+            GiveBack::NotHere => None,
+        }
+    }
+
     fn free_trying(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
+        // With one shard, the block may wait in this thread's front.
+        if !self.several_shards() {
+            if let Some(shard) = self.slots[0].get().map(|s| &s.shard) {
+                let freed = front::with_adopter(&self.fronts, self.key, |adopter| {
+                    match shard.free(ptr, adopter) {
+                        Ok(Freed::Adopted(census)) => (Ok(true), Some(census)),
+                        Ok(Freed::Done) => (Ok(true), None),
+                        Ok(Freed::NotLive) => (Ok(false), None),
+                        Err(e) => (Err(e), None),
+                    }
+                });
+                return match freed? {
+                    true => Ok(()),
+                    false => Err(self.not_live(ptr)),
+                };
+            }
+        }
         if let Some(shard) = first {
-            if shard.free(ptr)? {
+            if shard.free(ptr, None)?.freed() {
                 return Ok(());
             }
         }
         for shard in self.shards() {
-            if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr)? {
+            if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr, None)?.freed() {
                 return Ok(());
             }
         }
@@ -333,7 +389,20 @@ impl DeviceAllocator {
         self.sharded
             .store(next.per_stream_shards, Ordering::Relaxed);
         setup.config = next.clone();
+        self.set_fronts_open(&setup);
+        // Each shard takes its fronts' held blocks back first (sized under the old settings).
         self.each_shard(|s| s.set_config(next.clone()))
+    }
+
+    /// Whether fronts may be used now (see `front::Fronts::open`). After a close, a drain
+    /// (which takes every front's cell) leaves no front in use.
+    fn set_fronts_open(&self, setup: &Setup) {
+        let open = fronts_open(
+            &setup.config,
+            !setup.windows.is_empty(),
+            self.shut_down.load(Ordering::Acquire),
+        );
+        self.fronts.open.store(open, Ordering::Release);
     }
 
     /// `per_stream_shards` may change only while no shard exists.
@@ -421,6 +490,10 @@ impl DeviceAllocator {
         for shard in self.shards() {
             sum.add(&shard.stats()?);
         }
+        // What the fronts handed out and took back, past the shard's view of their blocks.
+        for cell in self.fronts.all() {
+            cell.front.with(|f| f.counts().add_to(&mut sum, true));
+        }
         self.device_reserved.set_peaks(&mut sum.reserved_bytes);
         Ok(sum)
     }
@@ -443,6 +516,9 @@ impl DeviceAllocator {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         self.check_open()?;
+        for cell in self.fronts.all() {
+            cell.front.with(|f| f.counts_mut().reset_accumulated());
+        }
         self.each_shard(Shard::reset_accumulated_stats)
     }
 
@@ -463,11 +539,15 @@ impl DeviceAllocator {
         let mut setup = self.setup()?;
         self.check_open()?;
         let filter = Arc::new(Mutex::new(filter));
+        // No front may hand out or keep general-cache blocks while a capture routes
+        // allocations: closed first, then drained by the shards.
+        self.fronts.open.store(false, Ordering::Release);
         let opened = self.each_shard(|s| s.begin_allocate_to_pool(pool, route_to(&filter)));
         if opened.is_ok() {
             setup.windows.push((pool, filter));
             *setup.pools.entry(pool).or_insert(0) += 1;
         }
+        self.set_fronts_open(&setup);
         drop(setup);
         opened
     }
@@ -484,6 +564,7 @@ impl DeviceAllocator {
         };
         let window = setup.windows.remove(i);
         let closed = self.each_shard(|s| s.end_allocate_to_pool(pool));
+        self.set_fronts_open(&setup);
         drop(setup);
         // Dropped last, with no lock held: dropping the filter runs the caller's release
         // callback, which may call back into ccalloc.
@@ -535,6 +616,10 @@ impl DeviceAllocator {
         for shard in &shards {
             locked.push(shard.lock()?);
         }
+        // Blocks held in fronts are free: taken back, so that only the caller's count.
+        for (shard, st) in shards.iter().zip(locked.iter_mut()) {
+            shard.drain_fronts(st);
+        }
         let count: i64 = locked
             .iter()
             .map(|st| st.stats.allocation.all().current)
@@ -561,15 +646,29 @@ impl DeviceAllocator {
             st.shut_down = true;
         }
         self.shut_down.store(true, Ordering::Release);
+        self.set_fronts_open(&setup);
         Ok(())
     }
 
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
-        let _setup = self.setup.lock();
+        let setup = self.setup.lock();
         self.shards().for_each(Shard::reopen);
         self.shut_down.store(false, Ordering::Release);
+        if let Ok(setup) = setup {
+            self.set_fronts_open(&setup);
+        }
     }
+}
+
+/// Whether thread fronts may serve a device with these settings, with a private-pool window
+/// open or not, shut down or not.
+fn fronts_open(config: &Config, windows_open: bool, shut_down: bool) -> bool {
+    config.thread_cache
+        && config.expandable_segments
+        && !config.per_stream_shards
+        && !windows_open
+        && !shut_down
 }
 
 /// The slot a stream past `MAX_SHARDS` shares. The hash's high bits: stream handles are

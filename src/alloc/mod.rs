@@ -10,6 +10,7 @@
 pub mod blocks;
 pub mod caches;
 mod device;
+mod front;
 mod paged;
 pub mod pools;
 mod release;
@@ -29,6 +30,22 @@ use sizing::PoolKind;
 use state::{Elsewhere, State};
 use stats::DeviceStats;
 use std::sync::Arc;
+
+/// What `Shard::free` did.
+#[derive(Debug)]
+enum Freed {
+    /// `ptr` is not a live block of this shard.
+    NotLive,
+    Done,
+    /// Taken by the caller's front: its (held, out) census.
+    Adopted((u32, u32)),
+}
+
+impl Freed {
+    fn freed(&self) -> bool {
+        !matches!(self, Freed::NotLive)
+    }
+}
 
 /// One segment as seen from outside (tests, snapshots, the replay tool).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -77,6 +94,7 @@ impl Shard {
         driver: Arc<dyn Driver>,
         config: Config,
         device_reserved: Arc<stats::DeviceReserved>,
+        fronts: Arc<front::Fronts>,
     ) -> Self {
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
@@ -85,7 +103,7 @@ impl Shard {
             device,
             total_memory,
             driver,
-            state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
+            state: SpinThenBlock::new(State::new(config, limit, device_reserved, fronts)),
             free_fence_interval,
             times_page_moves,
         }
@@ -143,6 +161,28 @@ impl Shard {
             None
         };
         let rounded = sizing::round_size(size, &st.config);
+        // Blocks in thread fronts count as allocated here: a hand-out that lifts a figure
+        // past its peak takes them back first, so that the new peak is the true one.
+        let peaks = (st.front_blocks > 0).then(|| st.front_peaks());
+        let ptr = self.malloc_locked(&mut st, size, stream, owner, rounded)?;
+        if let Some(before) = peaks {
+            if st.front_peaks_passed(&before) {
+                self.drain_fronts(&mut st);
+                st.settle_front_peaks(&before);
+            }
+        }
+        Ok(ptr)
+    }
+
+    /// `malloc` once the shard is locked and the request checked and rounded.
+    fn malloc_locked(
+        &self,
+        st: &mut State,
+        size: u64,
+        stream: StreamId,
+        owner: Option<PoolId>,
+        rounded: u64,
+    ) -> Result<DevicePtr> {
         if owner.is_none() {
             if let Some(ptr) = st.take_parked(stream, rounded, size) {
                 return Ok(ptr);
@@ -152,32 +192,31 @@ impl Shard {
         let mut found = st.take_cached(owner, pool, stream, rounded);
         let lacks_pages =
             |st: &State, (id, ready): (BlockId, bool)| !ready && st.needs_pages(id, rounded);
-        if st.parked.count > 0 && found.is_none_or(|f| lacks_pages(&st, f)) {
-            // Parked blocks may hold the mapped pages this request would map anew, or the
-            // free space it fits in once they merge: they merge back first, and the request
-            // looks again.
+        if (st.parked.count > 0 || st.front_blocks > 0) && found.is_none_or(|f| lacks_pages(st, f))
+        {
+            // Parked blocks (and those held in thread fronts) may hold the mapped pages this
+            // request would map anew, or the free space it fits in once they merge: they
+            // merge back first, and the request looks again.
             if let Some((id, _)) = found {
                 st.return_untouched(id);
             }
+            self.drain_fronts(st);
             st.flush_parked();
             found = st.take_cached(owner, pool, stream, rounded);
         }
         if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
-            if let Some(page) = self.paging(&st, owner.is_some()) {
-                if self.add_paged_segment(&mut st, stream, pool, page)? {
+            if let Some(page) = self.paging(st, owner.is_some()) {
+                if self.add_paged_segment(st, stream, pool, page)? {
                     found = st.take_cached(owner, pool, stream, rounded);
                 }
             }
         }
         let (id, pages_ready) = match found {
             Some(found) => found,
-            None => (
-                self.grow(&mut st, owner, pool, stream, size, rounded)?,
-                false,
-            ),
+            None => (self.grow(st, owner, pool, stream, size, rounded)?, false),
         };
         if !pages_ready && st.blocks.get(id).paged {
-            self.back_with_pages(&mut st, id, size, rounded)?;
+            self.back_with_pages(st, id, size, rounded)?;
         }
         Ok(st.hand_out(id, rounded, size))
     }
@@ -211,7 +250,9 @@ impl Shard {
     ) -> Result<BlockId> {
         let segment_size = sizing::segment_size(rounded);
         let capturing = st.caches.capturing();
-        // Parked blocks merge with their neighbours before any memory is made.
+        // Parked blocks (and fronts' held ones) merge with their neighbours before any
+        // memory is made.
+        self.drain_fronts(st);
         st.flush_parked();
         if !capturing && st.config.garbage_collection_threshold > 0.0 {
             self.collect_garbage(st)?;
@@ -242,6 +283,7 @@ impl Shard {
             st.stats.num_ooms += 1;
         }
         // Parked blocks are cached free memory too: the message counts them merged.
+        self.drain_fronts(st);
         st.flush_parked();
         Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
     }
@@ -318,13 +360,26 @@ impl Shard {
         Ok(Some(st.add_segment(addr, size, stream, pool, owner)))
     }
 
-    /// Frees a block handed out by `malloc`; `false` (nothing changed) when `ptr` is not a
-    /// live block of this shard.
-    fn free(&self, ptr: DevicePtr) -> Result<bool> {
+    /// Frees a block handed out by `malloc`. With `adopter`, a block that may wait in the
+    /// calling thread's front goes there (still handed out, to this shard) instead of the
+    /// cache. `NotLive` (nothing changed) when `ptr` is not a live block of this shard.
+    fn free(&self, ptr: DevicePtr, adopter: Option<&front::FrontCell>) -> Result<Freed> {
         let mut st = self.lock()?;
         let Some(&id) = st.live.get(&ptr) else {
-            return Ok(false);
+            return Ok(Freed::NotLive);
         };
+        self.detach_from_front(&mut st, id, ptr)?;
+        if let Some(cell) = adopter {
+            if let Some(census) = self.adopt(&mut st, id, cell) {
+                return Ok(Freed::Adopted(census));
+            }
+        }
+        self.free_block(&mut st, id)?;
+        Ok(Freed::Done)
+    }
+
+    /// Frees a live block `id` that no front holds.
+    fn free_block(&self, st: &mut State, id: BlockId) -> Result<()> {
         let uses = st.take_back(id);
         if uses.is_empty() {
             let stream = st.blocks.get(id).stream;
@@ -332,17 +387,116 @@ impl Shard {
                 Some(due) => due,
                 None => st.cache(id),
             };
-            if fence_due && self.free_fence_allowed(&mut st, stream) {
+            if fence_due && self.free_fence_allowed(st, stream) {
                 // Later growth may want these pages: a fence tells it when they are free.
-                self.record_fence(&mut st, stream);
+                self.record_fence(st, stream);
             }
         } else if st.caches.capturing() {
             st.blocks.get_mut(id).stream_uses = uses;
             st.deferred.push(id);
         } else {
-            self.await_streams(&mut st, id, uses)?;
+            self.await_streams(st, id, uses)?;
         }
-        Ok(true)
+        Ok(())
+    }
+
+    /// A live block that a front holds is taken from it, for a free or `record_stream` on
+    /// another path (another thread's, or one the front did not see). A block the front
+    /// holds as freed is not live for the caller: the double free is refused, nothing
+    /// changed.
+    fn detach_from_front(&self, st: &mut State, id: BlockId, ptr: DevicePtr) -> Result<()> {
+        let front = st.blocks.get(id).front;
+        if front == 0 {
+            return Ok(());
+        }
+        let held = st
+            .fronts
+            .find(front)
+            .and_then(|cell| cell.front.with(|f| f.detach(ptr)));
+        if held == Some(true) {
+            return Err(Error::new(
+                ErrorKind::DoubleFree,
+                format!(
+                    "{ptr:#x} on device {} is not live: it was already freed",
+                    self.device
+                ),
+            ));
+        }
+        st.blocks.get_mut(id).front = 0;
+        st.front_blocks -= 1;
+        Ok(())
+    }
+
+    /// Gives a freed block to `cell` (see `front`) when it may wait there: a paged block of
+    /// the general cache, used on its own stream only, not oversize, outside captures.
+    /// Returns the front's (held, out) census, or `None` when the block stays here.
+    fn adopt(&self, st: &mut State, id: BlockId, cell: &front::FrontCell) -> Option<(u32, u32)> {
+        let b = st.blocks.get(id);
+        let eligible = b.paged
+            && b.owner.is_none()
+            && b.stream_uses.is_empty()
+            && !b.counted_oversize
+            && b.size <= front::FRONT_MAX_BLOCK
+            && !st.caches.capturing();
+        if !eligible {
+            return None;
+        }
+        let entry = front::Entry::new(b.addr, b.size, b.requested, b.stream, b.pool, id);
+        let fronts = st.fronts.clone();
+        let adopted = cell.front.with(|f| {
+            if !fronts.open.load(std::sync::atomic::Ordering::Relaxed) {
+                return None;
+            }
+            let evicted = f.adopt(entry).ok()?;
+            Some((evicted, f.census()))
+        });
+        let (evicted, census) = adopted?;
+        st.blocks.get_mut(id).front = cell.id;
+        st.front_blocks += 1;
+        if let Some(old) = evicted {
+            self.free_drained(st, old);
+        }
+        Some(census)
+    }
+
+    /// Frees blocks that fronts held, in the shard: every front's held blocks (and folds
+    /// fronts of exited threads into the statistics once they hold nothing). Every path
+    /// that must see the real free memory calls this first.
+    fn drain_fronts(&self, st: &mut State) {
+        use std::sync::atomic::Ordering;
+        let orphans = st.fronts.orphans.load(Ordering::Acquire);
+        if st.front_blocks == 0 && orphans == 0 {
+            return;
+        }
+        let mut gone = Vec::new();
+        for cell in st.fronts.all() {
+            let (drained, empty, counts) = cell
+                .front
+                .with(|f| (f.drain_held(), f.is_empty(), *f.counts()));
+            for entry in drained {
+                self.free_drained(st, entry);
+            }
+            if empty && cell.orphaned.load(Ordering::Acquire) {
+                counts.add_to(&mut st.stats, false);
+                gone.push(cell.id);
+            }
+        }
+        st.fronts.retire(&gone);
+    }
+
+    /// Frees a block that left a front (drained or evicted): the front no longer counts it.
+    fn free_drained(&self, st: &mut State, entry: front::Entry) {
+        let Some(&id) = st.live.get(&entry.ptr) else {
+            debug_assert!(false, "a front held {:#x}, not live", entry.ptr);
+            return;
+        };
+        debug_assert_eq!(id, entry.id);
+        st.blocks.get_mut(id).front = 0;
+        st.front_blocks -= 1;
+        // Never recorded on another stream (record_stream takes blocks out of fronts).
+        if let Err(e) = self.free_block(st, id) {
+            tracing::warn!(device = self.device, "freeing a front's block: {e}");
+        }
     }
 
     /// Why `ptr` is not live, when it lies in this shard's memory (a double free, or a pointer
@@ -377,6 +531,8 @@ impl Shard {
         let Some(&id) = st.live.get(&ptr) else {
             return Ok(false);
         };
+        // A block used on another stream is freed through the shard, which waits for it.
+        self.detach_from_front(&mut st, id, ptr)?;
         let block = st.blocks.get_mut(id);
         if block.stream != stream && !block.stream_uses.contains(&stream) {
             block.stream_uses.push(stream);
@@ -424,6 +580,8 @@ impl Shard {
 
     pub fn set_config(&self, config: Config) -> Result<()> {
         let mut st = self.lock()?;
+        // Held blocks were sized under the old settings.
+        self.drain_fronts(&mut st);
         st.limit = limit_for(&config, self.total_memory);
         st.config = config;
         Ok(())
@@ -440,7 +598,10 @@ impl Shard {
     }
 
     pub fn reset_peak_stats(&self) -> Result<()> {
-        self.lock()?.stats.reset_peak();
+        let mut st = self.lock()?;
+        // Held blocks count as allocated here: the new peaks must not include them.
+        self.drain_fronts(&mut st);
+        st.stats.reset_peak();
         Ok(())
     }
 
@@ -451,7 +612,9 @@ impl Shard {
 
     /// Every segment with its blocks, in address order (parked blocks as they are).
     pub fn segments(&self) -> Result<Vec<SegmentView>> {
-        let st = self.lock()?;
+        let mut st = self.lock()?;
+        // Blocks held in fronts are free: shown merged into the cache, as they are then.
+        self.drain_fronts(&mut st);
         Ok(st
             .segments
             .iter()

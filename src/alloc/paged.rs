@@ -392,6 +392,7 @@ impl Shard {
             state: BlockState::Free,
             stream_uses: Vec::new(),
             cached_at,
+            front: 0,
         });
         st.caches.list(None, pool).insert(st.blocks.get(id), id);
         st.segments.insert(
@@ -443,6 +444,7 @@ impl Shard {
             return Ok(true);
         }
         // Parked blocks' pages become reclaimable (and the OOM path sees them merged).
+        self.drain_fronts(st);
         st.flush_parked();
         let seg = &st.paged[&base];
         let missing: Vec<usize> = seg

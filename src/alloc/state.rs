@@ -3,6 +3,7 @@
 
 use super::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::caches::{Caches, PoolId};
+use super::front::Fronts;
 use super::paged::PagedSegment;
 use super::sizing::{self, PoolKind};
 use super::stats::{DeviceReserved, DeviceStats};
@@ -135,10 +136,18 @@ pub struct State {
     pub oom_final: Option<Elsewhere>,
     /// Every free up to this one is done on the device (it was synchronized after it).
     pub synced_seq: u64,
+    /// The device's thread fronts (`front`), and how many handed-out blocks they hold.
+    pub fronts: Arc<Fronts>,
+    pub front_blocks: usize,
 }
 
 impl State {
-    pub fn new(config: Config, limit: u64, device_reserved: Arc<DeviceReserved>) -> Self {
+    pub fn new(
+        config: Config,
+        limit: u64,
+        device_reserved: Arc<DeviceReserved>,
+        fronts: Arc<Fronts>,
+    ) -> Self {
         Self {
             config,
             limit,
@@ -163,11 +172,58 @@ impl State {
             synced_seq: 0,
             device_reserved,
             oom_final: Some(Elsewhere::default()),
+            fronts,
+            front_blocks: 0,
         }
     }
 
     pub fn reserved(&self) -> u64 {
         self.stats.reserved_bytes.all().current as u64
+    }
+
+    /// The peaks of the statistics that thread fronts move (see `front`), to compare with
+    /// after a hand-out (`front_peaks_passed`).
+    pub fn front_peaks(&self) -> [[i64; 3]; 5] {
+        self.front_stats()
+            .map(|array| array.0.map(|stat| stat.peak))
+    }
+
+    /// Whether any of those statistics now stands above its peak in `before`.
+    pub fn front_peaks_passed(&self, before: &[[i64; 3]; 5]) -> bool {
+        self.front_stats()
+            .iter()
+            .zip(before)
+            .any(|(array, peaks)| array.0.iter().zip(peaks).any(|(s, &p)| s.current > p))
+    }
+
+    /// Sets those peaks to the larger of `before` and the current value (after the fronts'
+    /// held blocks were taken back: the true high-water mark).
+    pub fn settle_front_peaks(&mut self, before: &[[i64; 3]; 5]) {
+        let s = &mut self.stats;
+        let arrays = [
+            &mut s.allocation,
+            &mut s.allocated_bytes,
+            &mut s.active,
+            &mut s.active_bytes,
+            &mut s.requested_bytes,
+        ];
+        for (array, peaks) in arrays.into_iter().zip(before) {
+            for (stat, &peak) in array.0.iter_mut().zip(peaks) {
+                stat.peak = peak.max(stat.current);
+            }
+        }
+    }
+
+    /// The statistics thread fronts move, in `front::FrontCounts` order.
+    fn front_stats(&self) -> [&super::stats::StatArray; 5] {
+        let s = &self.stats;
+        [
+            &s.allocation,
+            &s.allocated_bytes,
+            &s.active,
+            &s.active_bytes,
+            &s.requested_bytes,
+        ]
     }
 
     /// Reserved on the whole device: this shard's and its other shards'.
@@ -361,6 +417,7 @@ impl State {
             state: BlockState::Free,
             stream_uses: Vec::new(),
             cached_at: 0,
+            front: 0,
         });
         let oversize = size >= self.config.max_split_size;
         self.segments.insert(

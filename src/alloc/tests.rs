@@ -978,7 +978,8 @@ fn page_bits_count_across_words() {
 
 #[test]
 fn parked_large_blocks_are_reused_and_never_cost_pages() {
-    let (sim, a) = paged(1 << 30, "");
+    // The shard's parking, under the thread fronts (which take such blocks first).
+    let (sim, a) = paged(1 << 30, "thread_cache:False");
     let keep = a.malloc(4 * MIB, S0).unwrap();
     let big = a.malloc(64 * MIB, S0).unwrap();
     a.free(big).unwrap();

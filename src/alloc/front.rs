@@ -1,0 +1,512 @@
+//! Each thread's front cache: the same-size alloc/free loop without the device lock.
+//!
+//! A training loop frees a tensor and soon asks again for one of exactly its size on the
+//! same stream. The shard serves that from its parked blocks (`State::park`), but every
+//! visit still takes the shard's lock and its live-block map: two atomic read-modify-writes
+//! per call, most of a cached call's time. A front keeps up to `FRONT_SLOTS` such blocks per
+//! thread, behind a `SpinCell` that only its own thread takes on the fast path: one atomic
+//! per call, and a few word compares.
+//!
+//! To the shard, a block in a front stays handed out (live, counted as allocated), and it
+//! knows which front has it (`Block::front`). A front holds two kinds of entry:
+//! - *held*: freed by the caller, waiting for a request of the same size and stream;
+//! - *out*: handed out again by the front, so that its free finds it without the shard.
+//!
+//! Statistics stay exact. A front counts what it hands out and takes back (`FrontCounts`),
+//! and a statistics read adds that to the shard's. Peaks need no count of their own: the
+//! shard's figures include held blocks as allocated, so they never fall below the true
+//! ones, and the shard keeps its figures at or under the peaks. When an allocation would
+//! lift the shard's figures past a peak while fronts hold blocks, it first takes the held
+//! blocks back (`Shard::drain_fronts`), so the new peak is the true one. Every path that
+//! must see the real free memory drains them too: growth, `empty_cache`, snapshots, peak
+//! resets, settings, captures, shutdown.
+//!
+//! Another thread touches a front only from the shard's slow paths, under the shard's lock
+//! (lock order: shard, then registry, then front): to drain it, or to detach a block that
+//! it frees or records on a stream. Fronts serve devices with one shard (the default); with
+//! `per_stream_shards` each stream's shard already has its own lock.
+
+use super::blocks::BlockId;
+use super::sizing::PoolKind;
+use super::stats::DeviceStats;
+use crate::driver::{DevicePtr, StreamId};
+use crate::sync::SpinCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Blocks (held and out) a front keeps.
+pub const FRONT_SLOTS: usize = 8;
+/// Larger blocks are left to the shard (whose growth path may need their pages).
+pub const FRONT_MAX_BLOCK: u64 = 1 << 30;
+/// Adoptions counted before a front judges its reuse ...
+const ADOPTIONS_PER_REVIEW: u32 = 64;
+/// ... and if fewer than one in this many were reused, it stops adopting ...
+const ADOPTIONS_PER_REUSE: u32 = 4;
+/// ... for this many frees (a loop of random sizes then pays nothing for it).
+const ADOPTION_PAUSE: u32 = 4096;
+
+/// A block in a front.
+#[derive(Clone, Copy, Debug)]
+pub struct Entry {
+    pub ptr: DevicePtr,
+    pub size: u64,
+    pub requested: u64,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    pub id: BlockId,
+    /// Freed by the caller (else handed out again by the front).
+    pub held: bool,
+    /// When it was last freed, for eviction of the oldest.
+    stamp: u64,
+}
+
+impl Entry {
+    pub fn new(
+        ptr: DevicePtr,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        pool: PoolKind,
+        id: BlockId,
+    ) -> Self {
+        Self {
+            ptr,
+            size,
+            requested,
+            stream,
+            pool,
+            id,
+            held: false,
+            stamp: 0,
+        }
+    }
+
+    /// Its weight in each of `COUNTED`.
+    fn amounts(&self) -> [i64; 5] {
+        let (size, requested) = (self.size as i64, self.requested as i64);
+        [1, size, 1, size, requested]
+    }
+}
+
+/// The statistics a front moves, in this order: allocation, allocated_bytes, active,
+/// active_bytes, requested_bytes.
+const COUNTED: usize = 5;
+
+/// What a front has handed out and taken back, per pool (small, large) and counted
+/// statistic; a statistics read adds it to the shard's (`add_to`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct FrontCounts {
+    /// Net change of each statistic's current value: minus what held entries weigh.
+    current: [[i64; COUNTED]; 2],
+    /// Totals handed out and taken back (the statistics' `allocated` and `freed`).
+    handed: [[i64; COUNTED]; 2],
+    returned: [[i64; COUNTED]; 2],
+}
+
+impl FrontCounts {
+    fn hand(&mut self, e: &Entry) {
+        let p = e.pool as usize;
+        for (i, a) in e.amounts().into_iter().enumerate() {
+            self.current[p][i] += a;
+            self.handed[p][i] += a;
+        }
+    }
+
+    fn take_back(&mut self, e: &Entry) {
+        let p = e.pool as usize;
+        for (i, a) in e.amounts().into_iter().enumerate() {
+            self.current[p][i] -= a;
+            self.returned[p][i] += a;
+        }
+    }
+
+    /// A held entry leaves for the shard, which counts its free from now on.
+    fn unreturn(&mut self, e: &Entry) {
+        let p = e.pool as usize;
+        for (i, a) in e.amounts().into_iter().enumerate() {
+            self.current[p][i] += a;
+            self.returned[p][i] -= a;
+        }
+    }
+
+    pub fn reset_accumulated(&mut self) {
+        self.handed = Default::default();
+        self.returned = Default::default();
+    }
+
+    /// Adds these counts to `stats` (a shard's or the device's sum); `with_current` false
+    /// adds only the totals (a front folded into its shard has no held entries left).
+    pub fn add_to(&self, stats: &mut DeviceStats, with_current: bool) {
+        let arrays = [
+            &mut stats.allocation,
+            &mut stats.allocated_bytes,
+            &mut stats.active,
+            &mut stats.active_bytes,
+            &mut stats.requested_bytes,
+        ];
+        for (i, array) in arrays.into_iter().enumerate() {
+            for p in 0..2 {
+                for index in [0, 1 + p] {
+                    let stat = &mut array.0[index];
+                    if with_current {
+                        stat.current += self.current[p][i];
+                    }
+                    stat.allocated += self.handed[p][i];
+                    stat.freed += self.returned[p][i];
+                }
+            }
+        }
+    }
+}
+
+/// Where a free found its block.
+#[derive(Debug, PartialEq, Eq)]
+pub enum GiveBack {
+    /// It was out: now held.
+    Held,
+    /// It is held already: a double free.
+    AlreadyFree,
+    /// Not in this front.
+    NotHere,
+}
+
+/// One thread's front (behind its `FrontCell`).
+#[derive(Default)]
+pub struct Front {
+    slots: [Option<Entry>; FRONT_SLOTS],
+    counts: FrontCounts,
+    clock: u64,
+}
+
+impl Front {
+    pub fn counts(&self) -> &FrontCounts {
+        &self.counts
+    }
+
+    pub fn counts_mut(&mut self) -> &mut FrontCounts {
+        &mut self.counts
+    }
+
+    /// (held, out) entries.
+    pub fn census(&self) -> (u32, u32) {
+        let held = self.slots.iter().flatten().filter(|e| e.held).count() as u32;
+        let all = self.slots.iter().flatten().count() as u32;
+        (held, all - held)
+    }
+
+    /// Hands out a held block of exactly `requested` bytes on `stream`.
+    pub fn take(&mut self, requested: u64, stream: StreamId) -> Option<DevicePtr> {
+        let entry = self
+            .slots
+            .iter_mut()
+            .flatten()
+            .find(|e| e.held && e.requested == requested && e.stream == stream)?;
+        entry.held = false;
+        let entry = *entry;
+        self.counts.hand(&entry);
+        Some(entry.ptr)
+    }
+
+    /// A free of `ptr`.
+    pub fn give_back(&mut self, ptr: DevicePtr) -> GiveBack {
+        self.clock += 1;
+        let stamp = self.clock;
+        let Some(entry) = self.slots.iter_mut().flatten().find(|e| e.ptr == ptr) else {
+            return GiveBack::NotHere;
+        };
+        if entry.held {
+            return GiveBack::AlreadyFree;
+        }
+        entry.held = true;
+        entry.stamp = stamp;
+        let entry = *entry;
+        self.counts.take_back(&entry);
+        GiveBack::Held
+    }
+
+    /// Takes a block the caller just freed (through the shard) as held. When every slot is
+    /// taken, the oldest held entry makes room and is returned, for the shard to free;
+    /// `Err` (nothing changed) when every slot is out.
+    pub fn adopt(&mut self, mut entry: Entry) -> Result<Option<Entry>, Entry> {
+        self.clock += 1;
+        entry.held = true;
+        entry.stamp = self.clock;
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(free) => free,
+            None => {
+                let oldest = self
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, e)| e.filter(|e| e.held).map(|e| (e.stamp, i)))
+                    .min();
+                match oldest {
+                    Some((_, i)) => i,
+                    None => return Err(entry),
+                }
+            }
+        };
+        let evicted = self.slots[slot].replace(entry);
+        if let Some(old) = &evicted {
+            self.counts.unreturn(old);
+        }
+        self.counts.take_back(&entry);
+        Ok(evicted)
+    }
+
+    /// Removes and returns every held entry (for the shard to free).
+    pub fn drain_held(&mut self) -> Vec<Entry> {
+        let mut drained = Vec::new();
+        for slot in &mut self.slots {
+            if let Some(e) = slot.take_if(|e| e.held) {
+                self.counts.unreturn(&e);
+                drained.push(e);
+            }
+        }
+        drained
+    }
+
+    /// For a shard path that frees `ptr` or records it on a stream: removes it if it is out
+    /// (`Some(false)`, the shard takes it from here); `Some(true)` if it is held (freed
+    /// already; left as it is); `None` if it is not here.
+    pub fn detach(&mut self, ptr: DevicePtr) -> Option<bool> {
+        let slot = self
+            .slots
+            .iter_mut()
+            .find(|s| s.is_some_and(|e| e.ptr == ptr))?;
+        if slot.is_some_and(|e| e.held) {
+            return Some(true);
+        }
+        *slot = None;
+        Some(false)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
+    }
+}
+
+/// A front shared between its thread (the fast path) and the shard's slow paths.
+pub struct FrontCell {
+    pub id: u64,
+    pub front: SpinCell<Front>,
+    /// Its thread has exited: drained and folded into the shard once empty.
+    pub orphaned: AtomicBool,
+}
+
+/// A device's fronts, and whether they may be used now.
+#[derive(Default)]
+pub struct Fronts {
+    cells: Mutex<Vec<Arc<FrontCell>>>,
+    /// False with shards, while a capture routes allocations to a private pool, after
+    /// shutdown, and with `thread_cache:False`: fronts neither hand out nor adopt. Read
+    /// inside the front's cell, so that a drain that follows a change sees no later use.
+    pub open: AtomicBool,
+    /// Fronts whose thread exited (or gave them up), not yet folded into the statistics.
+    pub orphans: AtomicUsize,
+}
+
+static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
+
+impl Fronts {
+    /// The registered fronts (a copy: the registry lock is not held while they are used).
+    pub fn all(&self) -> Vec<Arc<FrontCell>> {
+        match self.cells.lock() {
+            Ok(cells) => cells.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// A new front for the calling thread.
+    pub fn register(&self) -> Arc<FrontCell> {
+        let cell = Arc::new(FrontCell {
+            id: NEXT_FRONT.fetch_add(1, Ordering::Relaxed),
+            front: SpinCell::new(Front::default()),
+            orphaned: AtomicBool::new(false),
+        });
+        match self.cells.lock() {
+            Ok(mut cells) => cells.push(cell.clone()),
+            Err(poisoned) => poisoned.into_inner().push(cell.clone()),
+        }
+        cell
+    }
+
+    /// The front with this id, if still registered.
+    pub fn find(&self, id: u64) -> Option<Arc<FrontCell>> {
+        self.all().into_iter().find(|c| c.id == id)
+    }
+
+    /// Drops fronts whose thread exited and that hold nothing (folded by the caller).
+    pub fn retire(&self, gone: &[u64]) {
+        if gone.is_empty() {
+            return;
+        }
+        let mut cells = match self.cells.lock() {
+            Ok(cells) => cells,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        cells.retain(|c| !gone.contains(&c.id));
+        self.orphans.fetch_sub(gone.len(), Ordering::AcqRel);
+    }
+
+    /// `cell`'s thread no longer uses it.
+    fn orphan(&self, cell: &FrontCell) {
+        if !cell.orphaned.swap(true, Ordering::AcqRel) {
+            self.orphans.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// What the calling thread knows of its front for one device, without taking its cell:
+/// upper bounds of its held and out entries (only this thread adds them; others only take
+/// them away), and its adoption record.
+struct Local {
+    device_key: u64,
+    fronts: Arc<Fronts>,
+    cell: Arc<FrontCell>,
+    held: u32,
+    out: u32,
+    adopted: u32,
+    reused: u32,
+    paused: u32,
+}
+
+impl Drop for Local {
+    fn drop(&mut self) {
+        self.fronts.orphan(&self.cell);
+    }
+}
+
+/// Devices a thread keeps a front for at once (older ones are orphaned).
+const LOCALS: usize = 8;
+
+thread_local! {
+    static LOCALS_OF_THREAD: std::cell::RefCell<Vec<Local>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The calling thread's view of its front for `device_key`, if it has one.
+fn with_local<R>(device_key: u64, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
+    LOCALS_OF_THREAD
+        .try_with(|locals| {
+            let mut locals = locals.try_borrow_mut().ok()?;
+            let local = locals.iter_mut().find(|l| l.device_key == device_key)?;
+            Some(f(local))
+        })
+        .ok()
+        .flatten()
+}
+
+/// The fast allocation: a held block of exactly `requested` bytes on `stream`.
+pub fn take(
+    fronts: &Fronts,
+    device_key: u64,
+    requested: u64,
+    stream: StreamId,
+) -> Option<DevicePtr> {
+    with_local(device_key, |local| {
+        if local.held == 0 {
+            return None;
+        }
+        let (taken, census) = local.cell.front.with(|f| {
+            if !fronts.open.load(Ordering::Relaxed) {
+                return (None, f.census());
+            }
+            (f.take(requested, stream), f.census())
+        });
+        (local.held, local.out) = census;
+        if taken.is_some() {
+            local.reused += 1;
+        }
+        taken
+    })
+    .flatten()
+}
+
+/// The fast free: `Some` when the front had `ptr` out (now held) or held it already.
+pub fn give_back(fronts: &Fronts, device_key: u64, ptr: DevicePtr) -> Option<GiveBack> {
+    with_local(device_key, |local| {
+        if local.out == 0 {
+            return None;
+        }
+        let (found, census) = local.cell.front.with(|f| {
+            if !fronts.open.load(Ordering::Relaxed) {
+                return (GiveBack::NotHere, f.census());
+            }
+            (f.give_back(ptr), f.census())
+        });
+        (local.held, local.out) = census;
+        (found != GiveBack::NotHere).then_some(found)
+    })
+    .flatten()
+}
+
+/// Runs a slow free (`f`) with the calling thread's front as the adopter of its block, made
+/// on first use; `None` while the fronts are closed, while adoption is paused (blocks were
+/// rarely reused), or when the thread can have none (exiting, or a re-entrant call). `f`
+/// returns the front's (held, out) census when it adopted.
+pub fn with_adopter<R>(
+    fronts: &Arc<Fronts>,
+    device_key: u64,
+    f: impl FnOnce(Option<&FrontCell>) -> (R, Option<(u32, u32)>),
+) -> R {
+    if !fronts.open.load(Ordering::Relaxed) {
+        return f(None).0;
+    }
+    let mut f = Some(f);
+    let done = LOCALS_OF_THREAD.try_with(|locals| {
+        let mut locals = locals.try_borrow_mut().ok()?;
+        let i = match locals.iter().position(|l| l.device_key == device_key) {
+            Some(i) => i,
+            None => {
+                if locals.len() == LOCALS {
+                    locals.remove(0);
+                }
+                locals.push(Local {
+                    device_key,
+                    fronts: fronts.clone(),
+                    cell: fronts.register(),
+                    held: 0,
+                    out: 0,
+                    adopted: 0,
+                    reused: 0,
+                    paused: 0,
+                });
+                locals.len() - 1
+            }
+        };
+        let Local {
+            cell,
+            held,
+            out,
+            adopted,
+            reused,
+            paused,
+            ..
+        } = &mut locals[i];
+        let may_adopt = if *paused > 0 {
+            *paused -= 1;
+            false
+        } else if *adopted >= ADOPTIONS_PER_REVIEW {
+            let rarely = *reused * ADOPTIONS_PER_REUSE < *adopted;
+            (*adopted, *reused) = (0, 0);
+            if rarely {
+                *paused = ADOPTION_PAUSE;
+            }
+            !rarely
+        } else {
+            true
+        };
+        let run = f.take()?;
+        let (result, census) = run(may_adopt.then_some(&**cell));
+        if let Some(census) = census {
+            (*held, *out) = census;
+            *adopted += 1;
+        }
+        Some(result)
+    });
+    match (done, f) {
+        (Ok(Some(result)), _) => result,
+        (_, Some(run)) => run(None).0,
+        (_, None) => unreachable!("the free ran but gave no result"),
+    }
+}

@@ -1,0 +1,375 @@
+//! Thread fronts (`alloc::front`): each thread's cache of blocks it freed, served without
+//! the device lock. What must hold: statistics exact (peaks included) against a model,
+//! no block handed out twice, double frees refused from any thread, cross-stream use still
+//! waited for, captures never served from a front, and held memory given back by
+//! `empty_cache` and by threads that exit.
+
+use ccalloc::driver::sim::SimDriver;
+use ccalloc::{Config, DeviceAllocator, DeviceStats, ErrorKind, StreamId};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(1);
+
+fn allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
+    (sim, a)
+}
+
+fn rounded(size: u64) -> u64 {
+    size.max(1).div_ceil(512) * 512
+}
+
+/// Pool index in the statistics: 1 small (up to 1 MiB), 2 large.
+fn pool(rounded: u64) -> usize {
+    if rounded <= MIB {
+        1
+    } else {
+        2
+    }
+}
+
+/// The model's figures for allocation count, allocated bytes and requested bytes: per pool
+/// (all, small, large), current and peak.
+#[derive(Clone, Copy, Default, Debug)]
+struct Figures {
+    current: [[i64; 3]; 3],
+    peak: [[i64; 3]; 3],
+    allocations: i64,
+    /// Requested bytes are not modelled while freed blocks wait for another stream's events
+    /// (they leave when the shard next polls, which a front's hand-out does not).
+    requested_unknown: bool,
+}
+
+impl Figures {
+    fn change(&mut self, size: u64, sign: i64) {
+        self.change_stats(size, sign, &[0, 1, 2]);
+    }
+
+    /// Changes only the listed statistics (0 count, 1 bytes, 2 requested).
+    fn change_stats(&mut self, size: u64, sign: i64, stats: &[usize]) {
+        let r = rounded(size);
+        let amounts = [1, r as i64, size as i64];
+        for &stat in stats {
+            let amount = amounts[stat];
+            for index in [0, pool(r)] {
+                self.current[stat][index] += sign * amount;
+                let now = self.current[stat][index];
+                let peak = &mut self.peak[stat][index];
+                *peak = (*peak).max(now);
+            }
+        }
+        if sign > 0 && stats.contains(&0) {
+            self.allocations += 1;
+        }
+    }
+
+    fn reset_peaks(&mut self) {
+        self.peak = self.current;
+    }
+
+    fn check(&self, s: &DeviceStats) {
+        for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
+            .iter()
+            .enumerate()
+        {
+            if stat == 2 && self.requested_unknown {
+                continue;
+            }
+            for index in 0..3 {
+                let got = array.0[index];
+                assert_eq!(
+                    (got.current, got.peak),
+                    (self.current[stat][index], self.peak[stat][index]),
+                    "statistic {stat} (0 count, 1 bytes, 2 requested), pool index {index}: {s:?}"
+                );
+                assert_eq!(got.allocated - got.freed, got.current);
+            }
+        }
+        assert_eq!(s.allocation.all().allocated, self.allocations);
+        assert!(s.active_bytes.all().current >= s.allocated_bytes.all().current);
+        assert!(s.active_bytes.all().peak >= s.active_bytes.all().current);
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc {
+        size: u64,
+        stream: bool,
+    },
+    Free {
+        pick: usize,
+    },
+    /// The free comes from another thread (with a front of its own).
+    FreeElsewhere {
+        pick: usize,
+    },
+    /// A pointer freed earlier and not handed out again: refused, nothing changes.
+    DoubleFree {
+        pick: usize,
+    },
+    RecordStream {
+        pick: usize,
+    },
+    EmptyCache,
+    ResetPeaks,
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    // Few sizes, so that frees are often followed by a request of the same size.
+    let size = prop::sample::select(vec![700, 4096, 4096 * 3, MIB + 1, 3 * MIB, 40 * MIB]);
+    prop_oneof![
+        8 => (size, any::<bool>()).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        6 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::FreeElsewhere { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::DoubleFree { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::RecordStream { pick }),
+        1 => Just(Op::EmptyCache),
+        1 => Just(Op::ResetPeaks),
+    ]
+}
+
+fn run(ops: Vec<Op>) {
+    let (sim, a) = allocator(1 << 30, "");
+    let mut model = Figures::default();
+    // Live blocks by address: (end, requested size).
+    let mut live: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    let mut freed: Vec<u64> = Vec::new();
+    // Blocks recorded on another stream; freed ones keep their requested bytes until their
+    // events are seen done (at the next allocation, or empty_cache).
+    let mut recorded: Vec<u64> = Vec::new();
+    let mut awaiting: Vec<u64> = Vec::new();
+    let pick =
+        |live: &BTreeMap<u64, (u64, u64)>, i: usize| live.keys().nth(i % live.len()).copied();
+    for op in ops {
+        match op {
+            Op::Alloc { size, stream } => {
+                let ptr = a.malloc(size, if stream { S1 } else { S0 }).unwrap();
+                let end = ptr + rounded(size);
+                // Never a block that overlaps a live one (a front handing out twice would).
+                let before = live.range(..end).next_back();
+                assert!(
+                    before.is_none_or(|(_, &(e, _))| e <= ptr),
+                    "{ptr:#x} overlaps a live block"
+                );
+                live.insert(ptr, (end, size));
+                freed.retain(|&f| f != ptr);
+                model.change(size, 1);
+            }
+            Op::Free { pick: i } | Op::FreeElsewhere { pick: i } if !live.is_empty() => {
+                let ptr = pick(&live, i).unwrap();
+                let (_, size) = live.remove(&ptr).unwrap();
+                if matches!(op, Op::Free { .. }) {
+                    a.free(ptr).unwrap();
+                } else {
+                    std::thread::scope(|s| s.spawn(|| a.free(ptr).unwrap()).join().unwrap());
+                }
+                freed.push(ptr);
+                if recorded.contains(&ptr) {
+                    recorded.retain(|&r| r != ptr);
+                    awaiting.push(size);
+                    model.requested_unknown = true;
+                    model.change_stats(size, -1, &[0, 1]);
+                } else {
+                    model.change(size, -1);
+                }
+            }
+            Op::DoubleFree { pick } if !freed.is_empty() => {
+                let ptr = freed[pick % freed.len()];
+                let before = a.stats().unwrap();
+                let kind = a.free(ptr).unwrap_err().kind;
+                assert!(
+                    matches!(kind, ErrorKind::DoubleFree | ErrorKind::UnknownPointer),
+                    "{kind:?}"
+                );
+                assert_eq!(
+                    a.stats().unwrap(),
+                    before,
+                    "a refused free changed the stats"
+                );
+            }
+            Op::RecordStream { pick: i } if !live.is_empty() => {
+                let ptr = pick(&live, i).unwrap();
+                a.record_stream(ptr, StreamId(9)).unwrap();
+                recorded.push(ptr);
+            }
+            Op::EmptyCache => {
+                a.empty_cache().unwrap();
+                for size in awaiting.drain(..) {
+                    model.change_stats(size, -1, &[2]);
+                }
+            }
+            Op::ResetPeaks => {
+                a.reset_peak_stats().unwrap();
+                model.reset_peaks();
+                // Known again once nothing waits (from empty_cache) and the peaks restart.
+                model.requested_unknown &= !awaiting.is_empty();
+            }
+            _ => {}
+        }
+        model.check(&a.stats().unwrap());
+    }
+    for (ptr, _) in std::mem::take(&mut live) {
+        a.free(ptr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(
+        sim.counters(0).bytes_in_use,
+        0,
+        "held blocks were given back"
+    );
+    assert_eq!(a.stats().unwrap().allocation.all().current, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn statistics_and_peaks_stay_exact(ops in prop::collection::vec(op_strategy(), 1..300)) {
+        run(ops);
+    }
+}
+
+#[test]
+fn a_same_size_loop_reuses_one_block_and_peaks_stay_true() {
+    let (sim, a) = allocator(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let calls = sim.counters(0);
+    for _ in 0..1000 {
+        let q = a.malloc(4096, S0).unwrap();
+        assert_eq!(q, p);
+        a.free(q).unwrap();
+    }
+    assert_eq!(sim.counters(0).maps, calls.maps);
+    // The held 4 KiB block counts as free: a larger request now peaks at its own size.
+    let big = a.malloc(8192, S0).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().peak, 8192);
+    assert_eq!(s.allocated_bytes.all().current, 8192);
+    assert_eq!(s.allocation.all().allocated, 1002);
+    a.free(big).unwrap();
+}
+
+#[test]
+fn double_frees_through_a_front_are_refused_from_any_thread() {
+    let (_sim, a) = allocator(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    assert_eq!(q, p, "handed out by the front");
+    a.free(q).unwrap();
+    let before = a.stats().unwrap();
+    assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
+    let elsewhere = std::thread::scope(|s| s.spawn(|| a.free(q).unwrap_err().kind).join().unwrap());
+    assert_eq!(elsewhere, ErrorKind::DoubleFree);
+    assert_eq!(
+        a.record_stream(q, S1).unwrap_err().kind,
+        ErrorKind::DoubleFree
+    );
+    assert_eq!(a.stats().unwrap(), before);
+}
+
+#[test]
+fn a_block_handed_out_by_a_front_may_be_freed_by_another_thread() {
+    let (_sim, a) = allocator(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    std::thread::scope(|s| s.spawn(|| a.free(q).unwrap()).join().unwrap());
+    // Freed for good: this thread's front no longer has it.
+    assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(s.allocated_bytes.all().current, 0);
+    assert_eq!(s.requested_bytes.all().current, 0);
+}
+
+#[test]
+fn a_block_recorded_on_another_stream_waits_for_it_after_a_front_served_it() {
+    let (sim, a) = allocator(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    assert_eq!(q, p);
+    a.record_stream(q, S1).unwrap();
+    sim.set_stream_paused(0, S1, true);
+    a.free(q).unwrap();
+    // S1 has not run: the block must not come back yet.
+    let r = a.malloc(4096, S0).unwrap();
+    assert_ne!(r, q);
+    sim.set_stream_paused(0, S1, false);
+    a.free(r).unwrap();
+}
+
+#[test]
+fn empty_cache_and_exiting_threads_give_held_blocks_back() {
+    let (sim, a) = allocator(1 << 30, "");
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for _ in 0..3 {
+                let p = a.malloc(40 * MIB, S0).unwrap();
+                a.free(p).unwrap();
+            }
+        });
+    });
+    // The thread is gone; its front still held the block.
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().allocated, 3);
+    assert_eq!(s.allocation.all().freed, 3);
+    assert_eq!(s.allocated_bytes.all().current, 0);
+    // This thread's held block goes back too.
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    a.shutdown().unwrap();
+}
+
+#[test]
+fn a_capture_is_never_served_from_a_front() {
+    let (_sim, a) = allocator(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    a.begin_allocate_to_pool((1, 1), Box::new(|s| s == S0))
+        .unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    assert_ne!(q, p, "the capture's block comes from its private pool");
+    let segment = a
+        .segments()
+        .unwrap()
+        .into_iter()
+        .find(|s| s.blocks.iter().any(|b| b.0 == q))
+        .unwrap();
+    assert_eq!(segment.private_pool, Some((1, 1)));
+    a.free(q).unwrap();
+    a.end_allocate_to_pool((1, 1)).unwrap();
+    a.release_pool((1, 1)).unwrap();
+    // Open again after the capture.
+    let r = a.malloc(4096, S0).unwrap();
+    a.free(r).unwrap();
+    assert_eq!(a.malloc(4096, S0).unwrap(), r);
+}
+
+#[test]
+fn shutdown_counts_only_the_callers_blocks() {
+    let (_sim, a) = allocator(1 << 30, "");
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    // Handed out by the front: live, so shutdown is refused.
+    assert_eq!(a.shutdown().unwrap_err().kind, ErrorKind::Busy);
+    a.free(q).unwrap();
+    // Held by the front: free, so shutdown goes ahead.
+    a.shutdown().unwrap();
+    assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
+}
