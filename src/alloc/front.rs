@@ -36,8 +36,10 @@ use std::sync::{Arc, Mutex};
 
 /// Blocks (held and out) a front keeps.
 pub const FRONT_SLOTS: usize = 8;
-/// Larger blocks are left to the shard (whose growth path may need their pages).
-pub const FRONT_MAX_BLOCK: u64 = 1 << 30;
+/// Larger blocks are left to the shard's parking: held large blocks, unmerged, changed where
+/// later blocks went enough to move bert's replayed peak reserved / peak live from 1.035 to
+/// 1.063 (at 1 GiB; 1.037 at 1 MiB, the small pool's largest block).
+pub const FRONT_MAX_BLOCK: u64 = 1 << 20;
 /// Adoptions counted before a front judges its reuse ...
 const ADOPTIONS_PER_REVIEW: u32 = 64;
 /// ... and if fewer than one in this many were reused, it stops adopting ...
