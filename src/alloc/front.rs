@@ -178,6 +178,9 @@ pub struct Front {
     slots: [Option<Entry>; FRONT_SLOTS],
     counts: FrontCounts,
     clock: u64,
+    /// Entries held and out (kept as they change: read on every visit).
+    held: u32,
+    out: u32,
 }
 
 impl Front {
@@ -191,9 +194,7 @@ impl Front {
 
     /// (held, out) entries.
     pub fn census(&self) -> (u32, u32) {
-        let held = self.slots.iter().flatten().filter(|e| e.held).count() as u32;
-        let all = self.slots.iter().flatten().count() as u32;
-        (held, all - held)
+        (self.held, self.out)
     }
 
     /// Hands out a held block of exactly `requested` bytes on `stream`.
@@ -206,6 +207,7 @@ impl Front {
         entry.held = false;
         let entry = *entry;
         self.counts.hand(&entry);
+        (self.held, self.out) = (self.held - 1, self.out + 1);
         Some(entry.ptr)
     }
 
@@ -223,6 +225,7 @@ impl Front {
         entry.stamp = stamp;
         let entry = *entry;
         self.counts.take_back(&entry);
+        (self.held, self.out) = (self.held + 1, self.out - 1);
         GiveBack::Held
     }
 
@@ -249,8 +252,9 @@ impl Front {
             }
         };
         let evicted = self.slots[slot].replace(entry);
-        if let Some(old) = &evicted {
-            self.counts.unreturn(old);
+        match &evicted {
+            Some(old) => self.counts.unreturn(old),
+            None => self.held += 1,
         }
         self.counts.take_back(&entry);
         Ok(evicted)
@@ -265,6 +269,7 @@ impl Front {
                 drained.push(e);
             }
         }
+        self.held = 0;
         drained
     }
 
@@ -280,6 +285,7 @@ impl Front {
             return Some(true);
         }
         *slot = None;
+        self.out -= 1;
         Some(false)
     }
 
@@ -510,5 +516,51 @@ pub fn with_adopter<R>(
         (Ok(Some(result)), _) => result,
         (_, Some(run)) => run(None).0,
         (_, None) => unreachable!("the free ran but gave no result"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (held, out) by looking at every slot.
+    fn recount(f: &Front) -> (u32, u32) {
+        let held = f.slots.iter().flatten().filter(|e| e.held).count() as u32;
+        (held, f.slots.iter().flatten().count() as u32 - held)
+    }
+
+    #[test]
+    fn the_kept_census_matches_the_slots_through_every_change() {
+        let mut f = Front::default();
+        let mut seed = 3u64;
+        for step in 0..20_000u64 {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let ptr = 512 * ((seed >> 33) % 12 + 1);
+            let stream = StreamId((seed >> 20) % 2);
+            match (seed >> 40) % 5 {
+                0 => {
+                    if f.slots.iter().flatten().all(|e| e.ptr != ptr) {
+                        let e = Entry::new(ptr, 512, 100 + ptr, stream, PoolKind::Small, 0);
+                        let _ = f.adopt(e);
+                    }
+                }
+                1 => {
+                    let _ = f.take(100 + ptr, stream);
+                }
+                2 => {
+                    let _ = f.give_back(ptr);
+                }
+                3 => {
+                    let _ = f.detach(ptr);
+                }
+                _ if step % 7 == 0 => {
+                    let _ = f.drain_held();
+                }
+                _ => {}
+            }
+            assert_eq!(f.census(), recount(&f), "step {step}");
+        }
     }
 }

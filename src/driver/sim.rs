@@ -198,7 +198,8 @@ impl SimDriver {
         }
     }
 
-    /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`) and `CCALLOC_SIM_DEVICES` (default 1).
+    /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`), `CCALLOC_SIM_DEVICES` (default 1) and
+    /// `CCALLOC_SIM_COSTS` (`h100`: driver calls take as long as on one, `with_call_costs`).
     pub fn from_env() -> Result<Self, String> {
         let capacity = match std::env::var("CCALLOC_SIM_CAPACITY") {
             Ok(text) => crate::error::parse_bytes(&text)
@@ -219,7 +220,12 @@ impl SimDriver {
                 })?,
             Err(_) => 1,
         };
-        let sim = Self::new(devices, capacity);
+        let mut sim = Self::new(devices, capacity);
+        match std::env::var("CCALLOC_SIM_COSTS").as_deref() {
+            Ok("h100") => sim = sim.with_call_costs(CallCosts::h100()),
+            Ok("") | Err(_) => {}
+            Ok(other) => return Err(format!("CCALLOC_SIM_COSTS={other:?}: only h100 is known")),
+        }
         Ok(match std::env::var("CCALLOC_SIM_VMM").as_deref() {
             Ok("0") | Ok("false") | Ok("off") => sim.without_vmm(),
             _ => sim,
