@@ -540,11 +540,9 @@ mod tests {
             let ptr = 512 * ((seed >> 33) % 12 + 1);
             let stream = StreamId((seed >> 20) % 2);
             match (seed >> 40) % 5 {
-                0 => {
-                    if f.slots.iter().flatten().all(|e| e.ptr != ptr) {
-                        let e = Entry::new(ptr, 512, 100 + ptr, stream, PoolKind::Small, 0);
-                        let _ = f.adopt(e);
-                    }
+                0 if f.slots.iter().flatten().all(|e| e.ptr != ptr) => {
+                    let e = Entry::new(ptr, 512, 100 + ptr, stream, PoolKind::Small, 0);
+                    let _ = f.adopt(e);
                 }
                 1 => {
                     let _ = f.take(100 + ptr, stream);
