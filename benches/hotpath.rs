@@ -28,8 +28,13 @@ impl Sizes {
     }
 }
 
-fn modes() -> [(&'static str, &'static str); 2] {
-    [("paged", ""), ("plain", "expandable_segments:False")]
+/// The default (paged segments, thread fronts), without the fronts, and plain segments.
+fn modes() -> [(&'static str, &'static str); 3] {
+    [
+        ("paged", ""),
+        ("paged_no_front", "thread_cache:False"),
+        ("plain", "expandable_segments:False"),
+    ]
 }
 
 fn pair_same(c: &mut Criterion) {
