@@ -137,3 +137,91 @@ fn stress_with(sim: Arc<SimDriver>, conf: &str) {
     assert_eq!(s.allocation.all().allocated, s.allocation.all().freed);
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+/// Thread fronts under contention: blocks of a few sizes (so that fronts serve most
+/// requests), half of them freed by the next thread, while another thread empties the
+/// cache (draining every front) and reads the statistics (adding every front's counts).
+#[test]
+fn threads_freeing_each_others_blocks_through_their_fronts() {
+    let sim = Arc::new(SimDriver::new(1, 1 << 32));
+    let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let controller = {
+        let (alloc, stop) = (alloc.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut round = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let s = alloc.stats().unwrap();
+                assert!(s.allocation.all().current >= 0, "{s:?}");
+                assert!(s.allocated_bytes.all().peak >= s.allocated_bytes.all().current);
+                round += 1;
+                if round.is_multiple_of(8) {
+                    alloc.empty_cache().unwrap();
+                }
+                std::thread::yield_now();
+            }
+        })
+    };
+    let channels: Vec<_> = (0..THREADS)
+        .map(|_| std::sync::mpsc::channel::<(u64, u64, u8)>())
+        .collect();
+    let senders: Vec<_> = channels.iter().map(|(tx, _)| tx.clone()).collect();
+    let workers: Vec<_> = channels
+        .into_iter()
+        .enumerate()
+        .map(|(t, (_, inbox))| {
+            let alloc = alloc.clone();
+            let next = senders[(t + 1) % THREADS as usize].clone();
+            std::thread::spawn(move || {
+                let mut rng = Rng(t as u64 + 7);
+                let stream = StreamId(200 + t as u64);
+                let mut live: Vec<(u64, u64, u8)> = Vec::new();
+                let free = |(ptr, size, tag): (u64, u64, u8)| {
+                    assert!(intact(ptr, size, tag), "block {ptr:#x} was overwritten");
+                    alloc.free(ptr).unwrap();
+                };
+                for step in 0..STEPS {
+                    while let Ok(block) = inbox.try_recv() {
+                        free(block);
+                    }
+                    if live.len() < 32 && (live.is_empty() || rng.next().is_multiple_of(2)) {
+                        let size = [512, 4096, 4096 * 3, 1 << 20][(rng.next() % 4) as usize];
+                        let ptr = alloc.malloc(size, stream).unwrap();
+                        let tag = (step % 251) as u8 + 1;
+                        fill(ptr, size, tag);
+                        live.push((ptr, size, tag));
+                    } else {
+                        let block = live.swap_remove((rng.next() as usize) % live.len());
+                        if rng.next().is_multiple_of(2) {
+                            next.send(block).unwrap();
+                        } else {
+                            free(block);
+                        }
+                    }
+                }
+                live.into_iter().for_each(free);
+                drop(next);
+                inbox
+            })
+        })
+        .collect();
+    drop(senders);
+    // Blocks still in flight are freed here, after every worker is done.
+    let inboxes: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    for inbox in inboxes {
+        for (ptr, size, tag) in inbox.try_iter() {
+            assert!(intact(ptr, size, tag));
+            alloc.free(ptr).unwrap();
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    controller.join().unwrap();
+    alloc.empty_cache().unwrap();
+    let s = alloc.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0, "{s:?}");
+    assert_eq!(s.allocated_bytes.all().current, 0);
+    assert_eq!(s.requested_bytes.all().current, 0);
+    assert_eq!(s.allocation.all().allocated, s.allocation.all().freed);
+    assert_eq!(s.reserved_bytes.all().current, 0);
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
