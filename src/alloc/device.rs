@@ -487,12 +487,14 @@ impl DeviceAllocator {
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
         let mut sum = DeviceStats::default();
-        for shard in self.shards() {
-            sum.add(&shard.stats()?);
-        }
-        // What the fronts handed out and took back, past the shard's view of their blocks.
-        for cell in self.fronts.all() {
-            cell.front.with(|f| f.counts().add_to(&mut sum, true));
+        // Fronts serve only single-shard devices: the first shard adds their counts, read
+        // under its lock (what the fronts handed out and took back, past its view).
+        for (i, shard) in self.shards().enumerate() {
+            sum.add(&if i == 0 {
+                shard.stats_with_fronts()?
+            } else {
+                shard.stats()?
+            });
         }
         self.device_reserved.set_peaks(&mut sum.reserved_bytes);
         Ok(sum)
@@ -516,9 +518,6 @@ impl DeviceAllocator {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         self.check_open()?;
-        for cell in self.fronts.all() {
-            cell.front.with(|f| f.counts_mut().reset_accumulated());
-        }
         self.each_shard(Shard::reset_accumulated_stats)
     }
 
@@ -539,8 +538,9 @@ impl DeviceAllocator {
         let mut setup = self.setup()?;
         self.check_open()?;
         let filter = Arc::new(Mutex::new(filter));
-        // No front may hand out or keep general-cache blocks while a capture routes
-        // allocations: closed first, then drained by the shards.
+        // No front may hand out or take blocks while a capture routes allocations: closed
+        // first. Blocks they hold stay held (to the shard, allocated) until a drain: growth
+        // drains them as always.
         self.fronts.open.store(false, Ordering::Release);
         let opened = self.each_shard(|s| s.begin_allocate_to_pool(pool, route_to(&filter)));
         if opened.is_ok() {

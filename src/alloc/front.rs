@@ -19,7 +19,10 @@
 //! lift the shard's figures past a peak while fronts hold blocks, it first takes the held
 //! blocks back (`Shard::drain_fronts`), so the new peak is the true one. Every path that
 //! must see the real free memory drains them too: growth, `empty_cache`, snapshots, peak
-//! resets, settings, captures, shutdown.
+//! resets, settings, shutdown. While a capture routes allocations, fronts are closed
+//! (`Fronts::open`): they neither hand out nor take blocks. A statistics read adds the
+//! fronts' counts under the shard's lock, which every move of counts between a front and
+//! the shard (a drain, an eviction, the fold of an exited thread's front) also holds.
 //!
 //! Another thread touches a front only from the shard's slow paths, under the shard's lock
 //! (lock order: shard, then registry, then front): to drain it, or to detach a block that

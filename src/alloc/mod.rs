@@ -591,6 +591,17 @@ impl Shard {
         Ok(self.lock()?.stats)
     }
 
+    /// This shard's statistics plus the fronts' counts, read under the shard's lock: drains,
+    /// evictions and folds (which move counts between the two) take that lock too.
+    pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
+        let st = self.lock()?;
+        let mut stats = st.stats;
+        for cell in st.fronts.all() {
+            cell.front.with(|f| f.counts().add_to(&mut stats, true));
+        }
+        Ok(stats)
+    }
+
     /// The share of peak live bytes that paged segments may now keep beyond it: `page_slack`
     /// plus what `page_move_budget` has added.
     pub fn page_slack(&self) -> Result<f64> {
@@ -606,7 +617,11 @@ impl Shard {
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
-        self.lock()?.stats.reset_accumulated();
+        let mut st = self.lock()?;
+        for cell in st.fronts.all() {
+            cell.front.with(|f| f.counts_mut().reset_accumulated());
+        }
+        st.stats.reset_accumulated();
         Ok(())
     }
 

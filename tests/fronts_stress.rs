@@ -1,0 +1,130 @@
+//! Thread fronts under concurrency: short-lived threads allocating, freeing (also each
+//! other's blocks) and recording streams while settings, captures, resets, drains and
+//! snapshots run; at the end no overlap, exact totals, nothing left on the device.
+use ccalloc::driver::sim::SimDriver;
+use ccalloc::{Config, DeviceAllocator, StreamId};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[test]
+fn fronts_under_concurrent_slow_paths() {
+    let sim = Arc::new(SimDriver::new(1, 1 << 32));
+    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
+    let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+    let stop = AtomicBool::new(false);
+    let allocs = AtomicU64::new(0);
+    let insert = |p: u64, size: u64| {
+        let mut l = live.lock().unwrap();
+        let end = p + size.div_ceil(512) * 512;
+        if let Some((&q, &e)) = l.range(..end).next_back() {
+            assert!(e <= p, "{p:#x} overlaps live {q:#x}..{e:#x}");
+        }
+        l.insert(p, end);
+    };
+    let remove = |p: u64| {
+        live.lock().unwrap().remove(&p).expect("freed a live block");
+    };
+    std::thread::scope(|s| {
+        for t in 0..3u64 {
+            let (a, stop, insert, remove, handoff, allocs) =
+                (&a, &stop, &insert, &remove, &handoff, &allocs);
+            s.spawn(move || {
+                let mut seed = t + 1;
+                while !stop.load(Ordering::Relaxed) {
+                    // Short-lived threads: fronts orphaned, folded later.
+                    std::thread::scope(|s2| {
+                        s2.spawn(|| {
+                            let mut mine: Vec<u64> = Vec::new();
+                            for _ in 0..200 {
+                                seed = seed
+                                    .wrapping_mul(6364136223846793005)
+                                    .wrapping_add(1442695040888963407);
+                                let r = seed >> 33;
+                                match r % 6 {
+                                    0..=2 => {
+                                        let size = 512 * (1 + r % 5);
+                                        let stream = StreamId(r % 2);
+                                        let p = a.malloc(size, stream).unwrap();
+                                        allocs.fetch_add(1, Ordering::Relaxed);
+                                        insert(p, size);
+                                        mine.push(p);
+                                    }
+                                    3 | 4 if !mine.is_empty() => {
+                                        let p = mine.swap_remove((r as usize / 7) % mine.len());
+                                        remove(p);
+                                        a.free(p).unwrap();
+                                    }
+                                    5 if !mine.is_empty() => {
+                                        let p = mine.swap_remove(0);
+                                        if r % 3 == 0 {
+                                            a.record_stream(p, StreamId(7)).unwrap();
+                                        }
+                                        handoff.lock().unwrap().push(p);
+                                    }
+                                    _ => {
+                                        let got = handoff.lock().unwrap().pop();
+                                        if let Some(p) = got {
+                                            remove(p);
+                                            a.free(p).unwrap();
+                                        }
+                                    }
+                                }
+                            }
+                            for p in mine {
+                                handoff.lock().unwrap().push(p);
+                            }
+                        });
+                    });
+                }
+            });
+        }
+        // Slow paths.
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut i = 0u64;
+        while Instant::now() < deadline {
+            match i % 8 {
+                0 => a.apply_config("thread_cache:False").unwrap(),
+                1 => a.apply_config("thread_cache:True").unwrap(),
+                2 => a
+                    .begin_allocate_to_pool((1, 1), Box::new(|s| s == StreamId(5)))
+                    .unwrap(),
+                3 => {
+                    a.end_allocate_to_pool((1, 1)).unwrap();
+                    a.release_pool((1, 1)).unwrap();
+                }
+                4 => a.reset_peak_stats().unwrap(),
+                5 => a.empty_cache().unwrap(),
+                6 => {
+                    a.segments().unwrap();
+                }
+                _ => {
+                    let st = a.stats().unwrap();
+                    let c = st.allocation.all();
+                    assert!(c.current >= 0 && c.peak >= c.current, "{c:?}");
+                }
+            }
+            i += 1;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    for p in std::mem::take(&mut *handoff.lock().unwrap()) {
+        remove(p);
+        a.free(p).unwrap();
+    }
+    assert!(live.lock().unwrap().is_empty());
+    a.empty_cache().unwrap();
+    let st = a.stats().unwrap();
+    let c = st.allocation.all();
+    assert_eq!(c.current, 0, "{st:?}");
+    assert_eq!(c.allocated, allocs.load(Ordering::Relaxed) as i64);
+    assert_eq!(c.allocated, c.freed);
+    assert_eq!(st.allocated_bytes.all().current, 0);
+    assert_eq!(st.active_bytes.all().current, 0);
+    assert_eq!(st.requested_bytes.all().current, 0);
+    assert_eq!(sim.counters(0).bytes_in_use, 0, "memory given back");
+    a.shutdown().unwrap();
+}
