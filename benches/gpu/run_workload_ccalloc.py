@@ -103,6 +103,8 @@ def main() -> int:
         ccalloc_version=ccalloc.version(),
         ccalloc_library=ccalloc.library_path(),
         ccalloc_conf=os.environ.get("CCALLOC_CONF", ""),
+        # What keeping reserved near live cost (growths, moves, waits, the slack reached).
+        ccalloc_paging=ccalloc.paging_stats(),
     )
     print("CCALLOC " + json.dumps(result), flush=True)
     print(ccalloc.memory_summary(), file=sys.stderr)
