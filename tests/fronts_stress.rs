@@ -84,7 +84,9 @@ fn fronts_under_concurrent_slow_paths() {
         // Slow paths.
         let deadline = Instant::now() + Duration::from_secs(3);
         let mut i = 0u64;
-        while Instant::now() < deadline {
+        // Ends after a whole round, so that no capture window is left open (`empty_cache`
+        // waits for the end of a capture).
+        while Instant::now() < deadline || i % 8 != 0 {
             match i % 8 {
                 0 => a.apply_config("thread_cache:False").unwrap(),
                 1 => a.apply_config("thread_cache:True").unwrap(),
