@@ -86,7 +86,7 @@ fn fronts_under_concurrent_slow_paths() {
         let mut i = 0u64;
         // Ends after a whole round, so that no capture window is left open (`empty_cache`
         // waits for the end of a capture).
-        while Instant::now() < deadline || i % 8 != 0 {
+        while Instant::now() < deadline || !i.is_multiple_of(8) {
             match i % 8 {
                 0 => a.apply_config("thread_cache:False").unwrap(),
                 1 => a.apply_config("thread_cache:True").unwrap(),
