@@ -344,7 +344,11 @@ impl Fronts {
 
     /// The front with this id, if still registered.
     pub fn find(&self, id: u64) -> Option<Arc<FrontCell>> {
-        self.all().into_iter().find(|c| c.id == id)
+        let cells = match self.cells.lock() {
+            Ok(cells) => cells,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        cells.iter().find(|c| c.id == id).cloned()
     }
 
     /// Drops fronts whose thread exited and that hold nothing (folded by the caller).
