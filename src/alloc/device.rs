@@ -282,13 +282,7 @@ impl DeviceAllocator {
     fn free_in_front(&self, ptr: DevicePtr) -> Option<Result<()>> {
         match front::give_back(&self.fronts, self.key, ptr)? {
             GiveBack::Held => Some(Ok(())),
-            GiveBack::AlreadyFree => Some(Err(Error::new(
-                ErrorKind::DoubleFree,
-                format!(
-                    "{ptr:#x} on device {} is not live: it was already freed",
-                    self.device
-                ),
-            ))),
+            GiveBack::AlreadyFree => Some(Err(super::already_freed(self.device, ptr))),
             GiveBack::NotHere => None,
         }
     }

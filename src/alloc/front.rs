@@ -93,8 +93,7 @@ impl Entry {
     }
 }
 
-/// The statistics a front moves, in this order: allocation, allocated_bytes, active,
-/// active_bytes, requested_bytes.
+/// The statistics a front moves, in `DeviceStats::front_moved` order.
 const COUNTED: usize = 5;
 
 /// What a front has handed out and taken back, per pool (small, large) and counted
@@ -142,14 +141,7 @@ impl FrontCounts {
     /// Adds these counts to `stats` (a shard's or the device's sum); `with_current` false
     /// adds only the totals (a front folded into its shard has no held entries left).
     pub fn add_to(&self, stats: &mut DeviceStats, with_current: bool) {
-        let arrays = [
-            &mut stats.allocation,
-            &mut stats.allocated_bytes,
-            &mut stats.active,
-            &mut stats.active_bytes,
-            &mut stats.requested_bytes,
-        ];
-        for (i, array) in arrays.into_iter().enumerate() {
+        for (i, array) in stats.front_moved_mut().into_iter().enumerate() {
             for p in 0..2 {
                 for index in [0, 1 + p] {
                     let stat = &mut array.0[index];
@@ -322,10 +314,15 @@ static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
 impl Fronts {
     /// The registered fronts (a copy: the registry lock is not held while they are used).
     pub fn all(&self) -> Vec<Arc<FrontCell>> {
-        match self.cells.lock() {
-            Ok(cells) => cells.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
+        self.cells().clone()
+    }
+
+    /// The registry, locked. A panic while it was held leaves a list that is still whole
+    /// (every change to it is a single push or retain), so poisoning is ignored.
+    fn cells(&self) -> std::sync::MutexGuard<'_, Vec<Arc<FrontCell>>> {
+        self.cells
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A new front for the calling thread.
@@ -335,20 +332,13 @@ impl Fronts {
             front: SpinCell::new(Front::default()),
             orphaned: AtomicBool::new(false),
         });
-        match self.cells.lock() {
-            Ok(mut cells) => cells.push(cell.clone()),
-            Err(poisoned) => poisoned.into_inner().push(cell.clone()),
-        }
+        self.cells().push(cell.clone());
         cell
     }
 
     /// The front with this id, if still registered.
     pub fn find(&self, id: u64) -> Option<Arc<FrontCell>> {
-        let cells = match self.cells.lock() {
-            Ok(cells) => cells,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        cells.iter().find(|c| c.id == id).cloned()
+        self.cells().iter().find(|c| c.id == id).cloned()
     }
 
     /// Drops fronts whose thread exited and that hold nothing (folded by the caller).
@@ -356,11 +346,7 @@ impl Fronts {
         if gone.is_empty() {
             return;
         }
-        let mut cells = match self.cells.lock() {
-            Ok(cells) => cells,
-            Err(poisoned) => poisoned.into_inner(),
-        };
-        cells.retain(|c| !gone.contains(&c.id));
+        self.cells().retain(|c| !gone.contains(&c.id));
         self.orphans.fetch_sub(gone.len(), Ordering::AcqRel);
     }
 

@@ -79,6 +79,15 @@ fn driver_error(device: usize, e: DriverError) -> Error {
     error
 }
 
+/// `ptr` on `device` was freed already: a second free (or a `record_stream` after the
+/// free) is refused.
+fn already_freed(device: usize, ptr: DevicePtr) -> Error {
+    Error::new(
+        ErrorKind::DoubleFree,
+        format!("{ptr:#x} on device {device} is not live: it was already freed"),
+    )
+}
+
 /// A driver error that concerns no single device (loading the driver, counting devices).
 pub fn driver_error_of(e: DriverError) -> Error {
     match e {
@@ -414,13 +423,7 @@ impl Shard {
             .find(front)
             .and_then(|cell| cell.front.with(|f| f.detach(ptr)));
         if held == Some(true) {
-            return Err(Error::new(
-                ErrorKind::DoubleFree,
-                format!(
-                    "{ptr:#x} on device {} is not live: it was already freed",
-                    self.device
-                ),
-            ));
+            return Err(already_freed(self.device, ptr));
         }
         st.blocks.get_mut(id).front = 0;
         st.front_blocks -= 1;
@@ -442,9 +445,9 @@ impl Shard {
             return None;
         }
         let entry = front::Entry::new(b.addr, b.size, b.requested, b.stream, b.pool, id);
-        let fronts = st.fronts.clone();
+        let open = &st.fronts.open;
         let adopted = cell.front.with(|f| {
-            if !fronts.open.load(std::sync::atomic::Ordering::Relaxed) {
+            if !open.load(std::sync::atomic::Ordering::Relaxed) {
                 return None;
             }
             let evicted = f.adopt(entry).ok()?;

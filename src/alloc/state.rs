@@ -184,13 +184,15 @@ impl State {
     /// The peaks of the statistics that thread fronts move (see `front`), to compare with
     /// after a hand-out (`front_peaks_passed`).
     pub fn front_peaks(&self) -> [[i64; 3]; 5] {
-        self.front_stats()
+        self.stats
+            .front_moved()
             .map(|array| array.0.map(|stat| stat.peak))
     }
 
     /// Whether any of those statistics now stands above its peak in `before`.
     pub fn front_peaks_passed(&self, before: &[[i64; 3]; 5]) -> bool {
-        self.front_stats()
+        self.stats
+            .front_moved()
             .iter()
             .zip(before)
             .any(|(array, peaks)| array.0.iter().zip(peaks).any(|(s, &p)| s.current > p))
@@ -199,31 +201,11 @@ impl State {
     /// Sets those peaks to the larger of `before` and the current value (after the fronts'
     /// held blocks were taken back: the true high-water mark).
     pub fn settle_front_peaks(&mut self, before: &[[i64; 3]; 5]) {
-        let s = &mut self.stats;
-        let arrays = [
-            &mut s.allocation,
-            &mut s.allocated_bytes,
-            &mut s.active,
-            &mut s.active_bytes,
-            &mut s.requested_bytes,
-        ];
-        for (array, peaks) in arrays.into_iter().zip(before) {
+        for (array, peaks) in self.stats.front_moved_mut().into_iter().zip(before) {
             for (stat, &peak) in array.0.iter_mut().zip(peaks) {
                 stat.peak = peak.max(stat.current);
             }
         }
-    }
-
-    /// The statistics thread fronts move, in `front::FrontCounts` order.
-    fn front_stats(&self) -> [&super::stats::StatArray; 5] {
-        let s = &self.stats;
-        [
-            &s.allocation,
-            &s.allocated_bytes,
-            &s.active,
-            &s.active_bytes,
-            &s.requested_bytes,
-        ]
     }
 
     /// Reserved on the whole device: this shard's and its other shards'.
@@ -827,10 +809,7 @@ impl State {
             if ptr < b.end() {
                 // Inside a free block: freed already (and maybe merged with a neighbour).
                 if b.state != BlockState::Allocated {
-                    return Error::new(
-                        ErrorKind::DoubleFree,
-                        format!("{ptr:#x} on device {device} is not live: it was already freed"),
-                    );
+                    return super::already_freed(device, ptr);
                 }
                 break;
             }

@@ -245,6 +245,28 @@ impl DeviceStats {
         ]
     }
 
+    /// The statistics a thread front moves when it hands out or takes back a block, in the
+    /// order of its counts (`front::FrontCounts`).
+    pub fn front_moved(&self) -> [&StatArray; 5] {
+        [
+            &self.allocation,
+            &self.allocated_bytes,
+            &self.active,
+            &self.active_bytes,
+            &self.requested_bytes,
+        ]
+    }
+
+    pub fn front_moved_mut(&mut self) -> [&mut StatArray; 5] {
+        [
+            &mut self.allocation,
+            &mut self.allocated_bytes,
+            &mut self.active,
+            &mut self.active_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
         [
             &mut self.allocation,
