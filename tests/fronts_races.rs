@@ -8,10 +8,41 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const S0: StreamId = StreamId(0);
+const WATCH: Duration = Duration::from_secs(2);
 
 fn allocator() -> DeviceAllocator {
     let sim = Arc::new(SimDriver::new(1, 1 << 30));
     DeviceAllocator::new(0, sim, Config::default()).unwrap()
+}
+
+/// Allocates 8 sizes (all of which this thread's front serves), then frees them.
+fn eight_sizes(a: &DeviceAllocator) {
+    let ps: Vec<u64> = (1..=8u64).map(|k| a.malloc(512 * k, S0).unwrap()).collect();
+    for p in ps {
+        a.free(p).unwrap();
+    }
+}
+
+/// Reads the allocation totals for `WATCH` while other threads work, then sets `stop`; the
+/// first reading whose totals went backwards, or whose live count leaves `0..=max_current`,
+/// fails the test.
+fn totals_never_go_backwards(a: &DeviceAllocator, max_current: Option<i64>, stop: &AtomicBool) {
+    let deadline = Instant::now() + WATCH;
+    let (mut last_alloc, mut last_freed) = (0i64, 0i64);
+    let mut bad = None;
+    while Instant::now() < deadline && bad.is_none() {
+        let c = a.stats().unwrap().allocation.all();
+        let current_wrong = max_current.is_some_and(|max| c.current > max || c.current < 0);
+        if c.freed < last_freed || c.allocated < last_alloc || current_wrong {
+            bad = Some(format!(
+                "before: allocated {last_alloc} freed {last_freed}; now: allocated {} freed {} current {}",
+                c.allocated, c.freed, c.current
+            ));
+        }
+        (last_alloc, last_freed) = (c.allocated, c.freed);
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(bad.is_none(), "{}", bad.unwrap());
 }
 
 /// One thread loops over 8 sizes its front serves, plus a ninth that makes the front evict
@@ -21,7 +52,6 @@ fn allocator() -> DeviceAllocator {
 fn stats_totals_never_go_backwards_while_a_front_evicts() {
     let a = allocator();
     let stop = AtomicBool::new(false);
-    let mut bad = None;
     std::thread::scope(|s| {
         s.spawn(|| {
             let mut round = 0u64;
@@ -35,22 +65,8 @@ fn stats_totals_never_go_backwards_while_a_front_evicts() {
                 round += 1;
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let (mut last_alloc, mut last_freed) = (0i64, 0i64);
-        while Instant::now() < deadline && bad.is_none() {
-            let st = a.stats().unwrap();
-            let c = st.allocation.all();
-            if c.freed < last_freed || c.allocated < last_alloc || c.current > 1 || c.current < 0 {
-                bad = Some(format!(
-                    "before: allocated {last_alloc} freed {last_freed}; now: allocated {} freed {} current {}",
-                    c.allocated, c.freed, c.current
-                ));
-            }
-            (last_alloc, last_freed) = (c.allocated, c.freed);
-        }
-        stop.store(true, Ordering::Relaxed);
+        totals_never_go_backwards(&a, Some(1), &stop);
     });
-    assert!(bad.is_none(), "{}", bad.unwrap());
 }
 
 /// The same with a thread that drains (segments()) the owner's held blocks.
@@ -58,14 +74,10 @@ fn stats_totals_never_go_backwards_while_a_front_evicts() {
 fn stats_totals_never_go_backwards_while_fronts_are_drained() {
     let a = allocator();
     let stop = AtomicBool::new(false);
-    let mut bad = None;
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
-                let ps: Vec<u64> = (1..=8u64).map(|k| a.malloc(512 * k, S0).unwrap()).collect();
-                for p in ps {
-                    a.free(p).unwrap();
-                }
+                eight_sizes(&a);
             }
         });
         s.spawn(|| {
@@ -74,22 +86,8 @@ fn stats_totals_never_go_backwards_while_fronts_are_drained() {
                 std::thread::yield_now();
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let (mut last_alloc, mut last_freed) = (0i64, 0i64);
-        while Instant::now() < deadline && bad.is_none() {
-            let st = a.stats().unwrap();
-            let c = st.allocation.all();
-            if c.freed < last_freed || c.allocated < last_alloc || c.current > 8 || c.current < 0 {
-                bad = Some(format!(
-                    "before: allocated {last_alloc} freed {last_freed}; now: allocated {} freed {} current {}",
-                    c.allocated, c.freed, c.current
-                ));
-            }
-            (last_alloc, last_freed) = (c.allocated, c.freed);
-        }
-        stop.store(true, Ordering::Relaxed);
+        totals_never_go_backwards(&a, Some(8), &stop);
     });
-    assert!(bad.is_none(), "{}", bad.unwrap());
 }
 
 /// Threads that exit: their fronts are folded into the shard by a drain while stats are
@@ -98,7 +96,6 @@ fn stats_totals_never_go_backwards_while_fronts_are_drained() {
 fn stats_totals_never_go_backwards_while_orphans_are_folded() {
     let a = allocator();
     let stop = AtomicBool::new(false);
-    let mut bad = None;
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
@@ -113,22 +110,8 @@ fn stats_totals_never_go_backwards_while_orphans_are_folded() {
                 a.segments().unwrap();
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let (mut last_alloc, mut last_freed) = (0i64, 0i64);
-        while Instant::now() < deadline && bad.is_none() {
-            let st = a.stats().unwrap();
-            let c = st.allocation.all();
-            if c.freed < last_freed || c.allocated < last_alloc {
-                bad = Some(format!(
-                    "before: allocated {last_alloc} freed {last_freed}; now: allocated {} freed {} current {}",
-                    c.allocated, c.freed, c.current
-                ));
-            }
-            (last_alloc, last_freed) = (c.allocated, c.freed);
-        }
-        stop.store(true, Ordering::Relaxed);
+        totals_never_go_backwards(&a, None, &stop);
     });
-    assert!(bad.is_none(), "{}", bad.unwrap());
 }
 
 /// reset_accumulated_stats resets the fronts, then the shard: a drain in between leaves a
@@ -141,10 +124,7 @@ fn reset_accumulated_never_leaves_negative_totals() {
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
-                let ps: Vec<u64> = (1..=8u64).map(|k| a.malloc(512 * k, S0).unwrap()).collect();
-                for p in ps {
-                    a.free(p).unwrap();
-                }
+                eight_sizes(&a);
             }
         });
         s.spawn(|| {
@@ -152,7 +132,7 @@ fn reset_accumulated_never_leaves_negative_totals() {
                 a.segments().unwrap();
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(2);
+        let deadline = Instant::now() + WATCH;
         while Instant::now() < deadline && bad.is_none() {
             a.reset_accumulated_stats().unwrap();
             let c = a.stats().unwrap().allocation.all();
