@@ -65,6 +65,8 @@ pub struct MoveClock {
     pub extra_slack: f64,
     /// Windows in a row with moves well under the budget (see `next_extra_slack`).
     pub quiet_windows: u32,
+    /// The last window closed with moves over the budget.
+    pub over_budget: bool,
 }
 
 /// Freed paged blocks by (stream, size), each list newest last.

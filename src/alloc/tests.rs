@@ -891,10 +891,11 @@ fn a_move_window_closes_early_only_on_a_plain_overrun() {
     let ms = Duration::from_millis;
     // 20 ms of moves in 40 ms (50%, 25 times the 2% budget): closes at once.
     assert!(closes_early(ms(40), ms(20), 0.02));
-    // The same share over less than 25 ms is too short to be a trend.
-    assert!(!closes_early(ms(20), ms(10), 0.02));
-    // A new batch shape's burst: 8 ms of moves, nearly all of a 25 ms window.
-    assert!(!closes_early(ms(25), ms(8), 0.02));
+    // The same share over less than 12 ms is too short to judge.
+    assert!(!closes_early(ms(10), ms(6), 0.02));
+    // A few moves, nearly all of a 12 ms window: under 5 ms of moves.
+    assert!(!closes_early(ms(12), ms(4), 0.02));
+    assert!(closes_early(ms(12), ms(5), 0.02));
     // 10 ms of moves over 100 ms is 10%: over budget, but not 8 times over (16%).
     assert!(!closes_early(ms(100), ms(10), 0.02));
     assert!(closes_early(ms(100), ms(17), 0.02));
@@ -904,25 +905,25 @@ fn a_move_window_closes_early_only_on_a_plain_overrun() {
 }
 
 #[test]
-fn extra_slack_grows_in_steps_over_budget_and_decays_only_after_a_quiet_spell() {
+fn extra_slack_grows_in_steps_over_budget_in_two_windows_and_decays_only_after_a_quiet_spell() {
     use super::paged::next_extra_slack as next;
     let base = 1.0 / 32.0;
     // Over budget: 1.5-fold (from the base at first), 3-fold past 8 times the budget,
     // capped at 1.
-    assert_eq!(next(0.0, 0, 1, 0.03, 0.02, base), (1.5 * base, 0));
-    assert_eq!(next(0.25, 0, 1, 0.10, 0.02, base), (0.375, 0));
-    assert_eq!(next(0.25, 0, 1, 0.16, 0.02, base), (0.375, 0));
-    assert_eq!(next(0.0, 0, 1, 0.17, 0.02, base), (3.0 * base, 0));
-    assert_eq!(next(0.25, 0, 1, 0.9, 0.02, base), (0.75, 0));
-    assert_eq!(next(0.8, 3, 1, 0.50, 0.02, base), (1.0, 0));
+    assert_eq!(next(0.0, 0, 1, 0.03, 0.02, base, true), (1.5 * base, 0));
+    assert_eq!(next(0.25, 0, 1, 0.10, 0.02, base, true), (0.375, 0));
+    assert_eq!(next(0.25, 0, 1, 0.16, 0.02, base, true), (0.375, 0));
+    assert_eq!(next(0.0, 0, 1, 0.17, 0.02, base, true), (3.0 * base, 0));
+    assert_eq!(next(0.25, 0, 1, 0.9, 0.02, base, true), (0.75, 0));
+    assert_eq!(next(0.8, 3, 1, 0.50, 0.02, base, true), (1.0, 0));
     // Between a quarter of the budget and the budget: unchanged, and the quiet count restarts.
-    assert_eq!(next(0.25, 4, 1, 0.01, 0.02, base), (0.25, 0));
+    assert_eq!(next(0.25, 4, 1, 0.01, 0.02, base, true), (0.25, 0));
     // Quiet windows: it holds until the spell is long enough, then halves once.
     let (mut extra, mut quiet) = (0.25, 0);
     let mut halvings = Vec::new();
     for window in 0..25 {
         let before = extra;
-        (extra, quiet) = next(extra, quiet, 1, 0.0, 0.02, base);
+        (extra, quiet) = next(extra, quiet, 1, 0.0, 0.02, base, true);
         if extra != before {
             halvings.push(window);
         }
@@ -930,14 +931,18 @@ fn extra_slack_grows_in_steps_over_budget_and_decays_only_after_a_quiet_spell() 
     assert_eq!(halvings, vec![4, 9, 14, 19, 24]);
     assert_eq!(extra, 0.0, "under half the base it drops to 0");
     // An overrun in the middle of a quiet spell starts the count again.
-    assert_eq!(next(0.25, 4, 1, 0.05, 0.02, base), (0.375, 0));
+    assert_eq!(next(0.25, 4, 1, 0.05, 0.02, base, false), (0.25, 0));
     // A quiet gap spanning many windows (no growth closed them) counts for all of them.
-    assert_eq!(next(0.25, 0, 5, 0.0, 0.02, base), (0.125, 0));
-    assert_eq!(next(0.25, 0, 3, 0.0, 0.02, base), (0.25, 3));
+    assert_eq!(next(0.25, 0, 5, 0.0, 0.02, base, true), (0.125, 0));
+    assert_eq!(next(0.25, 0, 3, 0.0, 0.02, base, true), (0.25, 3));
     // A window shorter than one (closed early) is no quiet time.
-    assert_eq!(next(0.25, 4, 0, 0.0, 0.5, base), (0.25, 4));
+    assert_eq!(next(0.25, 4, 0, 0.0, 0.5, base, true), (0.25, 4));
+    // One window over budget after one within it is a burst: nothing changes but the quiet
+    // count; the next window over budget raises it.
+    assert_eq!(next(0.25, 4, 1, 0.9, 0.02, base, false), (0.25, 0));
+    assert_eq!(next(0.0, 0, 0, 0.5, 0.02, base, false), (0.0, 0));
     // Budget 0 drops the extra slack at once.
-    assert_eq!(next(0.5, 0, 1, 0.9, 0.0, base), (0.0, 0));
+    assert_eq!(next(0.5, 0, 1, 0.9, 0.0, base, true), (0.0, 0));
 }
 
 #[test]
