@@ -8,8 +8,8 @@
 //! exponential backoff for up to `SPIN_BUDGET` before it blocks, so hand-offs between busy
 //! threads stay in user space, and a waiter behind a long driver call still goes to sleep.
 //!
-//! `SpinThenBlock` has no unsafe code: the lock is std's, spun on with `try_lock`, so poisoning (a panic while
-//! the lock was held) is reported exactly as std reports it. Under `--cfg loom` the protocol
+//! `SpinThenBlock` has no unsafe code: the lock is std's, spun on with `try_lock`, so
+//! poisoning (a panic while the lock was held) is reported exactly as std reports it. Under `--cfg loom` the protocol
 //! (try, then block) runs on loom's mutex for the model in `tests/loom_lock.rs`; the spin's
 //! timing (backoff, deadline) is compiled out there, as loom has no clock. `SpinCell` is the
 //! one unsafe piece (an `UnsafeCell` behind an acquire/release flag); under loom it runs on
@@ -110,7 +110,7 @@ impl<T> SpinThenBlock<T> {
 /// allocation and free while another thread drains it only on a slow path (growth,
 /// `empty_cache`, a statistics read).
 ///
-/// Entering costs one atomic swap and leaving one plain release store, where a `Mutex`
+/// Entering costs one compare-and-swap and leaving one plain release store, where a `Mutex`
 /// costs two atomic read-modify-writes (its unlock swaps to learn of sleepers): on the
 /// same-size alloc/free loop that halves the atomics, which are most of its time. A waiter
 /// spins, then yields; it waits only for another thread's few-hundred-ns visit. A panic
@@ -127,7 +127,7 @@ use std::sync::atomic::Ordering;
 use std::{cell::UnsafeCell, sync::atomic::AtomicBool};
 
 // SAFETY: the value is reached only inside `with`, by one thread at a time (the flag's
-// acquire swap / release store order each visit after the previous one), so a `Send` value
+// acquire compare-and-swap / release store order each visit after the previous one), so a `Send` value
 // may be shared.
 unsafe impl<T: Send> Sync for SpinCell<T> {}
 

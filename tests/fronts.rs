@@ -22,6 +22,16 @@ fn allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
     (sim, a)
 }
 
+/// A 4 KiB block on S0 that this thread's front hands out: allocated, freed (the front
+/// holds it), and allocated again.
+fn from_front(a: &DeviceAllocator) -> u64 {
+    let p = a.malloc(4096, S0).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(4096, S0).unwrap();
+    assert_eq!(q, p, "handed out by the front");
+    q
+}
+
 fn rounded(size: u64) -> u64 {
     size.max(1).div_ceil(512) * 512
 }
@@ -261,10 +271,7 @@ fn a_same_size_loop_reuses_one_block_and_peaks_stay_true() {
 #[test]
 fn double_frees_through_a_front_are_refused_from_any_thread() {
     let (_sim, a) = allocator(1 << 30, "");
-    let p = a.malloc(4096, S0).unwrap();
-    a.free(p).unwrap();
-    let q = a.malloc(4096, S0).unwrap();
-    assert_eq!(q, p, "handed out by the front");
+    let q = from_front(&a);
     a.free(q).unwrap();
     let before = a.stats().unwrap();
     assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
@@ -280,9 +287,7 @@ fn double_frees_through_a_front_are_refused_from_any_thread() {
 #[test]
 fn a_block_handed_out_by_a_front_may_be_freed_by_another_thread() {
     let (_sim, a) = allocator(1 << 30, "");
-    let p = a.malloc(4096, S0).unwrap();
-    a.free(p).unwrap();
-    let q = a.malloc(4096, S0).unwrap();
+    let q = from_front(&a);
     std::thread::scope(|s| s.spawn(|| a.free(q).unwrap()).join().unwrap());
     // Freed for good: this thread's front no longer has it.
     assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
@@ -295,10 +300,7 @@ fn a_block_handed_out_by_a_front_may_be_freed_by_another_thread() {
 #[test]
 fn a_block_recorded_on_another_stream_waits_for_it_after_a_front_served_it() {
     let (sim, a) = allocator(1 << 30, "");
-    let p = a.malloc(4096, S0).unwrap();
-    a.free(p).unwrap();
-    let q = a.malloc(4096, S0).unwrap();
-    assert_eq!(q, p);
+    let q = from_front(&a);
     a.record_stream(q, S1).unwrap();
     sim.set_stream_paused(0, S1, true);
     a.free(q).unwrap();
@@ -363,9 +365,7 @@ fn a_capture_is_never_served_from_a_front() {
 #[test]
 fn shutdown_counts_only_the_callers_blocks() {
     let (_sim, a) = allocator(1 << 30, "");
-    let p = a.malloc(4096, S0).unwrap();
-    a.free(p).unwrap();
-    let q = a.malloc(4096, S0).unwrap();
+    let q = from_front(&a);
     // Handed out by the front: live, so shutdown is refused.
     assert_eq!(a.shutdown().unwrap_err().kind, ErrorKind::Busy);
     a.free(q).unwrap();

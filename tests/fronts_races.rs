@@ -23,6 +23,13 @@ fn eight_sizes(a: &DeviceAllocator) {
     }
 }
 
+/// Runs `step` until `stop` is set.
+fn until(stop: &AtomicBool, mut step: impl FnMut()) {
+    while !stop.load(Ordering::Relaxed) {
+        step();
+    }
+}
+
 /// Reads the allocation totals for `WATCH` while other threads work, then sets `stop`; the
 /// first reading whose totals went backwards, or whose live count leaves `0..=max_current`,
 /// fails the test.
@@ -55,7 +62,7 @@ fn stats_totals_never_go_backwards_while_a_front_evicts() {
     std::thread::scope(|s| {
         s.spawn(|| {
             let mut round = 0u64;
-            while !stop.load(Ordering::Relaxed) {
+            until(&stop, || {
                 for k in 1..=8u64 {
                     let p = a.malloc(512 * k, S0).unwrap();
                     a.free(p).unwrap();
@@ -63,7 +70,7 @@ fn stats_totals_never_go_backwards_while_a_front_evicts() {
                 let p = a.malloc(512 * (9 + round % 3), S0).unwrap();
                 a.free(p).unwrap();
                 round += 1;
-            }
+            });
         });
         totals_never_go_backwards(&a, Some(1), &stop);
     });
@@ -76,15 +83,13 @@ fn stats_totals_never_go_backwards_while_fronts_are_drained() {
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
-                eight_sizes(&a);
-            }
+            until(&stop, || eight_sizes(&a));
         });
         s.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
+            until(&stop, || {
                 a.segments().unwrap();
                 std::thread::yield_now();
-            }
+            });
         });
         totals_never_go_backwards(&a, Some(8), &stop);
     });
@@ -98,7 +103,7 @@ fn stats_totals_never_go_backwards_while_orphans_are_folded() {
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         s.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
+            until(&stop, || {
                 std::thread::scope(|s2| {
                     s2.spawn(|| {
                         for _ in 0..3 {
@@ -108,7 +113,7 @@ fn stats_totals_never_go_backwards_while_orphans_are_folded() {
                     });
                 });
                 a.segments().unwrap();
-            }
+            });
         });
         totals_never_go_backwards(&a, None, &stop);
     });
@@ -123,14 +128,12 @@ fn reset_accumulated_never_leaves_negative_totals() {
     let mut bad = None;
     std::thread::scope(|s| {
         s.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
-                eight_sizes(&a);
-            }
+            until(&stop, || eight_sizes(&a));
         });
         s.spawn(|| {
-            while !stop.load(Ordering::Relaxed) {
+            until(&stop, || {
                 a.segments().unwrap();
-            }
+            });
         });
         let deadline = Instant::now() + WATCH;
         while Instant::now() < deadline && bad.is_none() {

@@ -280,7 +280,7 @@ impl DeviceAllocator {
 
     /// The fast free: `ptr` was handed out by this thread's front.
     fn free_in_front(&self, ptr: DevicePtr) -> Option<Result<()>> {
-        match front::give_back(&self.fronts, self.key, ptr)? {
+        match front::give_back(&self.fronts, self.key, ptr) {
             GiveBack::Held => Some(Ok(())),
             GiveBack::AlreadyFree => Some(Err(super::already_freed(self.device, ptr))),
             GiveBack::NotHere => None,

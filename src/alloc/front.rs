@@ -423,11 +423,12 @@ pub fn take(
     .flatten()
 }
 
-/// The fast free: `Some` when the front had `ptr` out (now held) or held it already.
-pub fn give_back(fronts: &Fronts, device_key: u64, ptr: DevicePtr) -> Option<GiveBack> {
+/// The fast free: `Held` when the front had `ptr` out (now held), `AlreadyFree` when it
+/// held it already, `NotHere` when this thread has no front that had it.
+pub fn give_back(fronts: &Fronts, device_key: u64, ptr: DevicePtr) -> GiveBack {
     with_local(device_key, |local| {
         if local.out == 0 {
-            return None;
+            return GiveBack::NotHere;
         }
         let (found, census) = local.cell.front.with(|f| {
             if !fronts.open.load(Ordering::Relaxed) {
@@ -436,9 +437,9 @@ pub fn give_back(fronts: &Fronts, device_key: u64, ptr: DevicePtr) -> Option<Giv
             (f.give_back(ptr), f.census())
         });
         (local.held, local.out) = census;
-        (found != GiveBack::NotHere).then_some(found)
+        found
     })
-    .flatten()
+    .unwrap_or(GiveBack::NotHere)
 }
 
 /// Runs a slow free (`f`) with the calling thread's front as the adopter of its block, made

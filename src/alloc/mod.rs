@@ -209,8 +209,7 @@ impl Shard {
             if let Some((id, _)) = found {
                 st.return_untouched(id);
             }
-            self.drain_fronts(st);
-            st.flush_parked();
+            self.merge_set_aside(st);
             found = st.take_cached(owner, pool, stream, rounded);
         }
         if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
@@ -261,8 +260,7 @@ impl Shard {
         let capturing = st.caches.capturing();
         // Parked blocks (and fronts' held ones) merge with their neighbours before any
         // memory is made.
-        self.drain_fronts(st);
-        st.flush_parked();
+        self.merge_set_aside(st);
         if !capturing && st.config.garbage_collection_threshold > 0.0 {
             self.collect_garbage(st)?;
         }
@@ -291,9 +289,8 @@ impl Shard {
         if st.oom_final.is_some() {
             st.stats.num_ooms += 1;
         }
-        // Parked blocks are cached free memory too: the message counts them merged.
-        self.drain_fronts(st);
-        st.flush_parked();
+        // Parked (and held) blocks are cached free memory too: the message counts them merged.
+        self.merge_set_aside(st);
         Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
     }
 
@@ -357,16 +354,20 @@ impl Shard {
         }
         let addr = match self.driver.allocate(self.device, size) {
             Ok(addr) => addr,
-            Err(e) => {
-                st.uncommit(size);
-                return match e {
-                    DriverError::OutOfMemory => Ok(None),
-                    e => Err(driver_error(self.device, e)),
-                };
-            }
+            Err(e) => return self.refused(st, size, e),
         };
         tracing::debug!(device = self.device, addr, size, "segment allocated");
         Ok(Some(st.add_segment(addr, size, stream, pool, owner)))
+    }
+
+    /// The driver refused memory that `State::commit` had claimed: the claim goes back;
+    /// out of memory is `None` (the caller tries otherwise), any other error an error.
+    fn refused<T>(&self, st: &State, bytes: u64, e: DriverError) -> Result<Option<T>> {
+        st.uncommit(bytes);
+        match e {
+            DriverError::OutOfMemory => Ok(None),
+            e => Err(driver_error(self.device, e)),
+        }
     }
 
     /// Frees a block handed out by `malloc`. With `adopter`, a block that may wait in the
@@ -485,6 +486,14 @@ impl Shard {
             }
         }
         st.fronts.retire(&gone);
+    }
+
+    /// Blocks set aside for reuse, parked here and held in fronts, go back to the free lists,
+    /// merged with their neighbours: before growth, reclaiming pages, releasing the cache or
+    /// reporting an OOM, which must see all free memory.
+    fn merge_set_aside(&self, st: &mut State) {
+        self.drain_fronts(st);
+        st.flush_parked();
     }
 
     /// Frees a block that left a front (drained or evicted): the front no longer counts it.

@@ -444,9 +444,9 @@ impl Shard {
         if seg.unmapped_pages(addr, len) == 0 {
             return Ok(true);
         }
-        // Parked blocks' pages become reclaimable (and the OOM path sees them merged).
-        self.drain_fronts(st);
-        st.flush_parked();
+        // Parked (and held) blocks' pages become reclaimable (and the OOM path sees them
+        // merged).
+        self.merge_set_aside(st);
         let seg = &st.paged[&base];
         let missing: Vec<usize> = seg
             .touched(addr, len)
@@ -568,7 +568,6 @@ impl Shard {
         let before = clock.extra_slack;
         // Windows close only at growth: a long quiet gap counts for the windows it spans.
         let spans = (window.as_secs_f64() / MOVE_WINDOW.as_secs_f64()) as u32;
-        let over_before = clock.over_budget;
         (clock.extra_slack, clock.quiet_windows) = next_extra_slack(
             before,
             clock.quiet_windows,
@@ -576,7 +575,7 @@ impl Shard {
             share,
             budget,
             base,
-            over_before,
+            clock.over_budget,
         );
         clock.over_budget = share > budget;
         let changed = clock.extra_slack != before;
@@ -771,13 +770,7 @@ impl Shard {
                 st.stats.num_device_alloc += 1;
                 Ok(Some(handle))
             }
-            Err(e) => {
-                st.uncommit(bytes);
-                match e {
-                    crate::driver::DriverError::OutOfMemory => Ok(None),
-                    e => Err(driver_error(self.device, e)),
-                }
-            }
+            Err(e) => self.refused(st, bytes, e),
         }
     }
 

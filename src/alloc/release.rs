@@ -75,8 +75,7 @@ impl Shard {
     /// Waits for every pending cross-stream event, then returns every unused segment (of the
     /// general cache and of private pools nobody holds).
     pub(super) fn release_all_cached(&self, st: &mut State) -> Result<()> {
-        self.drain_fronts(st);
-        st.flush_parked();
+        self.merge_set_aside(st);
         st.stats.num_sync_all_streams += 1;
         self.drain_awaiting(st)?;
         self.sync_device(st)?;
