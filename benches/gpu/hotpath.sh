@@ -14,8 +14,10 @@
 #   OUT                   $OUT/hotpath.jsonl, $OUT/hotpath.md, logs in $OUT/hotpath_logs/
 #                         (default OUT=/tmp)
 #   KINDS                 default "native native_async cudamallocasync ccalloc"; also
-#                         native_expandable, cudamalloc (slow), and ccalloc@CONF: ccalloc
-#                         with CCALLOC_CONF=CONF (e.g. ccalloc@per_stream_shards:True)
+#                         native_expandable, cudamalloc (slow), ccalloc@CONF: ccalloc
+#                         with CCALLOC_CONF=CONF (e.g. ccalloc@per_stream_shards:True), and
+#                         floor: the harness's own cost per step (floor_alloc.c, built with
+#                         cc; an allocator's share is its figure minus the floor's)
 #   REPEATS               runs per kind, default 3
 #   TORCH_EXTENSIONS_DIR  where the harness is built (default /tmp/ccalloc_torch_extensions);
 #                         the first run compiles it (~1 min, needs ninja), later runs reuse it
@@ -61,6 +63,10 @@ for rep in $(seq 1 "$REPEATS"); do
         log="$LOG_DIR/$k.rep$rep.log"
         case "$k" in
             ccalloc) cmd=("$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
+            floor)
+                floor_so="$OUT_DIR/floor_alloc.so"
+                [ -f "$floor_so" ] || cc -O2 -shared -fPIC -o "$floor_so" "$ROOT/benches/gpu/floor_alloc.c"
+                cmd=("$PYTHON" "$BENCH/hotpath.py" so "$floor_so" floor_alloc floor_free) ;;
             ccalloc@*) cmd=(env CCALLOC_CONF="${k#ccalloc@}" "$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
             *) cmd=("$PYTHON" "$BENCH/hotpath.py" "$k") ;;
         esac
