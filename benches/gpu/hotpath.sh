@@ -13,7 +13,7 @@
 #                         bench folder itself
 #   OUT                   $OUT/hotpath.jsonl, $OUT/hotpath.md, logs in $OUT/hotpath_logs/
 #                         (default OUT=/tmp)
-#   KINDS                 default "native native_async cudamallocasync ccalloc"; also
+#   KINDS                 default "native native_async cudamallocasync ccalloc floor"; also
 #                         native_expandable, cudamalloc (slow), ccalloc@CONF: ccalloc
 #                         with CCALLOC_CONF=CONF (e.g. ccalloc@per_stream_shards:True), and
 #                         floor: the harness's own cost per step (floor_alloc.c, built with
@@ -42,7 +42,7 @@ OUT_DIR="${OUT:-/tmp}"
 JSONL="$OUT_DIR/hotpath.jsonl"
 LOG_DIR="$OUT_DIR/hotpath_logs"
 REPEATS="${REPEATS:-3}"
-KINDS="${KINDS:-native native_async cudamallocasync ccalloc}"
+KINDS="${KINDS:-native native_async cudamallocasync ccalloc floor}"
 RUN_TIMEOUT="${RUN_TIMEOUT:-600}"
 SUMMARIZE="$ROOT/benches/gpu/summarize.py"
 
