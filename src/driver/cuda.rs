@@ -7,6 +7,7 @@
 use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle, StreamId};
 use cudarc::driver::sys;
 use std::ffi::CStr;
+use std::io::Write;
 use std::sync::{Mutex, OnceLock};
 
 /// Every driver entry point this backend calls, by the names cudarc loads.
@@ -108,7 +109,8 @@ fn check(call: &'static str, code: sys::CUresult) -> DriverResult<()> {
         }),
     };
     if *LOG_FAILURES {
-        eprintln!("ccalloc: {call} failed: {code:?}");
+        // Not eprintln!: a closed stderr must not turn a driver error into a panic.
+        let _ = writeln!(std::io::stderr(), "ccalloc: {call} failed: {code:?}");
     }
     result
 }

@@ -246,12 +246,10 @@ impl SimDriver {
     }
 
     fn device(&self, device: usize) -> DriverResult<&SimDeviceState> {
-        self.devices
-            .get(device)
-            .ok_or_else(|| DriverError::Failed {
-                call: "sim",
-                detail: format!("no simulated device {device}"),
-            })
+        self.devices.get(device).ok_or_else(|| DriverError::Failed {
+            call: "sim",
+            detail: format!("no simulated device {device}"),
+        })
     }
 
     pub fn counters(&self, device: usize) -> SimCounters {

@@ -30,14 +30,28 @@ pub fn status_of(kind: ErrorKind) -> ccalloc_status {
     }
 }
 
+/// Said by `last_error_ptr` on a thread whose own message is gone: a call made from a
+/// thread-local destructor, after ccalloc's thread-local was destroyed.
+const MESSAGE_GONE: &std::ffi::CStr =
+    c"the last error message is gone: this thread is exiting (its thread-local storage was destroyed)";
+
+/// Stores this thread's last error message. During thread exit, once the thread-local is
+/// destroyed, the message is dropped (the status code still says what failed): a panic here
+/// would abort the host.
 pub fn set_last_error(message: &str) {
     let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
-    LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
+    let _ = LAST_ERROR.try_with(|slot| {
+        if let Ok(mut slot) = slot.try_borrow_mut() {
+            *slot = text;
+        }
+    });
 }
 
 /// The current thread's last error message; valid until its next failing ccalloc call.
 pub fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|slot| slot.borrow().as_ptr())
+        .unwrap_or(MESSAGE_GONE.as_ptr())
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
@@ -49,24 +63,30 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 }
 
 /// Runs `body` so that no panic crosses into C; failures become a status plus a message.
+/// Recording the message (logging, the thread-local) is kept inside the boundary too: during
+/// thread exit either may fail, and the status must still come back.
 pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => ccalloc_status::CCALLOC_OK,
-        Ok(Err(error)) => {
-            tracing::debug!(kind = ?error.kind, "{}", error.message);
-            set_last_error(&error.message);
-            status_of(error.kind)
-        }
-        Err(payload) => {
-            let message = format!(
+    let (status, message, panicked) = match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => return ccalloc_status::CCALLOC_OK,
+        Ok(Err(error)) => (status_of(error.kind), error.message, false),
+        Err(payload) => (
+            ccalloc_status::CCALLOC_INTERNAL_ERROR,
+            format!(
                 "internal error (panic caught at the C boundary): {}",
                 panic_message(&*payload)
-            );
+            ),
+            true,
+        ),
+    };
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if panicked {
             tracing::error!("{message}");
-            set_last_error(&message);
-            ccalloc_status::CCALLOC_INTERNAL_ERROR
+        } else {
+            tracing::debug!(?status, "{message}");
         }
-    }
+        set_last_error(&message);
+    }));
+    status
 }
 
 /// An error for a null or out-of-range argument.

@@ -11,6 +11,7 @@ use crate::error::{Error, ErrorKind};
 use crate::runtime::{self, Runtime};
 use boundary::{guard, invalid, require_out, write_out};
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::io::Write;
 use types::{
     ccalloc_paging_stats, ccalloc_pool_id, ccalloc_release_fn, ccalloc_stats, ccalloc_status,
     ccalloc_stream_filter, cudaStream_t,
@@ -352,13 +353,19 @@ pub extern "C" fn ccalloc_torch_free(
 /// The hook-style functions have no status to return: log what failed (the message stays
 /// in `ccalloc_last_error()`).
 fn log_torch_failure(call: &str, status: ccalloc_status) {
-    if status != ccalloc_status::CCALLOC_OK {
-        // SAFETY: the pointer is this thread's NUL-terminated last-error string.
+    if status == ccalloc_status::CCALLOC_OK {
+        return;
+    }
+    // Outside `guard`, so a failure to log (a closed stderr, thread exit) must not unwind
+    // into C: it is dropped.
+    let _ = std::panic::catch_unwind(|| {
+        // SAFETY: the pointer is this thread's NUL-terminated last-error string (or a static
+        // one once the thread's storage is gone).
         let message = unsafe { CStr::from_ptr(boundary::last_error_ptr()) }.to_string_lossy();
         // PyTorch's hooks have no way to report failure: say it on stderr, where it is seen.
-        eprintln!("ccalloc: {call}: {status:?}: {message}");
+        let _ = writeln!(std::io::stderr(), "ccalloc: {call}: {status:?}: {message}");
         tracing::error!("{call}: {status:?}: {message}");
-    }
+    });
 }
 
 /// PyTorch's `set_init_fn` hook: starts ccalloc (PyTorch passes its device count).
