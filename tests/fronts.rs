@@ -337,6 +337,40 @@ fn empty_cache_and_exiting_threads_give_held_blocks_back() {
     a.shutdown().unwrap();
 }
 
+/// A worker frees its blocks on its own stream, destroys the stream and exits; its front
+/// still holds the blocks. Freeing them later (another thread's growth drains the fronts)
+/// must make no driver call on the destroyed stream: without fronts none is made either.
+#[test]
+fn blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
+    for conf in ["thread_cache:False", ""] {
+        let (sim, a) = allocator(1 << 30, conf);
+        let keep = a.malloc(MIB, S1).unwrap();
+        let worker = StreamId(0x7000);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let p = a.malloc(4096, worker).unwrap();
+                let q = a.malloc(8192, worker).unwrap();
+                a.free(p).unwrap();
+                a.free(q).unwrap();
+                sim.destroy_stream(0, worker);
+            });
+        });
+        let big = a.malloc(64 * MIB, S1).unwrap();
+        a.free(big).unwrap();
+        a.free(keep).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(
+            sim.counters(0).destroyed_stream_calls,
+            0,
+            "{conf:?}: a driver call on the destroyed stream"
+        );
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocated_bytes.all().current, 0, "{conf:?}");
+        assert_eq!(s.allocation.all().allocated, 4, "{conf:?}");
+        a.shutdown().unwrap();
+    }
+}
+
 #[test]
 fn a_capture_is_never_served_from_a_front() {
     let (_sim, a) = allocator(1 << 30, "");

@@ -384,12 +384,15 @@ impl Shard {
                 return Ok(Freed::Adopted(census));
             }
         }
-        self.free_block(&mut st, id)?;
+        self.free_block(&mut st, id, true)?;
         Ok(Freed::Done)
     }
 
-    /// Frees a live block `id` that no front holds.
-    fn free_block(&self, st: &mut State, id: BlockId) -> Result<()> {
+    /// Frees a live block `id` that no front holds. `at_callers_free`: the caller is freeing
+    /// it now, so its stream is alive and a due fence may be recorded there; a block that
+    /// left a front is freed later, when the caller may have destroyed that stream (a later
+    /// fence on it, or a device synchronize, covers it instead: `wait_for_free`).
+    fn free_block(&self, st: &mut State, id: BlockId, at_callers_free: bool) -> Result<()> {
         let uses = st.take_back(id);
         if uses.is_empty() {
             let stream = st.blocks.get(id).stream;
@@ -397,7 +400,7 @@ impl Shard {
                 Some(due) => due,
                 None => st.cache(id),
             };
-            if fence_due && self.free_fence_allowed(st, stream) {
+            if fence_due && at_callers_free && self.free_fence_allowed(st, stream) {
                 // Later growth may want these pages: a fence tells it when they are free.
                 self.record_fence(st, stream);
             }
@@ -506,7 +509,7 @@ impl Shard {
         st.blocks.get_mut(id).front = 0;
         st.front_blocks -= 1;
         // Never recorded on another stream (record_stream takes blocks out of fronts).
-        if let Err(e) = self.free_block(st, id) {
+        if let Err(e) = self.free_block(st, id, false) {
             tracing::warn!(device = self.device, "freeing a front's block: {e}");
         }
     }

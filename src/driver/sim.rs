@@ -37,11 +37,16 @@ pub struct SimCounters {
     pub unmaps: u64,
     pub granules_mapped: u64,
     pub granules_unmapped: u64,
+    /// Calls on a stream after `destroy_stream` (each one refused): the allocator must make
+    /// none, since a destroyed CUDA stream's handle may be reused or fault.
+    pub destroyed_stream_calls: u64,
 }
 
 #[derive(Default)]
 struct StreamState {
     paused: bool,
+    /// `destroy_stream` was called: later calls on it fail, as on a destroyed CUDA stream.
+    destroyed: bool,
     /// Sequence number of the last piece of work queued (one per recorded event).
     queued: u64,
     /// Work up to this sequence number has finished.
@@ -75,6 +80,14 @@ struct SimDeviceState {
     capacity: u64,
     memory: Mutex<SimMemory>,
     streams: Mutex<HashMap<StreamId, StreamState>>,
+}
+
+impl SimDeviceState {
+    /// Counts and refuses a call on a destroyed stream.
+    fn destroyed_stream_call(&self, call: &'static str, stream: StreamId) -> DriverError {
+        self.memory.lock().unwrap().counters.destroyed_stream_calls += 1;
+        sim_error(call, format!("stream {:#x} was destroyed", stream.0))
+    }
 }
 
 fn sim_error(call: &'static str, detail: impl Into<String>) -> DriverError {
@@ -259,6 +272,16 @@ impl SimDriver {
             .unwrap_or_default()
     }
 
+    /// For tests: the caller destroys `stream` (as `cudaStreamDestroy`), after finishing its
+    /// work. Later calls on it are refused and counted (`destroyed_stream_calls`).
+    pub fn destroy_stream(&self, device: usize, stream: StreamId) {
+        let Ok(d) = self.device(device) else { return };
+        let mut streams = d.streams.lock().unwrap();
+        let state = streams.entry(stream).or_default();
+        state.finished = state.queued;
+        state.destroyed = true;
+    }
+
     /// A paused stream's events stay pending until it is resumed (or someone waits on them).
     pub fn set_stream_paused(&self, device: usize, stream: StreamId, paused: bool) {
         if let Some(d) = self.devices.get(device) {
@@ -394,6 +417,10 @@ impl Driver for SimDriver {
         let d = self.device(device)?;
         let mut streams = d.streams.lock().unwrap();
         let state = streams.entry(stream).or_default();
+        if state.destroyed {
+            drop(streams);
+            return Err(d.destroyed_stream_call("record_event", stream));
+        }
         state.queued += 1;
         if !state.paused {
             state.finished = state
@@ -462,6 +489,10 @@ impl Driver for SimDriver {
         let d = self.device(device)?;
         let mut streams = d.streams.lock().unwrap();
         let state = streams.entry(stream).or_default();
+        if state.destroyed {
+            drop(streams);
+            return Err(d.destroyed_stream_call("synchronize_stream", stream));
+        }
         state.finished = state.queued;
         d.memory.lock().unwrap().counters.stream_synchronize_calls += 1;
         Ok(())
