@@ -385,3 +385,123 @@ fn blocks_freed_by_another_thread_are_found_in_their_shard() {
     .unwrap();
     assert_eq!(a.stats().unwrap().allocation.all().current, 0);
 }
+
+/// The sim device (plain segments); when armed, the next `allocate` waits until opened.
+struct GatedDriver {
+    sim: Arc<SimDriver>,
+    armed: std::sync::atomic::AtomicBool,
+    entered: std::sync::atomic::AtomicBool,
+    open: (std::sync::Mutex<bool>, std::sync::Condvar),
+}
+
+impl GatedDriver {
+    fn open(&self) {
+        *self.open.0.lock().unwrap() = true;
+        self.open.1.notify_all();
+    }
+}
+
+mod gated {
+    use super::GatedDriver;
+    use ccalloc::driver::{DevicePtr, Driver, DriverResult, EventId};
+    use ccalloc::StreamId;
+    use std::sync::atomic::Ordering::SeqCst;
+
+    impl Driver for GatedDriver {
+        fn name(&self) -> &'static str {
+            "sim"
+        }
+        fn device_count(&self) -> usize {
+            1
+        }
+        fn total_memory(&self, d: usize) -> DriverResult<u64> {
+            self.sim.total_memory(d)
+        }
+        fn allocate(&self, d: usize, size: u64) -> DriverResult<DevicePtr> {
+            if self.armed.swap(false, SeqCst) {
+                self.entered.store(true, SeqCst);
+                let mut open = self.open.0.lock().unwrap();
+                while !*open {
+                    open = self.open.1.wait(open).unwrap();
+                }
+            }
+            self.sim.allocate(d, size)
+        }
+        fn release(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
+            self.sim.release(d, p, size)
+        }
+        fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
+            self.sim.record_event(d, s)
+        }
+        fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
+            self.sim.event_done(d, e)
+        }
+        fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
+            self.sim.wait_event(d, e)
+        }
+        fn destroy_event(&self, d: usize, e: EventId) {
+            self.sim.destroy_event(d, e)
+        }
+        fn synchronize(&self, d: usize) -> DriverResult<()> {
+            self.sim.synchronize(d)
+        }
+        fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
+            self.sim.synchronize_stream(d, s)
+        }
+    }
+}
+
+/// A statistics read that overlaps memory leaving one shard and arriving in another must not
+/// add both moments: reserved bytes (current and peak) are the device's own, never more than
+/// it held. Stream 1's growth is held inside the driver (its shard locked) while the reader
+/// has read shard 0 and waits for shard 1, and stream 0's cache is released meanwhile.
+#[test]
+fn a_statistics_read_never_counts_memory_moving_between_shards_twice() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let sim = Arc::new(SimDriver::new(1, 1 << 30));
+    let gated = Arc::new(GatedDriver {
+        sim: sim.clone(),
+        armed: false.into(),
+        entered: false.into(),
+        open: Default::default(),
+    });
+    let mut config = Config::default();
+    config.apply("per_stream_shards:True").unwrap();
+    let a = DeviceAllocator::new(0, gated.clone(), config).unwrap();
+    for s in [S1, S2] {
+        let p = a.malloc(4096, s).unwrap();
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    // Stream 1 caches a 64 MiB segment: the device never holds more than that.
+    let p = a.malloc(64 * MIB, S1).unwrap();
+    a.free(p).unwrap();
+    a.reset_peak_stats().unwrap();
+    gated.armed.store(true, SeqCst);
+    std::thread::scope(|scope| {
+        let grower = scope.spawn(|| a.malloc(64 * MIB, S2).unwrap());
+        while !gated.entered.load(SeqCst) {
+            std::thread::yield_now();
+        }
+        let reader = scope.spawn(|| a.stats().unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let emptier = scope.spawn(|| a.empty_cache());
+        while sim.counters(0).bytes_in_use != 0 {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        gated.open();
+        let q = grower.join().unwrap();
+        let reserved = reader.join().unwrap().reserved_bytes.all();
+        emptier.join().unwrap().unwrap();
+        assert!(
+            reserved.current <= reserved.peak && reserved.peak <= (64 * MIB) as i64,
+            "reserved current {} MiB, peak {} MiB: the device never held more than 64 MiB",
+            reserved.current >> 20,
+            reserved.peak >> 20
+        );
+        a.free(q).unwrap();
+    });
+    let after = a.stats().unwrap().reserved_bytes.all();
+    assert_eq!(after.current as u64, sim.counters(0).bytes_in_use);
+}

@@ -472,8 +472,8 @@ impl DeviceAllocator {
     }
 
     /// The device's statistics: every shard's summed, each read under its own lock (not one
-    /// snapshot of all). Currents and totals are exact, and so are the reserved-bytes peaks
-    /// (kept device-wide: they change on the slow path only). The other peaks are exact while
+    /// snapshot of all). Currents and totals are exact, and so are reserved bytes (current
+    /// and peak kept device-wide: they change on the slow path only). The other peaks are exact while
     /// the device has one shard; once a second stream has allocated under
     /// `per_stream_shards`, each is the sum of the shards' peaks, which bounds the device's
     /// from above: an exact one would need a counter that every stream writes on every
@@ -490,7 +490,8 @@ impl DeviceAllocator {
                 shard.stats()?
             });
         }
-        self.device_reserved.set_peaks(&mut sum.reserved_bytes);
+        self.device_reserved
+            .set_current_and_peaks(&mut sum.reserved_bytes);
         Ok(sum)
     }
 

@@ -136,10 +136,15 @@ impl DeviceReserved {
         self.current[0].load(Ordering::Relaxed)
     }
 
-    /// The device's peaks in place of the summed ones.
-    pub fn set_peaks(&self, stat: &mut StatArray) {
-        for (s, peak) in stat.0.iter_mut().zip(&self.peak) {
-            s.peak = peak.load(Ordering::Relaxed) as i64;
+    /// The device's current values and peaks in place of the summed ones: shards read one
+    /// after another sum different moments (memory released by one shard and mapped by
+    /// another in between counts twice), which could exceed anything the device held.
+    /// Current is read before its peak, which is raised to it where an increase is halfway.
+    pub fn set_current_and_peaks(&self, stat: &mut StatArray) {
+        for ((s, current), peak) in stat.0.iter_mut().zip(&self.current).zip(&self.peak) {
+            let now = current.load(Ordering::Relaxed);
+            s.current = now as i64;
+            s.peak = peak.load(Ordering::Relaxed).max(now) as i64;
         }
     }
 
