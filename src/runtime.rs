@@ -90,6 +90,12 @@ impl Runtime {
                     ),
                 )
             })?;
+        if let Some(started) = cell.get() {
+            return Ok(started);
+        }
+        // Started under the settings lock, which `shutdown` and `set_config` hold throughout:
+        // a device they did not see cannot appear while they run.
+        let config = self.config.lock().unwrap();
         cell.get_or_try_init(|| {
             if self.shut_down.load(Ordering::Acquire) {
                 return Err(Error::new(
@@ -97,8 +103,7 @@ impl Runtime {
                     "ccalloc has been shut down",
                 ));
             }
-            let config = self.config.lock().unwrap().clone();
-            DeviceAllocator::new(device as usize, self.driver.clone(), config)
+            DeviceAllocator::new(device as usize, self.driver.clone(), config.clone())
         })
     }
 
@@ -166,12 +171,18 @@ impl Runtime {
         let mut next = config.clone();
         next.apply(text)?;
         // Every device must accept it before any changes (per_stream_shards is fixed once a
-        // device allocates).
-        for device in self.started_devices() {
-            device.check_config(text)?;
+        // device allocates): each device's settings are held from its check to its change,
+        // so that none allocates for the first time in between.
+        let devices: Vec<&DeviceAllocator> = self.started_devices().collect();
+        let mut held = devices
+            .iter()
+            .map(|d| d.lock_settings())
+            .collect::<Result<Vec<_>>>()?;
+        for (device, held) in devices.iter().zip(&held) {
+            device.check_config_locked(held, text)?;
         }
-        for device in self.started_devices() {
-            device.apply_config(text)?;
+        for (device, held) in devices.iter().zip(&mut held) {
+            device.apply_config_locked(held, text)?;
         }
         *config = next;
         Ok(())
@@ -194,6 +205,9 @@ impl Runtime {
 
     /// Releases everything; refused (nothing changed) while any device has live blocks.
     pub fn shutdown(&self) -> Result<()> {
+        // No device starts meanwhile (`device` starts them under this lock): one started
+        // after the list below is taken would be missed, left running with its memory.
+        let _settings = self.config.lock().unwrap();
         // All or nothing: if a device refuses (an allocation raced in, or the driver
         // failed), the ones already shut down are reopened.
         let started: Vec<&DeviceAllocator> = self.started_devices().collect();

@@ -52,6 +52,11 @@ struct Setup {
     pools: HashMap<PoolId, u32>,
 }
 
+/// A device's settings, held (`DeviceAllocator::lock_settings`): while held, the device
+/// neither changes its settings nor makes its first shard, so that several devices can be
+/// checked and changed as one (`Runtime::set_config`).
+pub struct SettingsLock<'a>(MutexGuard<'a, Setup>);
+
 pub struct DeviceAllocator {
     device: usize,
     total_memory: u64,
@@ -376,6 +381,15 @@ impl DeviceAllocator {
     /// Settings for every shard, and for those made later.
     fn configure(&self, change: impl FnOnce(&mut Config) -> Result<()>) -> Result<()> {
         let mut setup = self.setup()?;
+        self.configure_locked(&mut setup, change)
+    }
+
+    /// `configure` with the settings held already.
+    fn configure_locked(
+        &self,
+        setup: &mut MutexGuard<'_, Setup>,
+        change: impl FnOnce(&mut Config) -> Result<()>,
+    ) -> Result<()> {
         self.check_open()?;
         let mut next = setup.config.clone();
         change(&mut next)?;
@@ -383,7 +397,7 @@ impl DeviceAllocator {
         self.sharded
             .store(next.per_stream_shards, Ordering::Relaxed);
         setup.config = next.clone();
-        self.set_fronts_open(&setup);
+        self.set_fronts_open(setup);
         // Each shard takes its fronts' held blocks back first (sized under the old settings).
         self.each_shard(|s| s.set_config(next.clone()))
     }
@@ -415,10 +429,25 @@ impl DeviceAllocator {
 
     /// Whether `apply_config(text)` would succeed (nothing is changed).
     pub fn check_config(&self, text: &str) -> Result<()> {
-        let setup = self.setup()?;
-        let mut next = setup.config.clone();
+        self.check_config_locked(&self.lock_settings()?, text)
+    }
+
+    /// Holds this device's settings (see `SettingsLock`).
+    pub fn lock_settings(&self) -> Result<SettingsLock<'_>> {
+        Ok(SettingsLock(self.setup()?))
+    }
+
+    /// `check_config` with the settings held: true until they are released.
+    pub fn check_config_locked(&self, held: &SettingsLock<'_>, text: &str) -> Result<()> {
+        self.check_open()?;
+        let mut next = held.0.config.clone();
         next.apply(text)?;
-        self.check_sharding(&setup.config, &next)
+        self.check_sharding(&held.0.config, &next)
+    }
+
+    /// `apply_config` with the settings held (after `check_config_locked`).
+    pub fn apply_config_locked(&self, held: &mut SettingsLock<'_>, text: &str) -> Result<()> {
+        self.configure_locked(&mut held.0, |c| c.apply(text))
     }
 
     /// Replaces every setting (`ccalloc_reset_config`), except `per_stream_shards` once the
