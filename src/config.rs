@@ -238,11 +238,21 @@ fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> 
     Ok(mb.saturating_mul(MB))
 }
 
+/// The most `roundup_power2_divisions` a setting may name.
+const MAX_DIVISIONS: u64 = 1 << 16;
+
 fn parse_divisions(text: &str) -> Result<u64> {
     let d = parse_number::<u64>("roundup_power2_divisions", text)?;
     if d != 0 && !d.is_power_of_two() {
         return Err(config_error(format!(
             "roundup_power2_divisions: divisions must be a power of two or 0 (got {d})"
+        )));
+    }
+    // Beyond this a step between two powers of two falls under a byte for every size a
+    // device can hold: nothing left to round.
+    if d > MAX_DIVISIONS {
+        return Err(config_error(format!(
+            "roundup_power2_divisions: at most {MAX_DIVISIONS} divisions (got {d})"
         )));
     }
     Ok(d)
@@ -323,6 +333,22 @@ mod tests {
         assert_eq!(c.roundup_power2_divisions_for(2 << 30), 8);
         assert_eq!(c.roundup_power2_divisions_for(1 << 40), 8);
         assert_eq!(c.max_split_size, 100 * MB);
+    }
+
+    /// Past 65,536 divisions nothing is left to round: refused, in either form, rather than
+    /// overflowing where sizes are rounded.
+    #[test]
+    fn divisions_are_bounded() {
+        for text in [
+            "roundup_power2_divisions:131072",
+            "roundup_power2_divisions:[>:36028797018963968]",
+        ] {
+            let err = Config::default().apply(text).unwrap_err();
+            assert!(err.message.contains("at most 65536"), "{text}: {err}");
+        }
+        let mut c = Config::default();
+        c.apply("roundup_power2_divisions:65536").unwrap();
+        assert_eq!(crate::alloc::sizing::round_size(1 << 30, &c), 1 << 30);
     }
 
     #[test]

@@ -40,7 +40,7 @@ pub fn round_size(size: u64, config: &Config) -> u64 {
         return MIN_BLOCK_SIZE;
     }
     let divisions = config.roundup_power2_divisions_for(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
+    if divisions > 1 && size > MIN_BLOCK_SIZE.saturating_mul(divisions) {
         round_up_to_power2_division(size, divisions)
     } else {
         round_up(size, MIN_BLOCK_SIZE)
