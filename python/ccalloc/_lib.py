@@ -283,12 +283,33 @@ class ccalloc_pool_id(ctypes.Structure):
     ]
 
 
-# ``bool (*)(void *ctx, cudaStream_t stream)``: whether an allocation on ``stream`` goes to
-# the private pool. A Python callback must stay referenced until ``release(ctx)`` is called.
-ccalloc_stream_filter = ctypes.CFUNCTYPE(c_bool, c_void_p, c_void_p)
+def _nullable_function_pointer(restype, *argtypes):
+    """A C function pointer type that also takes ``None`` as an argument (NULL), as the
+    header allows for optional callbacks: a plain ``CFUNCTYPE`` refuses ``None``."""
+    base = ctypes.CFUNCTYPE(restype, *argtypes)
 
-# ``void (*)(void *ctx)``: releases the caller's ``ctx`` when ccalloc no longer needs it.
-ccalloc_release_fn = ctypes.CFUNCTYPE(None, c_void_p)
+    class Nullable(base):
+        _flags_ = base._flags_
+        _restype_ = base._restype_
+        _argtypes_ = base._argtypes_
+
+        @classmethod
+        def from_param(cls, obj):
+            if obj is None:
+                return None
+            return type(base).from_param(cls, obj)
+
+    return Nullable
+
+
+# ``bool (*)(void *ctx, cudaStream_t stream)``: whether an allocation on ``stream`` goes to
+# the private pool (NULL: every stream). A Python callback must stay referenced until
+# ``release(ctx)`` is called.
+ccalloc_stream_filter = _nullable_function_pointer(c_bool, c_void_p, c_void_p)
+
+# ``void (*)(void *ctx)``: releases the caller's ``ctx`` when ccalloc no longer needs it
+# (NULL: nothing to release).
+ccalloc_release_fn = _nullable_function_pointer(None, c_void_p)
 
 
 # --------------------------------------------------------------------------------------------

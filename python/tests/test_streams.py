@@ -147,6 +147,26 @@ def test_private_pool_binding(alloc, fresh_stats):
     ccalloc.empty_cache()
 
 
+def test_private_pool_with_null_filter_and_release(alloc, fresh_stats):
+    """The header allows NULL for the filter (every stream) and the release callback."""
+    lib = _lib.load()
+    pool = _lib.ccalloc_pool_id(7, 9)
+    _lib.check(lib.ccalloc_begin_allocate_to_pool(0, pool, None, None, None))
+    p = alloc(4096, stream=S1)
+    q = alloc(4096, stream=S2)
+    _lib.check(lib.ccalloc_end_allocate_to_pool(0, pool))
+    ccalloc.free(p)
+    ccalloc.free(q)
+    again = alloc(4096, stream=S1)  # window closed: the private pool's blocks are not reused
+    assert again != p
+    ccalloc.free(again)
+    _lib.check(lib.ccalloc_release_pool(0, pool))
+    ccalloc.empty_cache()
+    assert ccalloc.memory_reserved() == 0
+    with pytest.raises(ctypes.ArgumentError):
+        lib.ccalloc_begin_allocate_to_pool(0, pool, 5, None, None)  # not a function pointer
+
+
 def test_private_pool_errors():
     lib = _lib.load()
     status = lib.ccalloc_end_allocate_to_pool(0, _lib.ccalloc_pool_id(99, 99))

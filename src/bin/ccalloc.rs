@@ -61,6 +61,11 @@ fn main() -> ExitCode {
                 eprintln!("error: --capacity {capacity:?} is not a size such as 80GiB");
                 return ExitCode::from(2);
             };
+            // Settings are checked before any trace is read: their error is theirs.
+            if let Err(e) = ccalloc::Config::default().apply(&conf) {
+                eprintln!("error: --conf {conf:?}: {e}");
+                return ExitCode::from(2);
+            }
             let options = ReplayOptions {
                 capacity,
                 conf,

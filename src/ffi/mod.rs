@@ -312,6 +312,11 @@ pub extern "C-unwind" fn ccalloc_torch_alloc(
     device: c_int,
     stream: cudaStream_t,
 ) -> *mut c_void {
+    if size == 0 {
+        // PyTorch asks for 0 bytes (empty tensors) and expects NULL: not an error, so the
+        // thread's last error message is left as it was.
+        return std::ptr::null_mut();
+    }
     let mut out: *mut c_void = std::ptr::null_mut();
     let status = guard(|| {
         let rt = match runtime::global() {
@@ -322,7 +327,7 @@ pub extern "C-unwind" fn ccalloc_torch_alloc(
         out = ptr as *mut c_void;
         Ok(())
     });
-    if status == ccalloc_status::CCALLOC_OK || size == 0 {
+    if status == ccalloc_status::CCALLOC_OK {
         return out;
     }
     // SAFETY: this thread's NUL-terminated last error; the shim copies it before throwing.

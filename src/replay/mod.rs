@@ -1,6 +1,7 @@
 //! Trace replay: drives a `DeviceAllocator` on the simulated device with a recorded workload
 //! (allocate at `alloc`, free at `free_completed`, same streams) and measures what it reserved.
 
+mod pickle_depth;
 pub mod plot;
 pub mod trace;
 
@@ -40,7 +41,8 @@ impl Default for ReplayOptions {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct OomPoint {
-    /// Index of the event (0-based, in the trace's allocation events) that failed.
+    /// Index of the event that failed (0-based, among the trace's events as read, its
+    /// segment events included); 0 for a block live when recording began.
     pub event: usize,
     pub requested_bytes: u64,
     pub live_bytes: u64,
@@ -127,19 +129,40 @@ pub fn replay(
     let every = (total / options.timeline_points.max(1)).max(1);
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
     let (mut live_bytes, mut peak_live) = (0u64, 0u64);
-    let (mut torch_reserved, mut torch_peak, mut torch_seen) = (0i64, 0i64, false);
+    let (mut torch_reserved, mut torch_peak, mut torch_seen) = (0u64, 0u64, false);
     let (mut events, mut allocs, mut unmatched) = (0usize, 0usize, 0usize);
     let mut timeline = Vec::new();
     let mut oom = None;
 
     let started = Instant::now();
     for (addr, size, stream) in trace::live_at_start(trace) {
-        let ptr = allocator.malloc(size.max(1), StreamId(stream))?;
-        live.insert(addr, (ptr, size));
-        live_bytes += size;
+        match allocator.malloc(size.max(1), StreamId(stream)) {
+            Ok(ptr) => {
+                live.insert(addr, (ptr, size));
+                live_bytes = live_bytes.saturating_add(size);
+            }
+            Err(err) if err.kind == ErrorKind::OutOfMemory => {
+                oom = Some(OomPoint {
+                    event: 0,
+                    requested_bytes: size,
+                    live_bytes,
+                    message: format!(
+                        "a block live when recording began does not fit: {}",
+                        err.message
+                    ),
+                });
+                break;
+            }
+            Err(err) => return Err(err),
+        }
     }
     peak_live = peak_live.max(live_bytes);
-    for (i, e) in trace.events.iter().enumerate() {
+    let events_to_replay = if oom.is_some() {
+        &[][..]
+    } else {
+        &trace.events[..]
+    };
+    for (i, e) in events_to_replay.iter().enumerate() {
         match e.action {
             Action::Alloc => {
                 if let Some((old, size)) = live.remove(&e.addr) {
@@ -176,12 +199,13 @@ pub fn replay(
                 None => unmatched += 1,
             },
             Action::FreeRequested => {}
+            // Saturating: a trace's sizes are whatever it says.
             Action::SegmentAlloc => {
                 torch_seen = true;
-                torch_reserved += e.size as i64;
+                torch_reserved = torch_reserved.saturating_add(e.size);
                 torch_peak = torch_peak.max(torch_reserved);
             }
-            Action::SegmentFree => torch_reserved -= e.size as i64,
+            Action::SegmentFree => torch_reserved = torch_reserved.saturating_sub(e.size),
         }
         if i % every == 0 {
             let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
@@ -203,7 +227,7 @@ pub fn replay(
             reserved as f64 / peak_live as f64
         }
     };
-    let torch_peak = torch_seen.then_some(torch_peak.max(0) as u64);
+    let torch_peak = torch_seen.then_some(torch_peak);
     let counters = sim.counters(0);
     Ok(ReplayReport {
         trace: trace.name.clone(),

@@ -3,7 +3,6 @@
 
 use crate::error::{Error, ErrorKind, Result};
 use serde_pickle::value::{HashableValue, Value};
-use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
@@ -50,6 +49,9 @@ fn action_of(name: &str) -> Option<Action> {
     })
 }
 
+/// PyTorch's trace actions that allocate and free nothing.
+const NON_ALLOCATION_ACTIONS: [&str; 2] = ["snapshot", "oom"];
+
 /// Reads one file: a CSV trace (plain or .gz) or a PyTorch snapshot pickle (one trace per
 /// device that has events).
 pub fn load(path: &Path) -> Result<Vec<Trace>> {
@@ -59,7 +61,8 @@ pub fn load(path: &Path) -> Result<Vec<Trace>> {
         .map_err(|e| bad(path, e))?;
     if raw.starts_with(&[0x1f, 0x8b]) {
         let mut plain = Vec::new();
-        flate2::read::GzDecoder::new(&raw[..])
+        // Every member: `cat a.gz b.gz`, pigz and bgzip write several.
+        flate2::read::MultiGzDecoder::new(&raw[..])
             .read_to_end(&mut plain)
             .map_err(|e| bad(path, format!("gzip: {e}")))?;
         raw = plain;
@@ -106,23 +109,39 @@ fn load_csv(path: &Path, name: String, raw: &[u8]) -> Result<Trace> {
             continue;
         }
         let fields: Vec<&str> = line.trim().split(',').collect();
-        let parse = |k: usize| -> Result<u64> {
+        // Addresses and stream handles may be written signed (their bits are what counts);
+        // a size may not.
+        let parse = |k: usize, signed: bool| -> Result<u64> {
             let text = fields.get(k).copied().unwrap_or("");
             text.parse::<u64>()
-                .or_else(|_| text.parse::<i64>().map(|v| v as u64))
-                .map_err(|_| bad(path, format!("line {}: {text:?} is not a number", i + 2)))
+                .or_else(|e| match signed {
+                    true => text.parse::<i64>().map(|v| v as u64),
+                    false => Err(e),
+                })
+                .map_err(|_| {
+                    let what = if signed { "a number" } else { "a size" };
+                    bad(path, format!("line {}: {text:?} is not {what}", i + 2))
+                })
         };
         if fields.len() != 4 {
             return Err(bad(path, format!("line {}: expected 4 fields", i + 2)));
         }
         let Some(action) = action_of(fields[0]) else {
-            continue; // Other actions (snapshot, oom) carry no allocation.
+            // PyTorch's other trace actions carry no allocation; anything else is a
+            // damaged trace, not something to skip quietly.
+            if NON_ALLOCATION_ACTIONS.contains(&fields[0]) {
+                continue;
+            }
+            return Err(bad(
+                path,
+                format!("line {}: unknown action {:?}", i + 2, fields[0]),
+            ));
         };
         events.push(Event {
             action,
-            addr: parse(1)?,
-            size: parse(2)?,
-            stream: parse(3)?,
+            addr: parse(1, true)?,
+            size: parse(2, false)?,
+            stream: parse(3, true)?,
         });
     }
     Ok(Trace { name, events })
@@ -141,7 +160,20 @@ fn as_u64(value: Option<&Value>) -> Option<u64> {
     }
 }
 
+/// Deeper than any memory snapshot nests (about six levels), shallow enough that decoding
+/// it cannot overflow a thread's stack.
+const MAX_PICKLE_DEPTH: usize = 64;
+
 fn load_pickle(path: &Path, name: &str, raw: &[u8]) -> Result<Vec<Trace>> {
+    // The decoder builds and drops values recursively: a small file of nested lists would
+    // overflow the stack and abort. Measured first, without decoding.
+    let depth = super::pickle_depth::pickle_depth(raw).map_err(|e| bad(path, e))?;
+    if depth > MAX_PICKLE_DEPTH {
+        return Err(bad(
+            path,
+            format!("not a memory snapshot: containers nested {depth} deep (a snapshot nests a few levels; at most {MAX_PICKLE_DEPTH} are read)"),
+        ));
+    }
     let options = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .replace_recursive_structures();
@@ -195,17 +227,19 @@ fn load_pickle(path: &Path, name: &str, raw: &[u8]) -> Result<Vec<Trace>> {
     Ok(traces)
 }
 
-/// Addresses freed in the trace without an allocation before: live when recording began.
-/// Returns (addr, size, stream) in order of first appearance.
+/// Addresses freed in the trace before any allocation or free of them: live when recording
+/// began. A later free of an address that is not live (a double free in the trace) is not
+/// one: the replay counts it as unmatched. Returns (addr, size, stream) in order of first
+/// appearance.
 pub fn live_at_start(trace: &Trace) -> Vec<(u64, u64, u64)> {
-    let mut live = BTreeMap::new();
+    let mut seen = std::collections::HashSet::new();
     let mut found = Vec::new();
     for e in &trace.events {
         match e.action {
             Action::Alloc => {
-                live.insert(e.addr, ());
+                seen.insert(e.addr);
             }
-            Action::FreeCompleted if live.remove(&e.addr).is_none() => {
+            Action::FreeCompleted if seen.insert(e.addr) => {
                 found.push((e.addr, e.size, e.stream));
             }
             _ => {}

@@ -1,0 +1,326 @@
+//! How deeply a pickle nests its containers, found without building it. The pickle decoder
+//! (serde-pickle) builds and drops values recursively, so a small hostile file of nested
+//! lists (`]]]]…aaaa.`, two bytes a level) overflows the stack and aborts the process. A
+//! PyTorch memory snapshot nests a handful of levels; this runs the pickle's opcodes over
+//! container ids instead of values, records which container holds which, and measures the
+//! longest chain, so that the replay can refuse a file before decoding it.
+
+use std::collections::HashMap;
+
+/// What a pickle stack slot holds, for depth: a mark, a scalar, or container `id`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Mark,
+    Scalar,
+    Node(u32),
+}
+
+/// Containers and what each holds (ids); the nesting depth is the longest chain.
+#[derive(Default)]
+struct Graph {
+    children: Vec<Vec<u32>>,
+}
+
+impl Graph {
+    fn node(&mut self, holds: impl IntoIterator<Item = Slot>) -> Slot {
+        let id = self.children.len() as u32;
+        self.children.push(Vec::new());
+        self.hold(Slot::Node(id), holds);
+        Slot::Node(id)
+    }
+
+    fn hold(&mut self, parent: Slot, items: impl IntoIterator<Item = Slot>) {
+        let Slot::Node(p) = parent else { return };
+        for item in items {
+            if let Slot::Node(c) = item {
+                self.children[p as usize].push(c);
+            }
+        }
+    }
+
+    /// The longest chain of containers, iteratively (a cycle, which the decoder replaces by
+    /// None, ends a chain).
+    fn depth(&self) -> usize {
+        const NEW: u32 = 0;
+        const OPEN: u32 = 1;
+        let mut depth = vec![NEW; self.children.len()];
+        let mut deepest = 0;
+        for root in 0..self.children.len() {
+            if depth[root] != NEW {
+                continue;
+            }
+            // (node, next child to visit); OPEN marks nodes on the path (depth 0 for cycles).
+            let mut path = vec![(root, 0usize)];
+            depth[root] = OPEN;
+            while let Some(&mut (node, ref mut next)) = path.last_mut() {
+                if let Some(&child) = self.children[node].get(*next) {
+                    *next += 1;
+                    if depth[child as usize] == NEW {
+                        depth[child as usize] = OPEN;
+                        path.push((child as usize, 0));
+                    }
+                    continue;
+                }
+                // Depths are stored plus one, so that NEW and OPEN stay apart from them.
+                let below = self.children[node]
+                    .iter()
+                    .map(|&c| depth[c as usize].saturating_sub(1))
+                    .max()
+                    .unwrap_or(0);
+                depth[node] = below + 2;
+                deepest = deepest.max(below as usize + 1);
+                path.pop();
+            }
+        }
+        deepest
+    }
+}
+
+/// The pickle's bytes, read forward.
+struct Reader<'a> {
+    raw: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.raw.len());
+        let end = end.ok_or_else(|| "truncated pickle".to_string())?;
+        let bytes = &self.raw[self.at..end];
+        self.at = end;
+        Ok(bytes)
+    }
+
+    /// A newline-terminated argument, without its newline.
+    fn line(&mut self) -> Result<&'a [u8], String> {
+        let len = self.raw[self.at..]
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or("truncated pickle")?;
+        Ok(&self.take(len + 1)?[..len])
+    }
+
+    /// A little-endian count of `width` bytes.
+    fn count(&mut self, width: usize) -> Result<u64, String> {
+        let bytes = self.take(width)?;
+        Ok(bytes.iter().rev().fold(0u64, |v, &b| (v << 8) | b as u64))
+    }
+
+    fn decimal(&mut self) -> Result<u64, String> {
+        std::str::from_utf8(self.line()?)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .ok_or_else(|| "bad memo index".to_string())
+    }
+}
+
+/// The deepest nesting of containers (lists, dicts, tuples, sets, objects) in the pickle, or
+/// why it cannot be read (the decoder would refuse it too).
+pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
+    let mut r = Reader { raw, at: 0 };
+    let mut graph = Graph::default();
+    let mut stack: Vec<Slot> = Vec::new();
+    let mut memo: HashMap<u64, Slot> = HashMap::new();
+    let malformed = || "malformed pickle (stack underflow)".to_string();
+    fn pop(stack: &mut Vec<Slot>) -> Result<Slot, String> {
+        match stack.pop() {
+            Some(Slot::Mark) | None => Err("malformed pickle (stack underflow)".into()),
+            Some(slot) => Ok(slot),
+        }
+    }
+    fn to_mark(stack: &mut Vec<Slot>) -> Result<Vec<Slot>, String> {
+        let mark = stack
+            .iter()
+            .rposition(|s| *s == Slot::Mark)
+            .ok_or("malformed pickle (no mark)")?;
+        let items = stack.split_off(mark + 1);
+        stack.pop();
+        Ok(items)
+    }
+    loop {
+        let op = r.take(1)?[0];
+        match op {
+            b'.' => break, // STOP
+            b'(' => stack.push(Slot::Mark),
+            // Arguments only: protocol, frame.
+            0x80 => drop(r.take(1)?),
+            0x95 => drop(r.take(8)?),
+            // Scalars with a newline-terminated argument: INT, LONG, FLOAT, STRING, UNICODE.
+            b'I' | b'L' | b'F' | b'S' | b'V' => {
+                r.line()?;
+                stack.push(Slot::Scalar);
+            }
+            // Fixed-size scalars: BININT, BININT1, BININT2, BINFLOAT; None, True, False.
+            b'J' | b'K' | b'M' | b'G' => {
+                r.take(match op {
+                    b'J' => 4,
+                    b'K' => 1,
+                    b'M' => 2,
+                    _ => 8,
+                })?;
+                stack.push(Slot::Scalar);
+            }
+            b'N' | 0x88 | 0x89 => stack.push(Slot::Scalar),
+            // Counted scalars: LONG1, SHORT_BINSTRING, SHORT_BINBYTES, SHORT_BINUNICODE (1-byte
+            // length); LONG4, BINSTRING, BINUNICODE, BINBYTES (4); BINUNICODE8, BINBYTES8,
+            // BYTEARRAY8 (8).
+            0x8a | b'U' | b'C' | 0x8c | 0x8b | b'T' | b'X' | b'B' | 0x8d | 0x8e | 0x96 => {
+                let width = match op {
+                    0x8a | b'U' | b'C' | 0x8c => 1,
+                    0x8b | b'T' | b'X' | b'B' => 4,
+                    _ => 8,
+                };
+                let len = r.count(width)?;
+                r.take(usize::try_from(len).map_err(|_| "truncated pickle")?)?;
+                stack.push(Slot::Scalar);
+            }
+            // Empty containers: list, dict, tuple, set.
+            b']' | b'}' | b')' | 0x8f => {
+                let node = graph.node([]);
+                stack.push(node);
+            }
+            // Containers built from the items above the mark: LIST, DICT, TUPLE, FROZENSET,
+            // OBJ; INST (with two newline-terminated names).
+            b'l' | b'd' | b't' | 0x91 | b'o' | b'i' => {
+                if op == b'i' {
+                    r.line()?;
+                    r.line()?;
+                }
+                let items = to_mark(&mut stack)?;
+                let node = graph.node(items);
+                stack.push(node);
+            }
+            // TUPLE1-3, REDUCE (callable, args), NEWOBJ (cls, args), NEWOBJ_EX (3).
+            0x85..=0x87 | b'R' | 0x81 | 0x92 => {
+                let n = match op {
+                    0x85 => 1,
+                    0x86 | b'R' | 0x81 => 2,
+                    _ => 3,
+                };
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(pop(&mut stack)?);
+                }
+                let node = graph.node(items);
+                stack.push(node);
+            }
+            // Into the container below: APPEND, SETITEM (key and value), BUILD (state).
+            b'a' | b'b' | b's' => {
+                let n = if op == b's' { 2 } else { 1 };
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(pop(&mut stack)?);
+                }
+                let parent = *stack.last().ok_or_else(malformed)?;
+                let parent = match parent {
+                    // BUILD on an unresolved global (a scalar here) makes an object.
+                    Slot::Scalar => {
+                        let node = graph.node([]);
+                        *stack.last_mut().expect("checked") = node;
+                        node
+                    }
+                    Slot::Mark => return Err(malformed()),
+                    node => node,
+                };
+                graph.hold(parent, items);
+            }
+            // Into the container below the mark: APPENDS, SETITEMS, ADDITEMS.
+            b'e' | b'u' | 0x90 => {
+                let items = to_mark(&mut stack)?;
+                let parent = *stack.last().ok_or_else(malformed)?;
+                graph.hold(parent, items);
+            }
+            // GLOBAL (two newline-terminated names), STACK_GLOBAL (two names on the stack).
+            b'c' => {
+                r.line()?;
+                r.line()?;
+                stack.push(Slot::Scalar);
+            }
+            0x93 => {
+                pop(&mut stack)?;
+                pop(&mut stack)?;
+                stack.push(Slot::Scalar);
+            }
+            b'0' => drop(pop(&mut stack)?),
+            b'1' => drop(to_mark(&mut stack)?),
+            b'2' => {
+                let top = *stack.last().ok_or_else(malformed)?;
+                stack.push(top);
+            }
+            // Memo: PUT (decimal line), BINPUT (1 byte), LONG_BINPUT (4), MEMOIZE.
+            b'p' | b'q' | b'r' | 0x94 => {
+                let index = match op {
+                    b'p' => r.decimal()?,
+                    b'q' => r.count(1)?,
+                    b'r' => r.count(4)?,
+                    _ => memo.len() as u64,
+                };
+                let top = *stack.last().ok_or_else(malformed)?;
+                memo.insert(index, top);
+            }
+            // GET (decimal line), BINGET (1 byte), LONG_BINGET (4).
+            b'g' | b'h' | b'j' => {
+                let index = match op {
+                    b'g' => r.decimal()?,
+                    b'h' => r.count(1)?,
+                    _ => r.count(4)?,
+                };
+                stack.push(memo.get(&index).copied().unwrap_or(Slot::Scalar));
+            }
+            other => return Err(format!("pickle opcode {other:#04x} is not supported")),
+        }
+    }
+    Ok(graph.depth())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pickle_depth;
+
+    #[test]
+    fn nested_lists_count_their_levels() {
+        for n in [1usize, 2, 10, 5000] {
+            let mut raw = b"\x80\x02".to_vec();
+            raw.extend(std::iter::repeat_n(b']', n));
+            raw.extend(std::iter::repeat_n(b'a', n - 1));
+            raw.push(b'.');
+            assert_eq!(pickle_depth(&raw), Ok(n), "{n} levels");
+        }
+    }
+
+    #[test]
+    fn a_chain_built_through_the_memo_is_measured_whole() {
+        // L0 = []; memo 0 = L0; then n times: L = [memo[i]] stored as memo i+1: each new
+        // list holds the previous one through a memo reference, with a stack two deep.
+        let n = 300u32;
+        let mut raw = b"\x80\x02]q\x00\x00\x00\x00".to_vec();
+        raw[3] = b'r'; // LONG_BINPUT 0
+        for i in 0..n - 1 {
+            raw.extend([b']', b'j']);
+            raw.extend(i.to_le_bytes());
+            raw.push(b'a');
+            raw.push(b'r');
+            raw.extend((i + 1).to_le_bytes());
+        }
+        raw.push(b'.');
+        assert_eq!(pickle_depth(&raw), Ok(n as usize));
+        // A list that grows after it was memoized still counts for those holding it.
+        let raw = b"\x80\x02]q\x00]h\x00a0h\x00]]aa.";
+        assert_eq!(pickle_depth(raw), Ok(4));
+    }
+
+    #[test]
+    fn a_cycle_ends_the_chain() {
+        // L = []; L.append(L) through the memo.
+        assert_eq!(pickle_depth(b"\x80\x02]q\x00h\x00a."), Ok(1));
+    }
+
+    #[test]
+    fn scalars_and_arguments_are_skipped_exactly() {
+        // {'a': [1, 2.5, 'xy', None, True]} with framing and short strings (protocol 4).
+        let raw = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94]\x94(K\x01G@\x04\x00\x00\x00\x00\x00\x00\x8c\x02xy\x94N\x88es.";
+        assert_eq!(pickle_depth(raw), Ok(2));
+        assert!(pickle_depth(b"\x80\x02]\x8c\x05ab").is_err(), "truncated");
+        assert!(pickle_depth(b"\x80\x02a.").is_err(), "underflow");
+    }
+}
