@@ -242,6 +242,23 @@ step_gpu_test_shards() {
     run_gpu_test gpu_test_shards "per_stream_shards:True"
 }
 
+# Two GPUs: record_stream with another device's stream, and peer access to paged memory.
+step_multi_gpu() {
+    need_library || return 1
+    need_tool "$NVCC" || return 2
+    local log="$BUILD_DIR/multi_gpu.out" rc
+    "$NVCC" -std=c++17 -O2 "-arch=$GPU_ARCH" -I "$ROOT/include" "$ROOT/tests/gpu/test_multi_gpu.cu" \
+        -o "$BUILD_DIR/test_multi_gpu" -L "$LIB_DIR" -lccalloc -Xlinker -rpath -Xlinker "$LIB_DIR" \
+        || { info "nvcc failed"; return 1; }
+    (unset CCALLOC_BACKEND CCALLOC_CONF; timeout "$GPU_TEST_TIMEOUT" "$BUILD_DIR/test_multi_gpu") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 77 ]; then
+        info "fewer than two GPUs"
+        return 2
+    fi
+    judge_test "$rc" "$log" "test_multi_gpu"
+}
+
 step_sanitizer() {
     needs build_gpu_test || return 2
     need_tool "$SANITIZER" || return 2
@@ -393,6 +410,7 @@ add_step build_gpu_test "nvcc tests/gpu/test_gpu.cu against gpu/libccalloc.so"
 add_step gpu_test "tests/gpu/test_gpu.cu on the CUDA driver (default: paged segments)"
 add_step gpu_test_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
 add_step gpu_test_shards "the same with an allocator per stream (CCALLOC_CONF=per_stream_shards:True)"
+add_step multi_gpu "tests/gpu/test_multi_gpu.cu: record_stream across devices, peer access (needs 2 GPUs)"
 add_step sanitizer "test_gpu --sanitizer under compute-sanitizer memcheck"
 add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
 add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"

@@ -192,7 +192,7 @@ impl Shard {
         owner: Option<PoolId>,
         rounded: u64,
     ) -> Result<DevicePtr> {
-        if owner.is_none() {
+        if owner.is_none() && st.config.expandable_segments {
             if let Some(ptr) = st.take_parked(stream, rounded, size) {
                 return Ok(ptr);
             }
@@ -268,7 +268,7 @@ impl Shard {
             return Ok(id);
         }
         if !capturing {
-            if self.release_oversize_cached(st, stream, rounded)? {
+            if self.release_oversize_cached(st, pool, stream, rounded)? {
                 if let Some(id) = self.new_segment(st, owner, pool, stream, segment_size)? {
                     return Ok(id);
                 }

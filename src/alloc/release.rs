@@ -27,15 +27,19 @@ impl Shard {
         Ok(())
     }
 
-    /// Releases cached oversize segments on `stream` until `rounded` bytes could fit.
+    /// Releases cached oversize segments of the request's pool on `stream` until `rounded`
+    /// bytes could fit. As PyTorch's `release_available_cached_blocks`, only the request's
+    /// own pool is searched: the small pool has no oversize blocks, so a small request goes
+    /// straight to releasing everything (one retry, one synchronize counted).
     pub(super) fn release_oversize_cached(
         &self,
         st: &mut State,
+        pool: PoolKind,
         stream: StreamId,
         rounded: u64,
     ) -> Result<bool> {
         let max_split = st.config.max_split_size;
-        if max_split == u64::MAX {
+        if max_split == u64::MAX || pool != PoolKind::Large {
             return Ok(false);
         }
         let wanted = rounded.max(max_split);
@@ -173,7 +177,7 @@ impl Shard {
         uses: Vec<StreamId>,
     ) -> Result<()> {
         let mut events = Vec::with_capacity(uses.len());
-        for stream in uses {
+        for (i, &stream) in uses.iter().enumerate() {
             match self.driver.record_event(self.device, stream) {
                 Ok(event) => events.push(event),
                 Err(e) => {
@@ -185,6 +189,13 @@ impl Shard {
                         self.driver.destroy_event(self.device, event);
                     }
                     self.sync_device(st)?;
+                    // A stream of another device is not covered by this device's
+                    // synchronize: each left is waited for itself.
+                    for &other in &uses[i..] {
+                        self.driver
+                            .synchronize_stream(self.device, other)
+                            .map_err(|e| super::driver_error(self.device, e))?;
+                    }
                     break;
                 }
             }

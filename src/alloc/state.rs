@@ -256,7 +256,16 @@ impl State {
         let max_rounding = self.config.max_non_split_rounding;
         let list = self.caches.list(owner, pool);
         list.lookups += 1;
-        let (found, mut id) = list.best_fit(stream, rounded)?;
+        let (found, mut id) = if self.config.expandable_segments {
+            list.best_fit(stream, rounded)?
+        } else {
+            // Turned off at run time: paged blocks (a stream's paged segment is one free
+            // block as large as the device) serve no new request, as PyTorch's expandable
+            // segments then serve none; they go back as they are freed and released.
+            let list = self.caches.list_ref(owner, pool);
+            list.fits(stream, rounded)
+                .find(|&(_, b)| !self.blocks.get(b).paged)?
+        };
         let mut carve_at = None;
         let mut pages_ready = true;
         if self.blocks.get(id).paged {
@@ -271,6 +280,9 @@ impl State {
             && ((rounded < max_split && found >= max_split)
                 || (rounded >= max_split && found >= rounded.saturating_add(max_rounding)));
         if refused {
+            if !self.config.expandable_segments {
+                return None;
+            }
             // Plain and paged blocks share a list only after `expandable_segments` changed:
             // a paged block that fits may still serve.
             let list = self.caches.list_ref(owner, pool);

@@ -1088,3 +1088,56 @@ fn empty_cache_forgets_the_free_lists_of_streams_with_nothing_cached() {
     assert_eq!(indexed(&a), 0);
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+/// `expandable_segments:False` set at run time gives plain segments from then on, also on a
+/// stream whose paged segment (one free block as large as the device) would fit anything.
+#[test]
+fn expandable_segments_turned_off_at_run_time_gives_plain_segments() {
+    let (sim, a) = paged(1 << 30, "thread_cache:False");
+    let p = a.malloc(4 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    a.apply_config("expandable_segments:False").unwrap();
+    let before = sim.counters(0);
+    let q = a.malloc(64 * MIB, S0).unwrap();
+    let r = a.malloc(1000, S0).unwrap();
+    let after = sim.counters(0);
+    assert_eq!(
+        after.allocate_calls,
+        before.allocate_calls + 2,
+        "two plain segments"
+    );
+    assert_eq!(after.maps, before.maps, "no page mapped");
+    let blocks = a.segments().unwrap();
+    for ptr in [q, r] {
+        let owner = blocks
+            .iter()
+            .find(|s| ptr >= s.addr && ptr < s.addr + s.size)
+            .unwrap();
+        assert_ne!(owner.size, 1 << 30, "{ptr:#x} is not in the paged segment");
+    }
+    a.free(q).unwrap();
+    a.free(r).unwrap();
+    // Back on: the paged segment serves again (beyond what the cached plain ones hold).
+    a.apply_config("expandable_segments:True").unwrap();
+    let maps = sim.counters(0).maps;
+    let s = a.malloc(200 * MIB, S0).unwrap();
+    assert!(sim.counters(0).maps > maps, "paged again");
+    a.free(s).unwrap();
+}
+
+/// As PyTorch's `release_available_cached_blocks`, an OOM retry frees oversize cached blocks
+/// of the request's own pool only: a small request goes straight to releasing everything,
+/// counting one retry and one synchronize.
+#[test]
+fn a_small_request_retries_by_releasing_everything() {
+    let (_sim, a) = setup(179 * MIB, "max_split_size_mb:64");
+    let big = a.malloc(100 * MIB, S0).unwrap();
+    let live = a.malloc(78 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    // 178 MiB reserved: a small request's 2 MiB segment fits only once cache is released.
+    let small = a.malloc(1024, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!((s.num_alloc_retries, s.num_sync_all_streams), (1, 1));
+    a.free(small).unwrap();
+    a.free(live).unwrap();
+}

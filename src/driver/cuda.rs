@@ -31,6 +31,8 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuStreamSynchronize",
     "cuDeviceGetAttribute",
     "cuThreadExchangeStreamCaptureMode",
+    "cuStreamGetCtx",
+    "cuDeviceCanAccessPeer",
 ];
 
 /// Virtual memory management entry points; without them the allocator uses plain segments.
@@ -131,10 +133,18 @@ struct CudaDevice {
     context: OnceLock<Result<Handle<sys::CUcontext>, DriverError>>,
     /// Events are reused: creating one costs a driver call.
     spare_events: Mutex<Vec<Handle<sys::CUevent>>>,
+    /// Devices that can reach this one's memory (peer access): virtual-memory mappings are
+    /// granted to them too, since such memory ignores `cudaDeviceEnablePeerAccess`.
+    peers: Vec<i32>,
 }
 
 pub struct CudaDriver {
     devices: Vec<CudaDevice>,
+    /// Events recorded on another context's stream (a block of one device recorded on
+    /// another device's stream), with that context: CUDA requires an event and the stream it
+    /// is recorded on to share a context. Not pooled: destroyed when done.
+    foreign_events: Mutex<std::collections::HashMap<u64, Handle<sys::CUcontext>>>,
+    foreign_count: std::sync::atomic::AtomicUsize,
 }
 
 /// Makes a device's primary context current for the duration of a call. A thread with no
@@ -213,9 +223,70 @@ impl CudaDriver {
                 vmm_granularity,
                 context: OnceLock::new(),
                 spare_events: Mutex::new(Vec::new()),
+                peers: Vec::new(),
             });
         }
-        Ok(Self { devices })
+        for owner in 0..devices.len() {
+            let peers = (0..devices.len())
+                .filter(|&peer| peer != owner)
+                .filter(|&peer| {
+                    let mut can = 0;
+                    // SAFETY: writes whether `peer` can access `owner`'s memory.
+                    let asked = check("cuDeviceCanAccessPeer", unsafe {
+                        sys::cuDeviceCanAccessPeer(
+                            &mut can,
+                            devices[peer].device,
+                            devices[owner].device,
+                        )
+                    });
+                    asked.is_ok() && can == 1
+                })
+                .map(|peer| devices[peer].ordinal)
+                .collect();
+            devices[owner].peers = peers;
+        }
+        Ok(Self {
+            devices,
+            foreign_events: Mutex::new(std::collections::HashMap::new()),
+            foreign_count: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// The context of `stream` when it is not `device`'s primary context (another device's
+    /// stream, or a stream of a context the caller made); `None` for the default streams
+    /// (0, `cudaStreamLegacy`, `cudaStreamPerThread`: the current context's, which a call
+    /// here makes `device`'s).
+    fn foreign_context(
+        &self,
+        device: usize,
+        stream: StreamId,
+    ) -> DriverResult<Option<sys::CUcontext>> {
+        if stream.0 <= 2 {
+            return Ok(None);
+        }
+        let mut context: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `stream` is a live stream handle of the caller's.
+        check("cuStreamGetCtx", unsafe {
+            sys::cuStreamGetCtx(stream.0 as sys::CUstream, &mut context)
+        })?;
+        let own = match self.dev(device)?.context.get() {
+            Some(Ok(own)) => own.0,
+            _ => std::ptr::null_mut(),
+        };
+        Ok((context != own).then_some(context))
+    }
+
+    /// Enters the context of `event` when it was recorded on another context's stream.
+    fn enter_event_context(&self, event: EventId) -> DriverResult<Option<ContextGuard>> {
+        if self
+            .foreign_count
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 0
+        {
+            return Ok(None);
+        }
+        let context = self.foreign_events.lock().unwrap().get(&event.0).copied();
+        context.map(|c| ContextGuard::enter(c.0)).transpose()
     }
 
     fn dev(&self, device: usize) -> DriverResult<&CudaDevice> {
@@ -317,6 +388,32 @@ impl Driver for CudaDriver {
     fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
         let _ctx = self.enter(device)?;
         let d = self.dev(device)?;
+        if let Some(context) = self.foreign_context(device, stream)? {
+            // An event of the stream's own context, made and recorded there.
+            let _there = ContextGuard::enter(context)?;
+            let mut event = std::ptr::null_mut();
+            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            // SAFETY: creates an event in the stream's context, now current.
+            check("cuEventCreate", unsafe {
+                sys::cuEventCreate(&mut event, flags)
+            })?;
+            // SAFETY: the event and the stream share the current context.
+            let recorded = check("cuEventRecord", unsafe {
+                sys::cuEventRecord(event, stream.0 as sys::CUstream)
+            });
+            if let Err(e) = recorded {
+                // SAFETY: the event was created above and is used nowhere.
+                unsafe { sys::cuEventDestroy_v2(event) };
+                return Err(e);
+            }
+            self.foreign_events
+                .lock()
+                .unwrap()
+                .insert(event as u64, Handle(context));
+            self.foreign_count
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
+            return Ok(EventId(event as u64));
+        }
         let spare = d.spare_events.lock().unwrap().pop();
         let event = match spare {
             Some(e) => e.0,
@@ -342,6 +439,7 @@ impl Driver for CudaDriver {
     }
 
     fn event_done(&self, _device: usize, event: EventId) -> DriverResult<bool> {
+        let _there = self.enter_event_context(event)?;
         // SAFETY: `event` was created by `record_event` and not yet destroyed.
         match unsafe { sys::cuEventQuery(event.0 as sys::CUevent) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -351,6 +449,7 @@ impl Driver for CudaDriver {
     }
 
     fn wait_event(&self, _device: usize, event: EventId) -> DriverResult<()> {
+        let _there = self.enter_event_context(event)?;
         // SAFETY: as in `event_done`.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(event.0 as sys::CUevent)
@@ -358,6 +457,22 @@ impl Driver for CudaDriver {
     }
 
     fn destroy_event(&self, device: usize, event: EventId) {
+        if self
+            .foreign_count
+            .load(std::sync::atomic::Ordering::Acquire)
+            > 0
+        {
+            let foreign = self.foreign_events.lock().unwrap().remove(&event.0);
+            if let Some(context) = foreign {
+                self.foreign_count
+                    .fetch_sub(1, std::sync::atomic::Ordering::Release);
+                if let Ok(_there) = ContextGuard::enter(context.0) {
+                    // SAFETY: made by `record_event` in that context; nothing waits on it now.
+                    unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
+                }
+                return;
+            }
+        }
         if let Ok(d) = self.dev(device) {
             d.spare_events
                 .lock()
@@ -443,13 +558,23 @@ impl Driver for CudaDriver {
 
     fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         let _ctx = self.enter(device)?;
-        // SAFETY: zero is a valid value for this plain C struct.
-        let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        access.location = allocation_prop(self.dev(device)?.ordinal).location;
-        access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: grants this device read/write access to a fully mapped range.
+        let d = self.dev(device)?;
+        // The device itself, and every device that can reach it: mapped memory ignores
+        // cudaDeviceEnablePeerAccess, so peer kernels and copies need a grant of their own
+        // (PyTorch's expandable segments grant them as peers are enabled).
+        let access: Vec<sys::CUmemAccessDesc> = std::iter::once(d.ordinal)
+            .chain(d.peers.iter().copied())
+            .map(|ordinal| {
+                // SAFETY: zero is a valid value for this plain C struct.
+                let mut access: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                access.location = allocation_prop(ordinal).location;
+                access.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                access
+            })
+            .collect();
+        // SAFETY: grants read/write access to a fully mapped range.
         check("cuMemSetAccess", unsafe {
-            sys::cuMemSetAccess(va, size as usize, &access, 1)
+            sys::cuMemSetAccess(va, size as usize, access.as_ptr(), access.len())
         })
     }
 
