@@ -136,6 +136,10 @@ struct CudaDevice {
     /// Devices that can reach this one's memory (peer access): virtual-memory mappings are
     /// granted to them too, since such memory ignores `cudaDeviceEnablePeerAccess`.
     peers: Vec<i32>,
+    /// Physical memory may be made GPUDirect RDMA capable (network cards reading and writing
+    /// it, as NCCL over InfiniBand registers buffers): it is, as PyTorch's expandable
+    /// segments make it.
+    rdma_capable: bool,
 }
 
 pub struct CudaDriver {
@@ -217,6 +221,11 @@ impl CudaDriver {
             } else {
                 None
             };
+            let rdma_capable = vmm_granularity.is_some()
+                && device_attribute(
+                    device,
+                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                ) == Some(1);
             devices.push(CudaDevice {
                 device,
                 ordinal,
@@ -224,6 +233,7 @@ impl CudaDriver {
                 context: OnceLock::new(),
                 spare_events: Mutex::new(Vec::new()),
                 peers: Vec::new(),
+                rdma_capable,
             });
         }
         for owner in 0..devices.len() {
@@ -326,17 +336,22 @@ fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
     prop
 }
 
-/// The device's minimum mapping granularity, if it supports virtual memory management.
-fn vmm_granularity_of(device: sys::CUdevice, ordinal: i32) -> Option<u64> {
-    let mut supported = 0;
-    let attribute =
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+/// One device attribute, if the driver knows it.
+fn device_attribute(device: sys::CUdevice, attribute: sys::CUdevice_attribute) -> Option<i32> {
+    let mut value = 0;
     // SAFETY: reads one device attribute.
     check("cuDeviceGetAttribute", unsafe {
-        sys::cuDeviceGetAttribute(&mut supported, attribute, device)
+        sys::cuDeviceGetAttribute(&mut value, attribute, device)
     })
     .ok()?;
-    if supported == 0 {
+    Some(value)
+}
+
+/// The device's minimum mapping granularity, if it supports virtual memory management.
+fn vmm_granularity_of(device: sys::CUdevice, ordinal: i32) -> Option<u64> {
+    let attribute =
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+    if device_attribute(device, attribute)? == 0 {
         return None;
     }
     let prop = allocation_prop(ordinal);
@@ -533,7 +548,9 @@ impl Driver for CudaDriver {
 
     fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
         let _ctx = self.enter(device)?;
-        let prop = allocation_prop(self.dev(device)?.ordinal);
+        let d = self.dev(device)?;
+        let mut prop = allocation_prop(d.ordinal);
+        prop.allocFlags.gpuDirectRDMACapable = d.rdma_capable as u8;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: creates pinned device memory of a granularity multiple.
         check("cuMemCreate", unsafe {
