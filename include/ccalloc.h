@@ -173,7 +173,9 @@ ccalloc_status ccalloc_device_total_memory(int32_t device, uint64_t *out_bytes);
 ccalloc_status ccalloc_reset_config(void);
 
 // Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
-// sim). Size 0 fails with `CCALLOC_INVALID_SIZE`.
+// sim). Size 0 fails with `CCALLOC_INVALID_SIZE`. `stream` must stay valid until the block
+// is freed: as `cudaFreeAsync` does, freeing it may record an event on that stream (after
+// which the stream may be destroyed).
 ccalloc_status ccalloc_malloc(size_t size, int32_t device, cudaStream_t stream, void **out_ptr);
 
 // Frees a block from `ccalloc_malloc`. NULL is a no-op. The block is reused on its

@@ -505,3 +505,48 @@ fn a_statistics_read_never_counts_memory_moving_between_shards_twice() {
     let after = a.stats().unwrap().reserved_bytes.all();
     assert_eq!(after.current as u64, sim.counters(0).bytes_in_use);
 }
+
+/// Reserved bytes read while shards map and release memory are one moment's: all = small +
+/// large and allocated - freed = current in every read, and current never above peak.
+#[test]
+fn reserved_bytes_read_during_growth_and_release_are_consistent() {
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    let (_sim, a) = sharded(8 << 30, "");
+    let stop = AtomicBool::new(false);
+    /// Stops the workers however the reader ends (a failed check included).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        for t in 0..3u64 {
+            let (a, stop) = (&a, &stop);
+            s.spawn(move || {
+                let mut i = 0u64;
+                while !stop.load(Relaxed) {
+                    i += 1;
+                    let size = if i.is_multiple_of(2) { 4096 } else { 30 * MIB };
+                    let p = a.malloc(size, StreamId(10 + t)).unwrap();
+                    a.free(p).unwrap();
+                    if i.is_multiple_of(4) {
+                        a.empty_cache().unwrap();
+                    }
+                }
+            });
+        }
+        let _stop = StopOnDrop(&stop);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(1500);
+        let mut reads = 0;
+        while std::time::Instant::now() < deadline {
+            let [all, small, large] = a.stats().unwrap().reserved_bytes.0;
+            assert_eq!(all.current, small.current + large.current, "read {reads}");
+            for stat in [all, small, large] {
+                assert_eq!(stat.allocated - stat.freed, stat.current, "read {reads}");
+                assert!(stat.current <= stat.peak, "read {reads}");
+            }
+            reads += 1;
+        }
+    });
+}

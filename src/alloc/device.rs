@@ -501,8 +501,9 @@ impl DeviceAllocator {
     }
 
     /// The device's statistics: every shard's summed, each read under its own lock (not one
-    /// snapshot of all). Currents and totals are exact, and so are reserved bytes (current
-    /// and peak kept device-wide: they change on the slow path only). The other peaks are exact while
+    /// snapshot of all). Currents and totals are exact, and so are reserved bytes (kept
+    /// device-wide, under a lock of their own, and read at one moment: they change only
+    /// where memory is mapped or released). The other peaks are exact while
     /// the device has one shard; once a second stream has allocated under
     /// `per_stream_shards`, each is the sum of the shards' peaks, which bounds the device's
     /// from above: an exact one would need a counter that every stream writes on every
@@ -519,8 +520,7 @@ impl DeviceAllocator {
                 shard.stats()?
             });
         }
-        self.device_reserved
-            .set_current_and_peaks(&mut sum.reserved_bytes);
+        sum.reserved_bytes = self.device_reserved.read();
         Ok(sum)
     }
 
@@ -542,6 +542,7 @@ impl DeviceAllocator {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         self.check_open()?;
+        self.device_reserved.reset_accumulated();
         self.each_shard(Shard::reset_accumulated_stats)
     }
 

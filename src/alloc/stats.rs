@@ -2,6 +2,7 @@
 
 use super::sizing::PoolKind;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -99,8 +100,10 @@ impl StatArray {
 /// growing at the same time cannot pass the limit together.
 #[derive(Debug, Default)]
 pub struct DeviceReserved {
-    current: [AtomicU64; 3],
-    peak: [AtomicU64; 3],
+    /// Reserved bytes (all, small, large: current, peak and totals) of every shard. Changed
+    /// only where memory is mapped or released, under this lock, so that a read sees one
+    /// moment: all = small + large and allocated - freed = current, whatever the shards do.
+    bytes: Mutex<StatArray>,
     committed: AtomicU64,
 }
 
@@ -119,41 +122,35 @@ impl DeviceReserved {
         self.committed.fetch_sub(bytes, Ordering::Relaxed);
     }
 
+    /// The counters. A panic while they were held cannot leave them half-changed (each
+    /// change is a few additions), so poisoning is ignored.
+    fn bytes(&self) -> MutexGuard<'_, StatArray> {
+        self.bytes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     pub fn increase(&self, pool: PoolKind, bytes: u64) {
-        for i in [0, 1 + pool as usize] {
-            let now = self.current[i].fetch_add(bytes, Ordering::Relaxed) + bytes;
-            self.peak[i].fetch_max(now, Ordering::Relaxed);
-        }
+        self.bytes().increase(pool, bytes);
     }
 
     pub fn decrease(&self, pool: PoolKind, bytes: u64) {
-        for i in [0, 1 + pool as usize] {
-            self.current[i].fetch_sub(bytes, Ordering::Relaxed);
-        }
+        self.bytes().decrease(pool, bytes);
     }
 
     pub fn all(&self) -> u64 {
-        self.current[0].load(Ordering::Relaxed)
+        self.bytes().all().current as u64
     }
 
-    /// The device's current values and peaks in place of the summed ones: shards read one
-    /// after another sum different moments (memory released by one shard and mapped by
-    /// another in between counts twice), which could exceed anything the device held.
-    /// Current is read before its peak, which is raised to it where an increase is halfway.
-    pub fn set_current_and_peaks(&self, stat: &mut StatArray) {
-        for ((s, current), peak) in stat.0.iter_mut().zip(&self.current).zip(&self.peak) {
-            let now = current.load(Ordering::Relaxed);
-            s.current = now as i64;
-            s.peak = peak.load(Ordering::Relaxed).max(now) as i64;
-        }
+    /// The device's reserved bytes, all read at one moment.
+    pub fn read(&self) -> StatArray {
+        *self.bytes()
     }
 
     pub fn reset_peaks(&self) {
-        for (current, peak) in self.current.iter().zip(&self.peak) {
-            peak.store(current.load(Ordering::Relaxed), Ordering::Relaxed);
-            // An increase between the load and the store must not leave peak below current.
-            peak.fetch_max(current.load(Ordering::Relaxed), Ordering::Relaxed);
-        }
+        self.bytes().for_each(Stat::reset_peak);
+    }
+
+    pub fn reset_accumulated(&self) {
+        self.bytes().for_each(Stat::reset_accumulated);
     }
 }
 

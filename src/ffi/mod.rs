@@ -133,7 +133,9 @@ pub extern "C" fn ccalloc_reset_config() -> ccalloc_status {
 }
 
 /// Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
-/// sim). Size 0 fails with `CCALLOC_INVALID_SIZE`.
+/// sim). Size 0 fails with `CCALLOC_INVALID_SIZE`. `stream` must stay valid until the block
+/// is freed: as `cudaFreeAsync` does, freeing it may record an event on that stream (after
+/// which the stream may be destroyed).
 #[no_mangle]
 pub extern "C" fn ccalloc_malloc(
     size: usize,
