@@ -155,8 +155,9 @@ impl Shard {
         }
         let mut st = self.lock()?;
         st.oom_final = oom_final;
-        if size > self.total_memory {
-            // Larger than the device: fail at once, without flushing the cache for nothing.
+        if size > self.total_memory.min(st.limit) {
+            // Larger than the device, or than the memory limit: fail at once, without
+            // flushing the cache (or mapping pages up to the limit) for nothing.
             return Err(self.out_of_memory(&mut st, size, size));
         }
         let capturing = st.caches.capturing();

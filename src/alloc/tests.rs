@@ -1141,3 +1141,31 @@ fn a_small_request_retries_by_releasing_everything() {
     a.free(small).unwrap();
     a.free(live).unwrap();
 }
+
+/// A request larger than the memory limit fails at once: no cache released, and no pages
+/// mapped up to the limit first (on a shared GPU others could use that memory meanwhile).
+#[test]
+fn a_request_beyond_the_memory_limit_fails_without_taking_memory() {
+    for conf in ["", "expandable_segments:False"] {
+        let (sim, a) = paged(
+            160 * MIB,
+            &format!("per_process_memory_fraction:0.3,{conf}"),
+        );
+        let cached = a.malloc(MIB, S0).unwrap();
+        a.free(cached).unwrap();
+        let before = sim.counters(0);
+        let err = a.malloc(64 * MIB + 1, S0).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::OutOfMemory, "{conf:?}");
+        assert!(err.message.contains("Tried to allocate"), "{}", err.message);
+        let after = sim.counters(0);
+        assert_eq!(
+            after.peak_bytes_in_use, before.peak_bytes_in_use,
+            "{conf:?}: nothing taken"
+        );
+        assert_eq!(
+            after.bytes_in_use, before.bytes_in_use,
+            "{conf:?}: cache kept"
+        );
+        assert_eq!(stats(&a).num_ooms, 1);
+    }
+}
