@@ -148,7 +148,6 @@ pub struct CudaDriver {
     /// another device's stream), with that context: CUDA requires an event and the stream it
     /// is recorded on to share a context. Not pooled: destroyed when done.
     foreign_events: Mutex<std::collections::HashMap<u64, Handle<sys::CUcontext>>>,
-    foreign_count: std::sync::atomic::AtomicUsize,
 }
 
 /// Makes a device's primary context current for the duration of a call. A thread with no
@@ -258,7 +257,6 @@ impl CudaDriver {
         Ok(Self {
             devices,
             foreign_events: Mutex::new(std::collections::HashMap::new()),
-            foreign_count: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -288,13 +286,6 @@ impl CudaDriver {
 
     /// Enters the context of `event` when it was recorded on another context's stream.
     fn enter_event_context(&self, event: EventId) -> DriverResult<Option<ContextGuard>> {
-        if self
-            .foreign_count
-            .load(std::sync::atomic::Ordering::Acquire)
-            == 0
-        {
-            return Ok(None);
-        }
         let context = self.foreign_events.lock().unwrap().get(&event.0).copied();
         context.map(|c| ContextGuard::enter(c.0)).transpose()
     }
@@ -334,6 +325,25 @@ fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
     prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = ordinal;
     prop
+}
+
+/// A new event in the current context, without timing (only its completion is asked).
+fn create_event() -> DriverResult<sys::CUevent> {
+    let mut event = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: creates an event in the current context.
+    check("cuEventCreate", unsafe {
+        sys::cuEventCreate(&mut event, flags)
+    })?;
+    Ok(event)
+}
+
+/// Records `event` on `stream` (0: the default stream); both belong to the current context.
+fn record(event: sys::CUevent, stream: StreamId) -> DriverResult<()> {
+    // SAFETY: a live event and the caller's stream handle, of the same context.
+    check("cuEventRecord", unsafe {
+        sys::cuEventRecord(event, stream.0 as sys::CUstream)
+    })
 }
 
 /// One device attribute, if the driver knows it.
@@ -406,17 +416,8 @@ impl Driver for CudaDriver {
         if let Some(context) = self.foreign_context(device, stream)? {
             // An event of the stream's own context, made and recorded there.
             let _there = ContextGuard::enter(context)?;
-            let mut event = std::ptr::null_mut();
-            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-            // SAFETY: creates an event in the stream's context, now current.
-            check("cuEventCreate", unsafe {
-                sys::cuEventCreate(&mut event, flags)
-            })?;
-            // SAFETY: the event and the stream share the current context.
-            let recorded = check("cuEventRecord", unsafe {
-                sys::cuEventRecord(event, stream.0 as sys::CUstream)
-            });
-            if let Err(e) = recorded {
+            let event = create_event()?;
+            if let Err(e) = record(event, stream) {
                 // SAFETY: the event was created above and is used nowhere.
                 unsafe { sys::cuEventDestroy_v2(event) };
                 return Err(e);
@@ -425,28 +426,14 @@ impl Driver for CudaDriver {
                 .lock()
                 .unwrap()
                 .insert(event as u64, Handle(context));
-            self.foreign_count
-                .fetch_add(1, std::sync::atomic::Ordering::Release);
             return Ok(EventId(event as u64));
         }
         let spare = d.spare_events.lock().unwrap().pop();
         let event = match spare {
             Some(e) => e.0,
-            None => {
-                let mut e = std::ptr::null_mut();
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-                // SAFETY: creates an event in the current context.
-                check("cuEventCreate", unsafe {
-                    sys::cuEventCreate(&mut e, flags)
-                })?;
-                e
-            }
+            None => create_event()?,
         };
-        // SAFETY: `stream` is the caller's stream handle on this device (0 = default stream).
-        let recorded = check("cuEventRecord", unsafe {
-            sys::cuEventRecord(event, stream.0 as sys::CUstream)
-        });
-        if let Err(e) = recorded {
+        if let Err(e) = record(event, stream) {
             d.spare_events.lock().unwrap().push(Handle(event));
             return Err(e);
         }
@@ -472,21 +459,13 @@ impl Driver for CudaDriver {
     }
 
     fn destroy_event(&self, device: usize, event: EventId) {
-        if self
-            .foreign_count
-            .load(std::sync::atomic::Ordering::Acquire)
-            > 0
-        {
-            let foreign = self.foreign_events.lock().unwrap().remove(&event.0);
-            if let Some(context) = foreign {
-                self.foreign_count
-                    .fetch_sub(1, std::sync::atomic::Ordering::Release);
-                if let Ok(_there) = ContextGuard::enter(context.0) {
-                    // SAFETY: made by `record_event` in that context; nothing waits on it now.
-                    unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
-                }
-                return;
+        let foreign = self.foreign_events.lock().unwrap().remove(&event.0);
+        if let Some(context) = foreign {
+            if let Ok(_there) = ContextGuard::enter(context.0) {
+                // SAFETY: made by `record_event` in that context; nothing waits on it now.
+                unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
             }
+            return;
         }
         if let Ok(d) = self.dev(device) {
             d.spare_events
