@@ -1,8 +1,11 @@
 //! The process-wide runtime over several simulated devices: lazy device start, wrong-device
 //! frees, and shutdown that is all or nothing.
 
+mod common;
+
 use ccalloc::driver::sim::SimDriver;
 use ccalloc::{Config, ErrorKind, Runtime, StreamId};
+use common::{Gate, GatedDriver};
 use std::sync::Arc;
 
 fn runtime(devices: usize) -> (Arc<SimDriver>, Runtime) {
@@ -140,91 +143,23 @@ fn a_refused_set_config_changes_no_device_even_racing_a_first_allocation() {
     );
 }
 
-/// The sim device; when armed, device 0's next synchronize waits until opened (a GPU still
-/// finishing its work while `shutdown` waits for it).
-struct SlowSync {
-    sim: Arc<SimDriver>,
-    armed: std::sync::atomic::AtomicBool,
-    entered: std::sync::atomic::AtomicBool,
-    open: (std::sync::Mutex<bool>, std::sync::Condvar),
-}
-
-mod slow_sync {
-    use super::SlowSync;
-    use ccalloc::driver::{DevicePtr, Driver, DriverResult, EventId};
-    use ccalloc::StreamId;
-    use std::sync::atomic::Ordering::SeqCst;
-
-    impl Driver for SlowSync {
-        fn name(&self) -> &'static str {
-            "sim"
-        }
-        fn device_count(&self) -> usize {
-            2
-        }
-        fn total_memory(&self, d: usize) -> DriverResult<u64> {
-            self.sim.total_memory(d)
-        }
-        fn allocate(&self, d: usize, size: u64) -> DriverResult<DevicePtr> {
-            self.sim.allocate(d, size)
-        }
-        fn release(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
-            self.sim.release(d, p, size)
-        }
-        fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
-            self.sim.record_event(d, s)
-        }
-        fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
-            self.sim.event_done(d, e)
-        }
-        fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
-            self.sim.wait_event(d, e)
-        }
-        fn destroy_event(&self, d: usize, e: EventId) {
-            self.sim.destroy_event(d, e)
-        }
-        fn synchronize(&self, d: usize) -> DriverResult<()> {
-            if d == 0 && self.armed.swap(false, SeqCst) {
-                self.entered.store(true, SeqCst);
-                let mut open = self.open.0.lock().unwrap();
-                while !*open {
-                    open = self.open.1.wait(open).unwrap();
-                }
-            }
-            self.sim.synchronize(d)
-        }
-        fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
-            self.sim.synchronize_stream(d, s)
-        }
-    }
-}
-
 /// A device first used while `shutdown` runs (here: waits on device 0's GPU) is not missed:
 /// either the shutdown sees it (and is refused while it has a live block) or it does not
 /// start. Before, the shutdown succeeded and left device 1 running with its memory.
 #[test]
 fn a_device_first_used_during_shutdown_is_not_left_running() {
-    use std::sync::atomic::Ordering::SeqCst;
     let sim = Arc::new(SimDriver::new(2, 1 << 30));
-    let slow = Arc::new(SlowSync {
-        sim: sim.clone(),
-        armed: false.into(),
-        entered: false.into(),
-        open: Default::default(),
-    });
+    let slow = GatedDriver::new(sim.clone(), Gate::Synchronize(0));
     let rt = Runtime::new(slow.clone(), Config::default());
     let p = rt.malloc(4096, 0, StreamId(0)).unwrap();
     rt.free(p, 0).unwrap();
-    slow.armed.store(true, SeqCst);
+    slow.arm();
     std::thread::scope(|s| {
         let shutdown = s.spawn(|| rt.shutdown());
-        while !slow.entered.load(SeqCst) {
-            std::thread::yield_now();
-        }
+        slow.wait_until_held();
         let first_use = s.spawn(|| rt.malloc(4096, 1, StreamId(0)));
         std::thread::sleep(std::time::Duration::from_millis(50));
-        *slow.open.0.lock().unwrap() = true;
-        slow.open.1.notify_all();
+        slow.open();
         let shut = shutdown.join().unwrap();
         let live = first_use.join().unwrap();
         assert!(

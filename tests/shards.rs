@@ -2,8 +2,11 @@
 //! (the memory limit, the OOM retry, statistics, settings, private-pool windows, shutdown)
 //! and what each shard keeps to itself.
 
+mod common;
+
 use ccalloc::driver::sim::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+use common::{Gate, GatedDriver};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
@@ -386,85 +389,14 @@ fn blocks_freed_by_another_thread_are_found_in_their_shard() {
     assert_eq!(a.stats().unwrap().allocation.all().current, 0);
 }
 
-/// The sim device (plain segments); when armed, the next `allocate` waits until opened.
-struct GatedDriver {
-    sim: Arc<SimDriver>,
-    armed: std::sync::atomic::AtomicBool,
-    entered: std::sync::atomic::AtomicBool,
-    open: (std::sync::Mutex<bool>, std::sync::Condvar),
-}
-
-impl GatedDriver {
-    fn open(&self) {
-        *self.open.0.lock().unwrap() = true;
-        self.open.1.notify_all();
-    }
-}
-
-mod gated {
-    use super::GatedDriver;
-    use ccalloc::driver::{DevicePtr, Driver, DriverResult, EventId};
-    use ccalloc::StreamId;
-    use std::sync::atomic::Ordering::SeqCst;
-
-    impl Driver for GatedDriver {
-        fn name(&self) -> &'static str {
-            "sim"
-        }
-        fn device_count(&self) -> usize {
-            1
-        }
-        fn total_memory(&self, d: usize) -> DriverResult<u64> {
-            self.sim.total_memory(d)
-        }
-        fn allocate(&self, d: usize, size: u64) -> DriverResult<DevicePtr> {
-            if self.armed.swap(false, SeqCst) {
-                self.entered.store(true, SeqCst);
-                let mut open = self.open.0.lock().unwrap();
-                while !*open {
-                    open = self.open.1.wait(open).unwrap();
-                }
-            }
-            self.sim.allocate(d, size)
-        }
-        fn release(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
-            self.sim.release(d, p, size)
-        }
-        fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
-            self.sim.record_event(d, s)
-        }
-        fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
-            self.sim.event_done(d, e)
-        }
-        fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
-            self.sim.wait_event(d, e)
-        }
-        fn destroy_event(&self, d: usize, e: EventId) {
-            self.sim.destroy_event(d, e)
-        }
-        fn synchronize(&self, d: usize) -> DriverResult<()> {
-            self.sim.synchronize(d)
-        }
-        fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
-            self.sim.synchronize_stream(d, s)
-        }
-    }
-}
-
 /// A statistics read that overlaps memory leaving one shard and arriving in another must not
 /// add both moments: reserved bytes (current and peak) are the device's own, never more than
 /// it held. Stream 1's growth is held inside the driver (its shard locked) while the reader
 /// has read shard 0 and waits for shard 1, and stream 0's cache is released meanwhile.
 #[test]
 fn a_statistics_read_never_counts_memory_moving_between_shards_twice() {
-    use std::sync::atomic::Ordering::SeqCst;
     let sim = Arc::new(SimDriver::new(1, 1 << 30));
-    let gated = Arc::new(GatedDriver {
-        sim: sim.clone(),
-        armed: false.into(),
-        entered: false.into(),
-        open: Default::default(),
-    });
+    let gated = GatedDriver::new(sim.clone(), Gate::Allocate);
     let mut config = Config::default();
     config.apply("per_stream_shards:True").unwrap();
     let a = DeviceAllocator::new(0, gated.clone(), config).unwrap();
@@ -477,12 +409,10 @@ fn a_statistics_read_never_counts_memory_moving_between_shards_twice() {
     let p = a.malloc(64 * MIB, S1).unwrap();
     a.free(p).unwrap();
     a.reset_peak_stats().unwrap();
-    gated.armed.store(true, SeqCst);
+    gated.arm();
     std::thread::scope(|scope| {
         let grower = scope.spawn(|| a.malloc(64 * MIB, S2).unwrap());
-        while !gated.entered.load(SeqCst) {
-            std::thread::yield_now();
-        }
+        gated.wait_until_held();
         let reader = scope.spawn(|| a.stats().unwrap());
         std::thread::sleep(std::time::Duration::from_millis(100));
         let emptier = scope.spawn(|| a.empty_cache());
