@@ -319,16 +319,12 @@ fn granules(start: DevicePtr, end: DevicePtr) -> impl Iterator<Item = DevicePtr>
 /// How many mappings (`map` calls) cover some of `va..va + size`: the driver's
 /// virtual-memory calls on a range cost per mapping.
 fn mappings_in(memory: &SimMemory, va: DevicePtr, size: u64) -> u32 {
-    let mut starts = granules(va, va + size).filter_map(|g| memory.mapped.get(&g));
-    let mut count = 0;
+    // Granules in address order: a mapping's granules come together.
     let mut last = None;
-    for start in starts.by_ref() {
-        if last != Some(*start) {
-            count += 1;
-            last = Some(*start);
-        }
-    }
-    count
+    granules(va, va + size)
+        .filter_map(|g| memory.mapped.get(&g))
+        .filter(|&&start| last.replace(start) != Some(start))
+        .count() as u32
 }
 
 /// Refuses to give up granule `va` while work that `note_use` reported on it is unfinished.

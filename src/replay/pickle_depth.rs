@@ -122,12 +122,10 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
     let mut stack: Vec<Slot> = Vec::new();
     let mut memo: HashMap<u64, Slot> = HashMap::new();
     let malformed = || "malformed pickle (stack underflow)".to_string();
-    fn pop(stack: &mut Vec<Slot>) -> Result<Slot, String> {
-        match stack.pop() {
-            Some(Slot::Mark) | None => Err("malformed pickle (stack underflow)".into()),
-            Some(slot) => Ok(slot),
-        }
-    }
+    let pop = |stack: &mut Vec<Slot>| match stack.pop() {
+        Some(Slot::Mark) | None => Err(malformed()),
+        Some(slot) => Ok(slot),
+    };
     fn to_mark(stack: &mut Vec<Slot>) -> Result<Vec<Slot>, String> {
         let mark = stack
             .iter()
