@@ -177,7 +177,7 @@ impl Shard {
         uses: Vec<StreamId>,
     ) -> Result<()> {
         let mut events = Vec::with_capacity(uses.len());
-        for (i, &stream) in uses.iter().enumerate() {
+        for &stream in &uses {
             match self.driver.record_event(self.device, stream) {
                 Ok(event) => events.push(event),
                 Err(e) => {
@@ -190,8 +190,9 @@ impl Shard {
                     }
                     self.sync_device(st)?;
                     // A stream of another device is not covered by this device's
-                    // synchronize: each left is waited for itself.
-                    for &other in &uses[i..] {
+                    // synchronize: each recorded one is waited for itself (the events
+                    // already made for some of them were just dropped).
+                    for &other in &uses {
                         self.driver
                             .synchronize_stream(self.device, other)
                             .map_err(|e| super::driver_error(self.device, e))?;
