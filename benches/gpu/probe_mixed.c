@@ -22,6 +22,11 @@ static uint64_t next_random(void) {
     return rng_state;
 }
 
+/* A size between e^lo_ln and e^hi_ln, uniform in its logarithm (as the harness's logu). */
+static size_t log_uniform(double lo_ln, double hi_ln) {
+    return (size_t)exp(lo_ln + (next_random() >> 11) * 0x1.0p-53 * (hi_ln - lo_ln));
+}
+
 static double now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -51,25 +56,24 @@ int main(int argc, char **argv) {
         }
         double s_ln = log(256.0), h_ln = log(1 << 20);
         for (int i = 0; i < 2000; i++)
-            ptrs[i] = ccalloc_torch_alloc((size_t)exp(s_ln + (next_random() >> 11) * 0x1.0p-53 * (h_ln - s_ln)), 0, NULL);
+            ptrs[i] = ccalloc_torch_alloc(log_uniform(s_ln, h_ln), 0, NULL);
         double t = now_ns();
         for (int k = 0; k < 200000; k++) {
             long i = (long)(next_random() % 2000);
             ccalloc_torch_free(ptrs[i], 0, 0, NULL);
-            ptrs[i] = ccalloc_torch_alloc((size_t)exp(s_ln + (next_random() >> 11) * 0x1.0p-53 * (h_ln - s_ln)), 0, NULL);
+            ptrs[i] = ccalloc_torch_alloc(log_uniform(s_ln, h_ln), 0, NULL);
         }
         printf("churn small: %.1f ns\n", (now_ns() - t) / 200000);
         for (int i = 0; i < 2000; i++) ccalloc_torch_free(ptrs[i], 0, 0, NULL);
     }
-#define SIZE() ((size_t)exp(lo_ln + (next_random() >> 11) * 0x1.0p-53 * (hi_ln - lo_ln)))
-    for (long i = 0; i < live; i++) ptrs[i] = ccalloc_torch_alloc(SIZE(), 0, NULL);
+    for (long i = 0; i < live; i++) ptrs[i] = ccalloc_torch_alloc(log_uniform(lo_ln, hi_ln), 0, NULL);
     ccalloc_paging_stats p0, p1;
     ccalloc_get_paging_stats(0, &p0);
     double t0 = now_ns();
     for (long k = 0; k < steps; k++) {
         long i = (long)(next_random() % (uint64_t)live);
         ccalloc_torch_free(ptrs[i], 0, 0, NULL);
-        ptrs[i] = ccalloc_torch_alloc(SIZE(), 0, NULL);
+        ptrs[i] = ccalloc_torch_alloc(log_uniform(lo_ln, hi_ln), 0, NULL);
         if (!ptrs[i]) {
             fprintf(stderr, "probe_mixed: step %ld failed: %s\n", k, ccalloc_last_error());
             return 1;
