@@ -59,6 +59,9 @@ typedef uint32_t ccalloc_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Segments, blocks and history at one moment (`ccalloc_snapshot_take`).
+typedef struct ccalloc_snapshot ccalloc_snapshot;
+
 // Identical to the CUDA runtime's `cudaStream_t`.
 typedef CUstream_st *cudaStream_t;
 
@@ -133,6 +136,52 @@ typedef bool (*ccalloc_stream_filter)(void *ctx, cudaStream_t stream);
 
 // Releases the caller's `ctx` when ccalloc no longer needs it.
 typedef void (*ccalloc_release_fn)(void *ctx);
+
+// One segment of a snapshot. A paged segment appears as one segment per mapped range.
+typedef struct {
+  int32_t device;
+  uint64_t address;
+  uint64_t total_size;
+  uint64_t allocated_size;
+  uint64_t active_size;
+  uint64_t requested_size;
+  cudaStream_t stream;
+  // Whether the segment serves blocks of more than 1 MiB.
+  bool is_large;
+  // Whether it is (part of) a paged segment.
+  bool is_expandable;
+  // The private pool it belongs to ({0, 0}: none).
+  ccalloc_pool_id pool;
+  size_t block_count;
+} ccalloc_segment_info;
+
+// One block of a snapshot's segment.
+typedef struct {
+  uint64_t address;
+  uint64_t size;
+  // The size asked for (0 for a block not handed out).
+  uint64_t requested_size;
+  // 0 inactive (cached), 1 active_allocated, 2 active_pending_free (freed, awaiting
+  // other streams' work).
+  uint32_t state;
+} ccalloc_block_info;
+
+// One event of the allocation history, with PyTorch's meanings (`TraceEntry`).
+typedef struct {
+  // Grows by one per recorded event.
+  uint64_t seq;
+  // 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free,
+  // 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
+  uint32_t action;
+  int32_t device;
+  uint64_t addr;
+  uint64_t size;
+  cudaStream_t stream;
+  // Microseconds since the Unix epoch.
+  int64_t time_us;
+  // What `ccalloc_set_trace_context` tagged the event with (0: nothing).
+  uint64_t context;
+} ccalloc_trace_entry;
 
 #ifdef __cplusplus
 extern "C" {
@@ -270,6 +319,66 @@ void ccalloc_torch_end_allocate_to_pool(int device, ccalloc_pool_id pool);
 
 // PyTorch's `set_release_pool` hook: `void(int, MempoolId_t)`.
 void ccalloc_torch_release_pool(int device, ccalloc_pool_id pool);
+
+// The largest cached free block on `device`: what the biggest request served without
+// asking the driver could be (PyTorch's `cacheInfo`).
+ccalloc_status ccalloc_cache_info(int32_t device, uint64_t *out_largest_block);
+
+// Takes one hold on private pool `pool` of `device`, creating it if new (PyTorch's
+// `MemPool`); `ccalloc_release_pool` drops a hold.
+ccalloc_status ccalloc_create_or_incref_pool(int32_t device, ccalloc_pool_id pool);
+
+// The holds on private pool `pool` of `device` (0 when it does not exist).
+ccalloc_status ccalloc_pool_use_count(int32_t device, ccalloc_pool_id pool, uint32_t *out_count);
+
+// Starts or stops recording the allocation history (every device), keeping at most
+// `max_entries` events (at most 2^24); `clear` drops what was recorded. Snapshots include
+// it. Recording costs a lock per allocation and free while on, nothing measurable off.
+ccalloc_status ccalloc_record_history(bool enabled, size_t max_entries, bool clear);
+
+// Whether the allocation history is being recorded. Never fails.
+bool ccalloc_is_recording_history(void);
+
+// Tags the calling thread's next recorded allocation or free with `context` (a host's key
+// for data of its own, e.g. a stack trace); later events are untagged until called again.
+void ccalloc_set_trace_context(uint64_t context);
+
+// The sequence number of the oldest history event still kept: a host may drop data it
+// keeps for events before it.
+ccalloc_status ccalloc_history_oldest_seq(uint64_t *out_seq);
+
+// Takes a snapshot of `device` (-1: every device): its segments with their blocks, and
+// the recorded history. Free it with `ccalloc_snapshot_free`.
+ccalloc_status ccalloc_snapshot_take(int32_t device, ccalloc_snapshot **out_snapshot);
+
+// Frees a snapshot from `ccalloc_snapshot_take`. NULL is a no-op.
+void ccalloc_snapshot_free(ccalloc_snapshot *snapshot);
+
+// How many segments and history events the snapshot holds.
+ccalloc_status ccalloc_snapshot_counts(const ccalloc_snapshot *snapshot,
+                                       size_t *out_segments,
+                                       size_t *out_trace_entries);
+
+// Segment `index` of the snapshot, in address order per device.
+ccalloc_status ccalloc_snapshot_segment(const ccalloc_snapshot *snapshot,
+                                        size_t index,
+                                        ccalloc_segment_info *out_segment);
+
+// Block `block` of segment `segment`, in address order.
+ccalloc_status ccalloc_snapshot_block(const ccalloc_snapshot *snapshot,
+                                      size_t segment,
+                                      size_t block,
+                                      ccalloc_block_info *out_block);
+
+// History event `index` of the snapshot, oldest first.
+ccalloc_status ccalloc_snapshot_trace_entry(const ccalloc_snapshot *snapshot,
+                                            size_t index,
+                                            ccalloc_trace_entry *out_entry);
+
+// Writes a snapshot of every device to `path` as PyTorch's pickled snapshot (what
+// `torch.cuda.memory._dump_snapshot` writes), which `python -m torch.cuda._memory_viz` and
+// `ccalloc replay` read. Stack frames are empty.
+ccalloc_status ccalloc_dump_snapshot(const char *path);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -9,8 +9,10 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod ffi;
+pub mod history;
 pub mod replay;
 pub mod runtime;
+pub mod snapshot;
 pub mod sync;
 
 pub use alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};

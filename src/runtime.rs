@@ -29,7 +29,7 @@ impl Runtime {
             .map(|_| OnceCell::new())
             .collect();
         Self {
-            driver,
+            driver: Arc::new(crate::driver::traced::Traced::new(driver)),
             sim: None,
             devices,
             config: Mutex::new(config),

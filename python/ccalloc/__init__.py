@@ -82,6 +82,7 @@ __all__ = [
     "get_per_process_memory_fraction",
     "set_config",
     "memory_summary",
+    "cache_info",
     # beyond PyTorch
     "paging_stats",
     # low level
@@ -484,6 +485,14 @@ _SUMMARY_SINGLE_ROWS = (
     ("oversize_allocations", "Oversize allocations", _format_count),
     ("oversize_segments", "Oversize GPU segments", _format_count),
 )
+
+
+def cache_info(device: Any = None) -> int:
+    """The largest cached free block on ``device``, in bytes: the biggest request ccalloc can
+    serve without asking the driver (PyTorch's ``cacheInfo``, which cuDNN benchmarking reads)."""
+    out = ctypes.c_uint64()
+    _call("ccalloc_cache_info", _device_index(device), ctypes.byref(out))
+    return out.value
 
 
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:

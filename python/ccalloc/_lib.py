@@ -46,6 +46,9 @@ __all__ = [
     "ccalloc_stat_array",
     "ccalloc_stats",
     "ccalloc_pool_id",
+    "ccalloc_trace_entry",
+    "ccalloc_segment_info",
+    "ccalloc_block_info",
     "ccalloc_stream_filter",
     "ccalloc_release_fn",
     "candidate_paths",
@@ -283,6 +286,50 @@ class ccalloc_pool_id(ctypes.Structure):
     ]
 
 
+class ccalloc_trace_entry(ctypes.Structure):
+    """``ccalloc_trace_entry``: one event of the allocation history."""
+
+    _fields_ = [
+        ("seq", c_uint64),
+        ("action", c_uint32),
+        ("device", c_int32),
+        ("addr", c_uint64),
+        ("size", c_uint64),
+        ("stream", c_void_p),
+        ("time_us", c_int64),
+        ("context", c_uint64),
+    ]
+
+
+class ccalloc_segment_info(ctypes.Structure):
+    """``ccalloc_segment_info``: one segment of a snapshot."""
+
+    _fields_ = [
+        ("device", c_int32),
+        ("address", c_uint64),
+        ("total_size", c_uint64),
+        ("allocated_size", c_uint64),
+        ("active_size", c_uint64),
+        ("requested_size", c_uint64),
+        ("stream", c_void_p),
+        ("is_large", c_bool),
+        ("is_expandable", c_bool),
+        ("pool", ccalloc_pool_id),
+        ("block_count", c_size_t),
+    ]
+
+
+class ccalloc_block_info(ctypes.Structure):
+    """``ccalloc_block_info``: one block of a snapshot's segment."""
+
+    _fields_ = [
+        ("address", c_uint64),
+        ("size", c_uint64),
+        ("requested_size", c_uint64),
+        ("state", c_uint32),
+    ]
+
+
 def _nullable_function_pointer(restype, *argtypes):
     """A C function pointer type that also takes ``None`` as an argument (NULL), as the
     header allows for optional callbacks: a plain ``CFUNCTYPE`` refuses ``None``."""
@@ -350,6 +397,24 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     ),
     "ccalloc_end_allocate_to_pool": ([c_int32, ccalloc_pool_id], _status),
     "ccalloc_release_pool": ([c_int32, ccalloc_pool_id], _status),
+    "ccalloc_create_or_incref_pool": ([c_int32, ccalloc_pool_id], _status),
+    "ccalloc_pool_use_count": ([c_int32, ccalloc_pool_id, POINTER(c_uint32)], _status),
+    # Looking into memory: the largest cached block, history, snapshots.
+    "ccalloc_cache_info": ([c_int32, POINTER(c_uint64)], _status),
+    "ccalloc_record_history": ([c_bool, c_size_t, c_bool], _status),
+    "ccalloc_is_recording_history": ([], c_bool),
+    "ccalloc_set_trace_context": ([c_uint64], None),
+    "ccalloc_history_oldest_seq": ([POINTER(c_uint64)], _status),
+    "ccalloc_snapshot_take": ([c_int32, POINTER(c_void_p)], _status),
+    "ccalloc_snapshot_free": ([c_void_p], None),
+    "ccalloc_snapshot_counts": ([c_void_p, POINTER(c_size_t), POINTER(c_size_t)], _status),
+    "ccalloc_snapshot_segment": ([c_void_p, c_size_t, POINTER(ccalloc_segment_info)], _status),
+    "ccalloc_snapshot_block": (
+        [c_void_p, c_size_t, c_size_t, POINTER(ccalloc_block_info)],
+        _status,
+    ),
+    "ccalloc_snapshot_trace_entry": ([c_void_p, c_size_t, POINTER(ccalloc_trace_entry)], _status),
+    "ccalloc_dump_snapshot": ([c_char_p], _status),
     # PyTorch CUDAPluggableAllocator entry points (their addresses are handed to PyTorch).
     "ccalloc_torch_alloc": ([c_size_t, c_int, _stream], c_void_p),
     "ccalloc_torch_free": ([c_void_p, c_size_t, c_int, _stream], None),

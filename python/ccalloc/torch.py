@@ -7,13 +7,26 @@ Usage, at the very start of the program (before anything initialises CUDA in PyT
 
     import torch
     x = torch.empty(1 << 20, device="cuda")      # allocated by ccalloc
-    print(ccalloc.memory_summary())              # ccalloc's statistics
+    print(torch.cuda.memory_summary())           # ccalloc's figures, through PyTorch's API
 
-Once enabled, ``torch.cuda.empty_cache()``, ``torch.cuda.set_per_process_memory_fraction()``,
-``Tensor.record_stream()`` and CUDA graph capture (private pools) reach ccalloc through
-PyTorch's pluggable-allocator hooks.
-PyTorch's own ``torch.cuda.memory_stats()`` family does not support pluggable allocators:
-use :func:`ccalloc.memory_stats` and friends instead.
+Two modes (:func:`mode` says which is active):
+
+``"backend"`` (the default where it can be built)
+    A small C++ adapter (``csrc/torch_allocator.cpp``) subclasses PyTorch's
+    ``CUDAAllocator`` and forwards every call to ccalloc, as PyTorch's own cudaMallocAsync
+    backend does. It is compiled against the installed torch at the first ``enable()``
+    (``torch.utils.cpp_extension``, about a minute, then cached). Everything of
+    ``torch.cuda.memory`` works: ``memory_stats()``, ``max_memory_allocated()``,
+    ``memory_summary()``, ``_record_memory_history()`` / ``_snapshot()``, cuDNN benchmarking,
+    ``torch.OutOfMemoryError``, CUDA graphs and ``MemPool``.
+``"pluggable"`` (the fallback: no compiler, or ``CCALLOC_TORCH_MODE=pluggable``)
+    ``torch.cuda.memory.CUDAPluggableAllocator``: allocation, ``empty_cache``, the memory
+    fraction, ``record_stream`` and graph pools work; PyTorch's statistics calls raise
+    there, so use :func:`ccalloc.memory_stats` and friends.
+
+``CCALLOC_TORCH_MODE`` chooses: ``auto`` (default: backend, else pluggable with a warning),
+``backend`` (fail if it cannot be built) or ``pluggable``. ``CCALLOC_TORCH_BUILD_DIR``
+sets where the adapter is built (default ``~/.cache/ccalloc``).
 
 This is the only module of the package that imports ``torch``, and it does so inside
 :func:`enable`: importing ``ccalloc.torch`` works without PyTorch installed.
@@ -22,15 +35,19 @@ This is the only module of the package that imports ``torch``, and it does so in
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import threading
+import warnings
 from typing import Any, Optional
 
 from . import _lib
 
-__all__ = ["enable", "is_enabled"]
+__all__ = ["enable", "is_enabled", "mode"]
 
 _lock = threading.Lock()
-_allocator: Optional[Any] = None  # the torch.cuda.memory.CUDAPluggableAllocator in use
+_allocator: Optional[Any] = None  # the adapter module, or the CUDAPluggableAllocator in use
+_mode: Optional[str] = None  # "backend" or "pluggable" once enabled
 
 ALLOC_FN = "ccalloc_torch_alloc"
 FREE_FN = "ccalloc_torch_free"
@@ -107,18 +124,73 @@ def _wire_graph_pool_hooks(raw: Any, lib: ctypes.CDLL) -> bool:
     return True
 
 
-def enable() -> Any:
-    """Makes ccalloc PyTorch's CUDA caching allocator; returns the ``CUDAPluggableAllocator``.
+def _source_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
-    Idempotent: later calls return the same allocator. Must run before PyTorch initialises
-    CUDA; raises ``RuntimeError`` when CUDA is already initialised and ccalloc is not the
-    current allocator, ``ImportError`` when PyTorch is not installed, and
-    :class:`ccalloc.LibraryNotFoundError` when libccalloc cannot be found.
+
+def _header_dir() -> str:
+    """The folder holding ``ccalloc.h``: bundled in the package, or the checkout's include/."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(here, "include"), os.path.join(here, "..", "..", "include")):
+        if os.path.isfile(os.path.join(candidate, "ccalloc.h")):
+            return os.path.abspath(candidate)
+    raise RuntimeError("ccalloc: ccalloc.h not found beside the package; reinstall ccalloc")
+
+
+def _build_adapter(torch: Any, library: str) -> Any:
+    """Compiles (or loads from the cache) the C++ backend and returns its module."""
+    from torch.utils import cpp_extension
+
+    source = os.path.join(_source_dir(), "torch_allocator.cpp")
+    header = os.path.join(_header_dir(), "ccalloc.h")
+    digest = hashlib.sha256()
+    for path in (source, header):
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(torch.__version__.encode())
+    digest.update(os.path.realpath(library).encode())
+    name = "ccalloc_torch_" + digest.hexdigest()[:16]
+    root = os.environ.get("CCALLOC_TORCH_BUILD_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "ccalloc"
+    )
+    build_dir = os.path.join(root, name)
+    os.makedirs(build_dir, exist_ok=True)
+    # Linked by full path, so the adapter uses the very library ctypes loaded (one
+    # allocator state for both).
+    return cpp_extension.load(
+        name=name,
+        sources=[source],
+        extra_include_paths=[_header_dir()],
+        extra_ldflags=[os.path.realpath(library)],
+        build_directory=build_dir,
+        with_cuda=True,
+        verbose=os.environ.get("CCALLOC_TORCH_VERBOSE") == "1",
+    )
+
+
+def _enable_pluggable(torch: Any, lib: ctypes.CDLL) -> Any:
+    path = _lib.library_path()
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
+    raw = allocator._allocator
+    for hook, function in HOOKS:
+        _hook_setter(raw, hook)(_address(lib, function))
+    _wire_graph_pool_hooks(raw, lib)
+    torch.cuda.memory.change_current_allocator(allocator)
+    return allocator
+
+
+def enable() -> str:
+    """Makes ccalloc PyTorch's CUDA caching allocator; returns the mode (:func:`mode`).
+
+    Idempotent. Must run before PyTorch allocates CUDA memory; raises ``RuntimeError`` when
+    CUDA is already initialised and ccalloc is not the current allocator, ``ImportError``
+    when PyTorch is not installed, and :class:`ccalloc.LibraryNotFoundError` when
+    libccalloc cannot be found.
     """
-    global _allocator
+    global _allocator, _mode
     with _lock:
-        if _allocator is not None:
-            return _allocator
+        if _mode is not None:
+            return _mode
         torch = _import_torch()
         if not hasattr(torch._C, "_cuda_customAllocator"):
             raise RuntimeError(
@@ -134,17 +206,40 @@ def enable() -> Any:
                 "initialise CUDA."
             )
         lib = _lib.load()
-        path = _lib.library_path()
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
-        raw = allocator._allocator
-        for hook, function in HOOKS:
-            _hook_setter(raw, hook)(_address(lib, function))
-        _wire_graph_pool_hooks(raw, lib)
-        torch.cuda.memory.change_current_allocator(allocator)
-        _allocator = allocator
-        return allocator
+        wanted = os.environ.get("CCALLOC_TORCH_MODE", "auto").strip().lower() or "auto"
+        if wanted not in ("auto", "backend", "pluggable"):
+            raise ValueError(
+                f"CCALLOC_TORCH_MODE={wanted!r}: expected auto, backend or pluggable"
+            )
+        if wanted != "pluggable":
+            try:
+                module = _build_adapter(torch, _lib.library_path())
+                module.install()
+            except Exception as e:  # no compiler, headers or a failed build
+                if wanted == "backend":
+                    raise
+                warnings.warn(
+                    "ccalloc: the PyTorch backend could not be built "
+                    f"({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}); "
+                    "using the pluggable allocator, where torch.cuda.memory_stats() and "
+                    "friends raise (use ccalloc.memory_stats()). Set "
+                    "CCALLOC_TORCH_VERBOSE=1 to see the build.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            else:
+                _allocator, _mode = module, "backend"
+                return _mode
+        _allocator, _mode = _enable_pluggable(torch, lib), "pluggable"
+        return _mode
 
 
 def is_enabled() -> bool:
     """Whether :func:`enable` has made ccalloc PyTorch's CUDA allocator in this process."""
-    return _allocator is not None
+    return _mode is not None
+
+
+def mode() -> Optional[str]:
+    """``"backend"`` (ccalloc is a full PyTorch allocator backend), ``"pluggable"``
+    (through ``CUDAPluggableAllocator``), or ``None`` before :func:`enable`."""
+    return _mode

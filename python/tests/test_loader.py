@@ -184,6 +184,16 @@ _C_TO_CTYPES = {
     "ccalloc_stats*": ctypes.POINTER(_lib.ccalloc_stats),
     "ccalloc_paging_stats*": ctypes.POINTER(_lib.ccalloc_paging_stats),
     "ccalloc_pool_id": _lib.ccalloc_pool_id,
+    "uint32_t*": ctypes.POINTER(ctypes.c_uint32),
+    "uint64_t": ctypes.c_uint64,
+    "size_t*": ctypes.POINTER(ctypes.c_size_t),
+    # The opaque snapshot handle travels as a void pointer.
+    "ccalloc_snapshot*": ctypes.c_void_p,
+    "const ccalloc_snapshot*": ctypes.c_void_p,
+    "ccalloc_snapshot**": ctypes.POINTER(ctypes.c_void_p),
+    "ccalloc_segment_info*": ctypes.POINTER(_lib.ccalloc_segment_info),
+    "ccalloc_block_info*": ctypes.POINTER(_lib.ccalloc_block_info),
+    "ccalloc_trace_entry*": ctypes.POINTER(_lib.ccalloc_trace_entry),
     "ccalloc_stream_filter": _lib.ccalloc_stream_filter,
     "ccalloc_release_fn": _lib.ccalloc_release_fn,
 }

@@ -2,6 +2,7 @@
 against a stand-in ``torch`` module that calls the hooks the way PyTorch does."""
 
 import ctypes
+import os
 import importlib.util
 import sys
 import types
@@ -38,6 +39,7 @@ def test_import_ccalloc_does_not_import_torch():
 @pytest.mark.skipif(HAVE_TORCH, reason="PyTorch is installed")
 def test_enable_without_torch_is_a_clear_import_error(monkeypatch):
     monkeypatch.setattr(ccalloc_torch, "_allocator", None)
+    monkeypatch.setattr(ccalloc_torch, "_mode", None)
     with pytest.raises(ImportError, match=r"ccalloc.torch.enable\(\) needs PyTorch, which is not installed"):
         ccalloc_torch.enable()
     assert not ccalloc_torch.is_enabled()
@@ -112,6 +114,9 @@ def make_fake_torch(cuda_initialized=False, has_cuda=True):
 @pytest.fixture
 def fake_torch(monkeypatch):
     monkeypatch.setattr(ccalloc_torch, "_allocator", None)
+    monkeypatch.setattr(ccalloc_torch, "_mode", None)
+    # The fake torch cannot build the C++ backend: the pluggable path is what is tested.
+    monkeypatch.setenv("CCALLOC_TORCH_MODE", "pluggable")
     torch = make_fake_torch()
     monkeypatch.setitem(sys.modules, "torch", torch)
     return torch
@@ -122,7 +127,9 @@ def address(name):
 
 
 def test_enable_wires_every_hook(fake_torch):
-    allocator = ccalloc_torch.enable()
+    assert ccalloc_torch.enable() == "pluggable"
+    assert ccalloc_torch.mode() == "pluggable"
+    allocator = ccalloc_torch._allocator
     assert isinstance(allocator, FakePluggableAllocator)
     assert fake_torch.changed == [allocator]
     assert ccalloc_torch.is_enabled()
@@ -139,12 +146,14 @@ def test_enable_wires_every_hook(fake_torch):
         "release_pool": address("ccalloc_torch_release_pool"),
     }
     # Idempotent.
-    assert ccalloc_torch.enable() is allocator
+    assert ccalloc_torch.enable() == "pluggable"
+    assert ccalloc_torch._allocator is allocator
     assert fake_torch.changed == [allocator]
 
 
 def test_hooks_behave_as_pytorch_calls_them(fake_torch, fresh_stats):
-    allocator = ccalloc_torch.enable()
+    ccalloc_torch.enable()
+    allocator = ccalloc_torch._allocator
     hooks = allocator._allocator.hooks
     malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(allocator.alloc_fn)
     free = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)(allocator.free_fn)
@@ -175,6 +184,7 @@ def test_hooks_behave_as_pytorch_calls_them(fake_torch, fresh_stats):
 
 def test_enable_after_cuda_init_is_refused(monkeypatch):
     monkeypatch.setattr(ccalloc_torch, "_allocator", None)
+    monkeypatch.setattr(ccalloc_torch, "_mode", None)
     torch = make_fake_torch(cuda_initialized=True)
     monkeypatch.setitem(sys.modules, "torch", torch)
     with pytest.raises(RuntimeError, match=r"must run before PyTorch initialises CUDA"):
@@ -183,13 +193,41 @@ def test_enable_after_cuda_init_is_refused(monkeypatch):
 
 
 def test_enable_after_cuda_init_is_fine_once_enabled(fake_torch, monkeypatch):
-    allocator = ccalloc_torch.enable()
+    mode = ccalloc_torch.enable()
     monkeypatch.setattr(fake_torch.cuda, "is_initialized", lambda: True)
-    assert ccalloc_torch.enable() is allocator
+    assert ccalloc_torch.enable() == mode
+
+
+def test_auto_mode_falls_back_to_pluggable_with_a_warning(fake_torch, monkeypatch):
+    # The fake torch has no torch.utils.cpp_extension: the backend cannot be built.
+    monkeypatch.setenv("CCALLOC_TORCH_MODE", "auto")
+    with pytest.warns(RuntimeWarning, match="PyTorch backend could not be built"):
+        assert ccalloc_torch.enable() == "pluggable"
+    assert isinstance(ccalloc_torch._allocator, FakePluggableAllocator)
+
+
+def test_backend_mode_fails_when_the_backend_cannot_be_built(fake_torch, monkeypatch):
+    monkeypatch.setenv("CCALLOC_TORCH_MODE", "backend")
+    with pytest.raises(ImportError):
+        ccalloc_torch.enable()
+    assert ccalloc_torch.mode() is None and fake_torch.changed == []
+
+
+def test_unknown_mode_is_refused(fake_torch, monkeypatch):
+    monkeypatch.setenv("CCALLOC_TORCH_MODE", "fast")
+    with pytest.raises(ValueError, match="CCALLOC_TORCH_MODE='fast'"):
+        ccalloc_torch.enable()
+    assert ccalloc_torch.mode() is None
+
+
+def test_backend_sources_ship_with_the_package():
+    assert os.path.isfile(os.path.join(ccalloc_torch._source_dir(), "torch_allocator.cpp"))
+    assert os.path.isfile(os.path.join(ccalloc_torch._header_dir(), "ccalloc.h"))
 
 
 def test_enable_with_cpu_only_torch(monkeypatch):
     monkeypatch.setattr(ccalloc_torch, "_allocator", None)
+    monkeypatch.setattr(ccalloc_torch, "_mode", None)
     monkeypatch.setitem(sys.modules, "torch", make_fake_torch(has_cuda=False))
     with pytest.raises(RuntimeError, match="this PyTorch build has no CUDA support"):
         ccalloc_torch.enable()

@@ -546,6 +546,34 @@ impl DeviceAllocator {
         self.each_shard(Shard::reset_accumulated_stats)
     }
 
+    /// The largest cached free block over every stream (PyTorch's `cacheInfo`).
+    pub fn largest_free_block(&self) -> Result<u64> {
+        self.check_open()?;
+        let mut largest = 0;
+        for shard in self.shards() {
+            largest = largest.max(shard.largest_free_block()?);
+        }
+        Ok(largest)
+    }
+
+    /// Takes one hold on private pool `pool`, creating it if new (PyTorch's `MemPool`): its
+    /// memory is kept for it until every hold is released (`release_pool`).
+    pub fn create_or_incref_pool(&self, pool: PoolId) -> Result<()> {
+        let mut setup = self.setup()?;
+        self.check_open()?;
+        let users = setup.pools.entry(pool).or_insert(0);
+        *users += 1;
+        let users = *users;
+        self.each_shard(|s| s.set_pool_users(pool, users))
+    }
+
+    /// The holds on private pool `pool` (0 when unknown).
+    pub fn pool_use_count(&self, pool: PoolId) -> Result<u32> {
+        let setup = self.setup()?;
+        self.check_open()?;
+        Ok(setup.pools.get(&pool).copied().unwrap_or(0))
+    }
+
     /// Every segment with its blocks, in address order (parked blocks as they are).
     pub fn segments(&self) -> Result<Vec<SegmentView>> {
         self.check_open()?;

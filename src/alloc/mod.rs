@@ -57,6 +57,11 @@ pub struct SegmentView {
     pub private_pool: Option<PoolId>,
     /// (address, size, state) of each block in address order.
     pub blocks: Vec<(DevicePtr, u64, BlockState)>,
+    /// The size each block's caller asked for (0 for blocks not handed out), by position.
+    pub requested: Vec<u64>,
+    /// For a paged segment, its mapped address ranges in order (only they hold memory);
+    /// `None` for a plain segment, which is mapped whole.
+    pub mapped: Option<Vec<(DevicePtr, u64)>>,
 }
 
 /// One stream's allocator (see `device`): everything `DeviceAllocator` does, for the streams
@@ -641,6 +646,16 @@ impl Shard {
         Ok(())
     }
 
+    /// The largest cached free block's device memory: what a request could get without the
+    /// driver.
+    pub fn largest_free_block(&self) -> Result<u64> {
+        let mut st = self.lock()?;
+        // Blocks held in fronts or parked are cached too: counted merged, as they are then.
+        self.drain_fronts(&mut st);
+        self.merge_set_aside(&mut st);
+        Ok(st.cached_free().1)
+    }
+
     /// Every segment with its blocks, in address order (parked blocks as they are).
     pub fn segments(&self) -> Result<Vec<SegmentView>> {
         let mut st = self.lock()?;
@@ -652,10 +667,13 @@ impl Shard {
             .map(|(&addr, seg)| {
                 let first = st.blocks.get(seg.first);
                 let mut blocks = Vec::new();
+                let mut requested = Vec::new();
                 let mut cursor = Some(seg.first);
                 while let Some(id) = cursor {
                     let b = st.blocks.get(id);
                     blocks.push((b.addr, b.size, b.state));
+                    let handed_out = matches!(b.state, BlockState::Allocated);
+                    requested.push(if handed_out { b.requested } else { 0 });
                     cursor = b.next;
                 }
                 SegmentView {
@@ -665,6 +683,8 @@ impl Shard {
                     pool: first.pool,
                     private_pool: first.owner,
                     blocks,
+                    requested,
+                    mapped: st.paged.get(&addr).map(|p| p.mapped_runs()),
                 }
             })
             .collect())

@@ -184,6 +184,19 @@ impl PagedSegment {
         start as usize..(end as usize).max(start as usize)
     }
 
+    /// The mapped address ranges, in order, adjacent pages joined.
+    pub fn mapped_runs(&self) -> Vec<(DevicePtr, u64)> {
+        let mut runs: Vec<(DevicePtr, u64)> = Vec::new();
+        for &i in &self.mapped_set {
+            let va = self.va(i);
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == va => *len += self.page,
+                _ => runs.push((va, self.page)),
+            }
+        }
+        runs
+    }
+
     /// Bytes of `[addr, addr+len)` that lie on mapped pages.
     pub fn mapped_bytes_in(&self, addr: DevicePtr, len: u64) -> u64 {
         self.touched(addr, len)

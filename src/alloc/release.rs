@@ -135,6 +135,8 @@ impl Shard {
                     return Err(driver_error(self.device, e));
                 }
             }
+            let addr = st.blocks.get(pending.block).addr;
+            crate::history::reusable(self.device as i32, addr);
             let _ = st.cache(pending.block);
         }
         Ok(())
@@ -160,6 +162,8 @@ impl Shard {
                 for event in pending.events {
                     self.driver.destroy_event(self.device, event);
                 }
+                let addr = st.blocks.get(pending.block).addr;
+                crate::history::reusable(self.device as i32, addr);
                 let _ = st.cache(pending.block);
             } else {
                 i += 1;
@@ -202,6 +206,7 @@ impl Shard {
             }
         }
         if events.is_empty() {
+            crate::history::reusable(self.device as i32, st.blocks.get(id).addr);
             let _ = st.cache(id);
         } else {
             st.awaiting.push(AwaitingEvents { block: id, events });

@@ -3,6 +3,7 @@
 
 pub mod cuda;
 pub mod sim;
+pub mod traced;
 
 use std::fmt;
 

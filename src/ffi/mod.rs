@@ -4,6 +4,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod boundary;
+pub mod memory;
 pub mod types;
 
 use crate::driver::{DevicePtr, StreamId};
@@ -145,7 +146,7 @@ pub extern "C" fn ccalloc_malloc(
 ) -> ccalloc_status {
     guard(|| {
         require_out(out_ptr, "out_ptr")?;
-        let ptr = runtime::global()?.malloc(size as u64, device as i64, stream_of(stream))?;
+        let ptr = traced_malloc(runtime::global()?, size, device, stream)?;
         write_out(out_ptr, "out_ptr", ptr as *mut c_void)
     })
 }
@@ -160,8 +161,32 @@ pub extern "C" fn ccalloc_free(ptr: *mut c_void, device: i32) -> ccalloc_status 
         if ptr.is_null() {
             return Ok(());
         }
-        runtime::global()?.free(ptr as DevicePtr, device as i64)
+        runtime::global()?.free(ptr as DevicePtr, device as i64)?;
+        crate::history::freed(device, ptr as u64);
+        Ok(())
     })
+}
+
+/// `Runtime::malloc`, recorded in the history (an OOM too) when recording is on.
+fn traced_malloc(
+    rt: &Runtime,
+    size: usize,
+    device: i32,
+    stream: cudaStream_t,
+) -> Result<DevicePtr, Error> {
+    match rt.malloc(size as u64, device as i64, stream_of(stream)) {
+        Ok(ptr) => {
+            crate::history::allocated(device, ptr, size as u64, stream as u64);
+            Ok(ptr)
+        }
+        Err(e) => {
+            if e.kind == ErrorKind::OutOfMemory {
+                let oom = crate::history::Action::Oom;
+                crate::history::record(oom, device, 0, size as u64, stream as u64);
+            }
+            Err(e)
+        }
+    }
 }
 
 /// Records that a live block is used on `stream` as well as its own.
@@ -175,7 +200,9 @@ pub extern "C" fn ccalloc_record_stream(
         if ptr.is_null() {
             return Err(invalid("ptr is NULL"));
         }
-        runtime::global()?.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
+        runtime::global()?.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))?;
+        crate::history::shared(device, ptr as u64);
+        Ok(())
     })
 }
 
@@ -325,7 +352,7 @@ pub extern "C-unwind" fn ccalloc_torch_alloc(
             Err(e) if e.kind == ErrorKind::NotInitialized => runtime::init_global()?,
             other => other?,
         };
-        let ptr = rt.malloc(size as u64, device as i64, StreamId(stream as u64))?;
+        let ptr = traced_malloc(rt, size, device, stream)?;
         out = ptr as *mut c_void;
         Ok(())
     });
@@ -352,7 +379,9 @@ pub extern "C" fn ccalloc_torch_free(
         if ptr.is_null() {
             return Ok(());
         }
-        runtime::global()?.free_on(ptr as DevicePtr, device as i64, stream_of(stream))
+        runtime::global()?.free_on(ptr as DevicePtr, device as i64, stream_of(stream))?;
+        crate::history::freed(device, ptr as u64);
+        Ok(())
     });
     log_torch_failure("ccalloc_torch_free", status);
 }
@@ -412,7 +441,9 @@ pub extern "C" fn ccalloc_torch_record_stream(ptr: *mut c_void, stream: cudaStre
                 format!("record_stream: {ptr:p} was not allocated by ccalloc"),
             )
         })?;
-        rt.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
+        rt.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))?;
+        crate::history::shared(device as i32, ptr as u64);
+        Ok(())
     });
     log_torch_failure("ccalloc_torch_record_stream", status);
 }

@@ -1,0 +1,105 @@
+//! A driver adaptor that records segment events for memory snapshots (`crate::history`):
+//! `segment_alloc` / `segment_free` for plain segments, `segment_map` / `segment_unmap` for
+//! the pages of paged ones. It only calls downward, and with recording off adds one relaxed
+//! atomic load to the calls it watches.
+
+use super::{DevicePtr, Driver, DriverResult, EventId, PhysHandle, StreamId};
+use crate::history::{self, Action};
+use std::sync::Arc;
+use std::time::Duration;
+
+pub struct Traced {
+    inner: Arc<dyn Driver>,
+}
+
+impl Traced {
+    pub fn new(inner: Arc<dyn Driver>) -> Self {
+        Self { inner }
+    }
+}
+
+fn traced<T>(
+    result: DriverResult<T>,
+    action: Action,
+    device: usize,
+    addr: u64,
+    size: u64,
+) -> DriverResult<T> {
+    if result.is_ok() {
+        history::record(action, device as i32, addr, size, 0);
+    }
+    result
+}
+
+impl Driver for Traced {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn device_count(&self) -> usize {
+        self.inner.device_count()
+    }
+    fn total_memory(&self, device: usize) -> DriverResult<u64> {
+        self.inner.total_memory(device)
+    }
+    fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        let result = self.inner.allocate(device, size);
+        if let Ok(addr) = result {
+            history::record(Action::SegmentAlloc, device as i32, addr, size, 0);
+        }
+        result
+    }
+    fn release(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        let result = self.inner.release(device, ptr, size);
+        traced(result, Action::SegmentFree, device, ptr, size)
+    }
+    fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
+        self.inner.record_event(device, stream)
+    }
+    fn event_done(&self, device: usize, event: EventId) -> DriverResult<bool> {
+        self.inner.event_done(device, event)
+    }
+    fn wait_event(&self, device: usize, event: EventId) -> DriverResult<()> {
+        self.inner.wait_event(device, event)
+    }
+    fn destroy_event(&self, device: usize, event: EventId) {
+        self.inner.destroy_event(device, event)
+    }
+    fn synchronize(&self, device: usize) -> DriverResult<()> {
+        self.inner.synchronize(device)
+    }
+    fn min_free_fence_interval(&self) -> Duration {
+        self.inner.min_free_fence_interval()
+    }
+    fn times_page_moves(&self) -> bool {
+        self.inner.times_page_moves()
+    }
+    fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
+        self.inner.synchronize_stream(device, stream)
+    }
+    fn vmm_granularity(&self, device: usize) -> Option<u64> {
+        self.inner.vmm_granularity(device)
+    }
+    fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
+        self.inner.reserve_address(device, size)
+    }
+    fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.free_address(device, ptr, size)
+    }
+    fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
+        self.inner.create_physical(device, size)
+    }
+    fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
+        self.inner.release_physical(device, handle, size)
+    }
+    fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
+        let result = self.inner.map(device, va, size, handle);
+        traced(result, Action::SegmentMap, device, va, size)
+    }
+    fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.set_access(device, va, size)
+    }
+    fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        let result = self.inner.unmap(device, va, size);
+        traced(result, Action::SegmentUnmap, device, va, size)
+    }
+}

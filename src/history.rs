@@ -1,0 +1,328 @@
+//! Allocation history for memory snapshots: a bounded ring of events in the form of
+//! PyTorch's `device_traces` (`torch.cuda.memory._record_memory_history`), kept only while
+//! recording is on.
+//!
+//! Invariants:
+//! - With recording off, every hook costs one relaxed atomic load and nothing else: the
+//!   hooks sit on the allocation path.
+//! - Entries are kept in the order they were recorded, with a sequence number that only
+//!   grows; at most `max_entries` are kept, the oldest dropped first. A host that keeps data
+//!   for entries (PyTorch's stack frames, keyed by `context`) may drop what belongs to
+//!   sequence numbers below `oldest_seq()`.
+//! - A block's `free_completed` follows its `free_requested`: at once for a block used on
+//!   its own stream only, and when its last recorded stream's work is done for a block
+//!   given to `record_stream`.
+
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// What happened, with PyTorch's action names (`TraceEntry::Action`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Action {
+    Alloc = 0,
+    FreeRequested = 1,
+    FreeCompleted = 2,
+    SegmentAlloc = 3,
+    SegmentFree = 4,
+    SegmentMap = 5,
+    SegmentUnmap = 6,
+    Snapshot = 7,
+    Oom = 8,
+}
+
+impl Action {
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Alloc => "alloc",
+            Action::FreeRequested => "free_requested",
+            Action::FreeCompleted => "free_completed",
+            Action::SegmentAlloc => "segment_alloc",
+            Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
+            Action::Snapshot => "snapshot",
+            Action::Oom => "oom",
+        }
+    }
+}
+
+/// One recorded event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    pub seq: u64,
+    pub action: Action,
+    pub device: i32,
+    /// The block's or range's address; for `Oom`, the bytes the device had free.
+    pub addr: u64,
+    pub size: u64,
+    pub stream: u64,
+    pub time_us: i64,
+    /// The host's tag for this event (`set_thread_context`); 0 when none.
+    pub context: u64,
+}
+
+/// What recording knows of a live block: its requested size, and whether `record_stream`
+/// gave it to another stream (then its free completes later).
+#[derive(Clone, Copy)]
+struct LiveBlock {
+    size: u64,
+    stream: u64,
+    shared: bool,
+}
+
+#[derive(Default)]
+struct Recorder {
+    entries: VecDeque<Entry>,
+    max_entries: usize,
+    next_seq: u64,
+    /// Blocks allocated while recording, by (device, address); freed ones awaiting their
+    /// other streams keep their entry until `free_completed`.
+    live: HashMap<(i32, u64), LiveBlock>,
+    awaiting: HashMap<(i32, u64), LiveBlock>,
+}
+
+static RECORDING: AtomicBool = AtomicBool::new(false);
+static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+
+thread_local! {
+    static CONTEXT: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The most entries a recorder keeps, whatever is asked: each costs about 64 bytes.
+pub const MAX_ENTRIES_LIMIT: usize = 1 << 24;
+
+fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
+    // The recorder's data stays consistent at every unlock point: a panic elsewhere while
+    // it was held leaves nothing half-done, so poisoning is ignored.
+    RECORDER.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Starts (or, with `enabled` false, stops) recording. `clear` drops what was recorded.
+/// `max_entries` bounds the ring (0 keeps none but the live-block table).
+pub fn set_recording(enabled: bool, max_entries: usize, clear: bool) {
+    let mut guard = recorder();
+    let r = guard.get_or_insert_with(Recorder::default);
+    r.max_entries = max_entries.min(MAX_ENTRIES_LIMIT);
+    if clear {
+        r.entries.clear();
+    }
+    if !enabled {
+        r.live.clear();
+        r.awaiting.clear();
+    }
+    while r.entries.len() > r.max_entries {
+        r.entries.pop_front();
+    }
+    RECORDING.store(enabled, Ordering::Release);
+}
+
+pub fn is_recording() -> bool {
+    RECORDING.load(Ordering::Relaxed)
+}
+
+/// Tags the calling thread's next recorded event (then cleared): how a host attaches its
+/// own data, such as stack frames, to the allocation it is about to make.
+pub fn set_thread_context(context: u64) {
+    let _ = CONTEXT.try_with(|c| c.set(context));
+}
+
+fn take_thread_context() -> u64 {
+    CONTEXT.try_with(|c| c.replace(0)).unwrap_or(0)
+}
+
+fn now_us() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or(0)
+}
+
+fn push(r: &mut Recorder, action: Action, device: i32, addr: u64, size: u64, stream: u64) {
+    let context = match action {
+        Action::Alloc | Action::FreeRequested => take_thread_context(),
+        _ => 0,
+    };
+    let seq = r.next_seq;
+    r.next_seq += 1;
+    if r.max_entries == 0 {
+        return;
+    }
+    if r.entries.len() == r.max_entries {
+        r.entries.pop_front();
+    }
+    r.entries.push_back(Entry {
+        seq,
+        action,
+        device,
+        addr,
+        size,
+        stream,
+        time_us: now_us(),
+        context,
+    });
+}
+
+/// Records an event that concerns no block (segments, OOMs, snapshots).
+pub fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
+    if !is_recording() {
+        return;
+    }
+    if let Some(r) = recorder().as_mut() {
+        push(r, action, device, addr, size, stream);
+    }
+}
+
+/// A block was handed out.
+pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
+    if !is_recording() {
+        return;
+    }
+    if let Some(r) = recorder().as_mut() {
+        let block = LiveBlock {
+            size,
+            stream,
+            shared: false,
+        };
+        r.live.insert((device, addr), block);
+        push(r, Action::Alloc, device, addr, size, stream);
+    }
+}
+
+/// A live block was given to another stream (`record_stream`).
+pub fn shared(device: i32, addr: u64) {
+    if !is_recording() {
+        return;
+    }
+    if let Some(b) = recorder()
+        .as_mut()
+        .and_then(|r| r.live.get_mut(&(device, addr)))
+    {
+        b.shared = true;
+    }
+}
+
+/// A block was freed by its caller: `free_requested`, and `free_completed` too unless other
+/// streams still use it. A block allocated before recording began is recorded with size 0.
+pub fn freed(device: i32, addr: u64) {
+    if !is_recording() {
+        return;
+    }
+    if let Some(r) = recorder().as_mut() {
+        let block = r.live.remove(&(device, addr)).unwrap_or(LiveBlock {
+            size: 0,
+            stream: 0,
+            shared: false,
+        });
+        push(
+            r,
+            Action::FreeRequested,
+            device,
+            addr,
+            block.size,
+            block.stream,
+        );
+        if block.shared {
+            r.awaiting.insert((device, addr), block);
+        } else {
+            push(
+                r,
+                Action::FreeCompleted,
+                device,
+                addr,
+                block.size,
+                block.stream,
+            );
+        }
+    }
+}
+
+/// A block freed while other streams used it became reusable.
+pub fn reusable(device: i32, addr: u64) {
+    if !is_recording() {
+        return;
+    }
+    if let Some(r) = recorder().as_mut() {
+        if let Some(block) = r.awaiting.remove(&(device, addr)) {
+            push(
+                r,
+                Action::FreeCompleted,
+                device,
+                addr,
+                block.size,
+                block.stream,
+            );
+        }
+    }
+}
+
+/// The recorded entries (of `device`, or all with `None`), oldest first.
+pub fn entries(device: Option<i32>) -> Vec<Entry> {
+    recorder()
+        .as_ref()
+        .map(|r| {
+            r.entries
+                .iter()
+                .filter(|e| device.is_none_or(|d| e.device == d))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The sequence number of the oldest entry kept (the next one's when none is kept).
+pub fn oldest_seq() -> u64 {
+    recorder()
+        .as_ref()
+        .map(|r| r.entries.front().map_or(r.next_seq, |e| e.seq))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // One test: the recorder is process-wide.
+    #[test]
+    fn records_in_order_bounded_and_completes_shared_frees_later() {
+        set_recording(true, 6, true);
+        set_thread_context(42);
+        allocated(0, 0x1000, 100, 7);
+        allocated(0, 0x2000, 200, 7);
+        shared(0, 0x2000);
+        freed(0, 0x1000);
+        freed(0, 0x2000);
+        let names: Vec<_> = entries(Some(0)).iter().map(|e| e.action).collect();
+        assert_eq!(
+            names,
+            [
+                Action::Alloc,
+                Action::Alloc,
+                Action::FreeRequested,
+                Action::FreeCompleted,
+                Action::FreeRequested
+            ]
+        );
+        assert_eq!(entries(Some(0))[0].context, 42);
+        assert_eq!(entries(Some(0))[1].context, 0, "a context tags one event");
+        assert_eq!(entries(Some(0))[4].size, 200);
+        reusable(0, 0x2000);
+        reusable(0, 0x2000);
+        let all = entries(None);
+        assert_eq!(all.last().unwrap().action, Action::FreeCompleted);
+        assert_eq!(all.len(), 6, "a second reusable() records nothing");
+        record(Action::SegmentAlloc, 0, 0x9000, 4096, 0);
+        let all = entries(None);
+        assert_eq!(all.len(), 6, "bounded: the oldest was dropped");
+        assert_eq!(oldest_seq(), all[0].seq);
+        assert!(all.windows(2).all(|w| w[0].seq < w[1].seq));
+        set_recording(false, 6, false);
+        allocated(0, 0x3000, 1, 0);
+        assert_eq!(entries(None).len(), 6, "nothing recorded while off");
+        set_recording(false, 0, true);
+        assert!(entries(None).is_empty());
+    }
+}
