@@ -10,6 +10,7 @@ pub mod driver;
 pub mod error;
 pub mod ffi;
 pub mod history;
+pub mod logging;
 pub mod replay;
 pub mod runtime;
 pub mod snapshot;

@@ -270,6 +270,7 @@ pub fn init_global() -> Result<&'static Runtime> {
     if *phase == Phase::Running {
         return global();
     }
+    crate::logging::init_from_env();
     let runtime: &'static Runtime = Box::leak(Box::new(Runtime::from_env()?));
     GLOBAL.store(runtime as *const Runtime as *mut Runtime, Ordering::Release);
     *phase = Phase::Running;

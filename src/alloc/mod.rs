@@ -362,7 +362,6 @@ impl Shard {
             Ok(addr) => addr,
             Err(e) => return self.refused(st, size, e),
         };
-        tracing::debug!(device = self.device, addr, size, "segment allocated");
         Ok(Some(st.add_segment(addr, size, stream, pool, owner)))
     }
 

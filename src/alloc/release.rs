@@ -23,7 +23,6 @@ impl Shard {
         }
         st.remove_segment(id);
         st.uncommit(size);
-        tracing::debug!(device = self.device, addr, size, "segment released");
         Ok(())
     }
 

@@ -1,7 +1,8 @@
-//! A driver adaptor that records segment events for memory snapshots (`crate::history`):
-//! `segment_alloc` / `segment_free` for plain segments, `segment_map` / `segment_unmap` for
-//! the pages of paged ones. It only calls downward, and with recording off adds one relaxed
-//! atomic load to the calls it watches.
+//! A driver adaptor that logs and records segment events: `segment_alloc` /
+//! `segment_free` for plain segments, `segment_map` / `segment_unmap` for the pages of paged
+//! ones, to the log (`crate::logging`, debug level) and to the history of memory snapshots
+//! (`crate::history`). It only calls downward; with both off it adds a relaxed atomic load
+//! and tracing's level check to the calls it watches, which are the slow path.
 
 use super::{DevicePtr, Driver, DriverResult, EventId, PhysHandle, StreamId};
 use crate::history::{self, Action};
@@ -26,6 +27,7 @@ fn traced<T>(
     size: u64,
 ) -> DriverResult<T> {
     if result.is_ok() {
+        tracing::debug!(device, addr, size, "{}", action.name());
         history::record(action, device as i32, addr, size, 0);
     }
     result
@@ -43,10 +45,10 @@ impl Driver for Traced {
     }
     fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
         let result = self.inner.allocate(device, size);
-        if let Ok(addr) = result {
-            history::record(Action::SegmentAlloc, device as i32, addr, size, 0);
+        match result {
+            Ok(addr) => traced(Ok(addr), Action::SegmentAlloc, device, addr, size),
+            Err(e) => Err(e),
         }
-        result
     }
     fn release(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
         let result = self.inner.release(device, ptr, size);

@@ -181,6 +181,7 @@ fn traced_malloc(
         }
         Err(e) => {
             if e.kind == ErrorKind::OutOfMemory {
+                tracing::warn!(device, "{}", e.message);
                 let oom = crate::history::Action::Oom;
                 crate::history::record(oom, device, 0, size as u64, stream as u64);
             }
@@ -254,7 +255,9 @@ pub unsafe extern "C" fn ccalloc_set_config(conf: *const c_char) -> ccalloc_stat
         let text = unsafe { CStr::from_ptr(conf) }
             .to_str()
             .map_err(|_| Error::new(ErrorKind::Config, "conf is not UTF-8"))?;
-        runtime::global()?.set_config(text)
+        runtime::global()?.set_config(text)?;
+        tracing::info!("settings changed: {text}");
+        Ok(())
     })
 }
 
