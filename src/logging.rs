@@ -13,9 +13,10 @@ use tracing_subscriber::EnvFilter;
 pub fn init_from_env() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        let Ok(filter) = std::env::var("CCALLOC_LOG") else {
+        let filter = std::env::var("CCALLOC_LOG").unwrap_or_default();
+        if filter.trim().is_empty() {
             return;
-        };
+        }
         let filter = match EnvFilter::try_new(filter.trim()) {
             Ok(f) => f,
             Err(e) => {

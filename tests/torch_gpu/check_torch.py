@@ -20,7 +20,9 @@ Output: one line ``PASS name detail`` / ``FAIL name detail`` / ``SKIP name detai
 when a check failed.
 
 Checks: train_equal, allocated_matches_storages, record_stream, cuda_graph, cudnn_benchmark,
-oom_raises, ddp_two_gpus (needs 2 GPUs; skipped otherwise).
+oom_raises, ddp_two_gpus (needs 2 GPUs; skipped otherwise), and for the C++ backend
+(ccalloc.torch's default mode): backend_mode, torch_stats, resnet_cudnn, snapshot,
+snapshot_no_torch, log, compile_reduce_overhead, mempool, backend_vs_pluggable_time.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def child_info(torch, alloc, args):
             ccalloc_backend=ccalloc.backend(),
             ccalloc_conf=os.environ.get("CCALLOC_CONF", ""),
             enable_warnings=args.get("_enable_warnings", []),
+            mode=args.get("_mode"),
         )
     return out
 
@@ -498,6 +501,11 @@ def child_oom(torch, alloc, args):
             f"(ccalloc reads back {ccalloc.get_per_process_memory_fraction()})"]
     ok = ccalloc.get_per_process_memory_fraction() == fraction
     ooms_before = ccalloc.memory_stats()["num_ooms"]
+    observed = []
+    backend = args.get("_mode") == "backend"
+    if backend:
+        torch.cuda.memory._attach_out_of_memory_observer(
+            lambda device, allocated, total, free: observed.append((device, allocated, total, free)))
     size = int(total * 0.10)
     raised = None
     try:
@@ -510,6 +518,12 @@ def child_oom(torch, alloc, args):
         text = first_line(str(raised), 300)
         good = isinstance(raised, RuntimeError) and "out of memory" in str(raised).lower()
         info.append(f"raised {type(raised).__name__}: {text}")
+        if backend:
+            is_oom_error = isinstance(raised, torch.OutOfMemoryError)
+            says = all(w in str(raised) for w in ("reserved", "live", "largest free block"))
+            info.append(f"torch.OutOfMemoryError: {is_oom_error}; message names reserved, live and the "
+                        f"largest free block: {says}; OOM observer calls: {observed}")
+            good = good and is_oom_error and says and len(observed) == 1 and observed[0][2] == total
         ok = ok and good
     else:
         ok = False
@@ -571,6 +585,253 @@ def child_ddp_worker(torch, alloc, args):
             "digest": params_digest([grads, params])}
 
 
+def child_torch_stats(torch, alloc, args):
+    """torch.cuda's statistics calls give ccalloc's figures (the backend mode)."""
+    import ccalloc
+
+    if args.get("_mode") != "backend":
+        return {"ok": False, "detail": f"needs the backend mode, got {args.get('_mode')}"}
+    keep = [torch.empty(n, device="cuda") for n in (1, 1000, 1 << 18, 3 << 20, 50 << 20)]
+    del keep[1]
+    torch.cuda.synchronize()
+    info, ok = [], True
+    theirs, ours = torch.cuda.memory_stats(), ccalloc.memory_stats()
+    common = sorted(set(theirs) & set(ours))
+    differ = [k for k in common if theirs[k] != ours[k]]
+    info.append(f"{len(common)} keys in both; differing: {differ[:10]}")
+    ok = ok and len(common) >= 60 and not differ
+    pairs = [
+        ("memory_allocated", torch.cuda.memory_allocated(), ccalloc.memory_allocated()),
+        ("memory_reserved", torch.cuda.memory_reserved(), ccalloc.memory_reserved()),
+        ("max_memory_allocated", torch.cuda.max_memory_allocated(), ccalloc.max_memory_allocated()),
+        ("max_memory_reserved", torch.cuda.max_memory_reserved(), ccalloc.max_memory_reserved()),
+    ]
+    for name, t, c in pairs:
+        info.append(f"{name}: torch {t}, ccalloc {c}")
+        ok = ok and t == c and t > 0
+    peak = torch.cuda.max_memory_allocated()
+    del keep
+    torch.cuda.reset_peak_memory_stats()
+    after = torch.cuda.max_memory_allocated()
+    info.append(f"reset_peak_memory_stats: peak {peak} -> {after} (ccalloc {ccalloc.max_memory_allocated()})")
+    ok = ok and after < peak and after == ccalloc.max_memory_allocated()
+    summary = torch.cuda.memory_summary()
+    ok = ok and "Allocated memory" in summary and "ccalloc" not in summary[:0]
+    info.append(f"memory_summary: {len(summary.splitlines())} lines")
+    torch.cuda.empty_cache()
+    info.append(f"after empty_cache: reserved torch {torch.cuda.memory_reserved()}, ccalloc {ccalloc.memory_reserved()}")
+    ok = ok and torch.cuda.memory_reserved() == ccalloc.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    frac = ccalloc.get_per_process_memory_fraction()
+    ok = ok and frac == 0.5
+    info.append(f"set_per_process_memory_fraction(0.5): ccalloc reads {frac}")
+    detail = f"{len(common)} memory_stats keys equal; allocated/reserved/max/reset/summary/fraction agree" if ok else "see lines below"
+    return {"ok": ok, "detail": detail, "info": info}
+
+
+def child_resnet_cudnn(torch, alloc, args):
+    """ResNet-50 training with cudnn.benchmark (cuDNN asks the allocator's cacheInfo)."""
+    import math
+
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    losses = []
+    for step in range(4):
+        b = (64, 48)[step % 2]
+        x = torch.randn(b, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (b,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    info = [f"losses {['%.4f' % v for v in losses]}"]
+    ok = all(math.isfinite(v) for v in losses)
+    if alloc == "ccalloc":
+        import ccalloc
+
+        largest = ccalloc.cache_info()
+        info.append(f"cacheInfo (largest cached block) {largest / MiB:.1f} MiB; reserved "
+                    f"{ccalloc.memory_reserved() / MiB:.0f} MiB, peak allocated {ccalloc.max_memory_allocated() / MiB:.0f} MiB")
+        ok = ok and 0 < largest <= ccalloc.memory_reserved()
+    return {"ok": ok, "detail": f"{len(losses)} steps with cudnn.benchmark" if ok else "see lines below", "info": info}
+
+
+def child_snapshot(torch, alloc, args):
+    """_record_memory_history / _dump_snapshot through PyTorch's API; the viewer reads it."""
+    import pickle
+
+    out_dir = args["dir"]
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    x = torch.randn(1024, 1024, device="cuda")
+    ys = [x @ x for _ in range(4)]
+    del ys[0]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        z = torch.empty(5 << 20, device="cuda")
+    z.record_stream(torch.cuda.current_stream())
+    del z
+    torch.cuda.synchronize()
+    path = os.path.join(out_dir, f"{alloc}.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    trace = snap["device_traces"][0]
+    actions = sorted({e["action"] for e in trace})
+    with_frames = sum(1 for e in trace if e["action"] == "alloc" and e.get("frames"))
+    allocs = sum(1 for e in trace if e["action"] == "alloc")
+    blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+    live_with_frames = sum(1 for b in blocks if b["state"] == "active_allocated" and b.get("frames"))
+    info = [f"{len(snap['segments'])} segments, {len(blocks)} blocks ({live_with_frames} live with frames); "
+            f"{len(trace)} events {actions}; allocs with frames {with_frames}/{allocs}"]
+    ok = allocs >= 5 and with_frames == allocs and live_with_frames >= 3 and "free_completed" in actions
+    for kind in ("trace_plot", "segment_plot"):
+        html = os.path.join(out_dir, f"{alloc}_{kind}.html")
+        p = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", kind, path, "-o", html],
+                           capture_output=True, text=True, timeout=120)
+        size = os.path.getsize(html) if os.path.exists(html) else 0
+        info.append(f"_memory_viz {kind}: exit {p.returncode}, {size} bytes {first_line(p.stderr)}")
+        ok = ok and p.returncode == 0 and size > 10000
+    tool = os.path.join(REPO, "gpu", "ccalloc")
+    if alloc == "ccalloc" and os.path.exists(tool):
+        p = subprocess.run([tool, "replay", path], capture_output=True, text=True, timeout=120)
+        info.append(f"ccalloc replay: exit {p.returncode}: {first_line(p.stdout.splitlines()[-1] if p.stdout.strip() else p.stderr)}")
+        ok = ok and p.returncode == 0
+    return {"ok": ok, "detail": f"{len(trace)} events, frames on every alloc, viewer and replay read it" if ok else "see lines below",
+            "info": info}
+
+
+def child_snapshot_no_torch(torch, alloc, args):
+    """ccalloc.memory's own history and snapshot (C API, no torch allocator involved)."""
+    import pickle
+
+    import ccalloc
+    import ccalloc.memory
+
+    out_dir = args["dir"]
+    ccalloc.memory._record_memory_history(max_entries=10000)
+    ptrs = [ccalloc.malloc(n) for n in (512, 3 << 20, 40 << 20)]
+    ccalloc.free(ptrs.pop(0))
+    path = os.path.join(out_dir, "no_torch.pickle")
+    ccalloc.memory._dump_snapshot(path)
+    ccalloc.memory._record_memory_history(enabled=None)
+    for p in ptrs:
+        ccalloc.free(p)
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    actions = [e["action"] for e in snap["device_traces"][0]]
+    info = [f"events {actions}"]
+    ok = actions.count("alloc") == 3 and "free_completed" in actions and snap["segments"]
+    html = os.path.join(out_dir, "no_torch_trace.html")
+    p = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", path, "-o", html],
+                       capture_output=True, text=True, timeout=120)
+    info.append(f"_memory_viz trace_plot: exit {p.returncode} {first_line(p.stderr)}")
+    ok = bool(ok) and p.returncode == 0
+    return {"ok": ok, "detail": f"{len(actions)} events written by the C library; the viewer reads them" if ok else "see lines below",
+            "info": info}
+
+
+def child_log(torch, alloc, args):
+    """CCALLOC_LOG=debug (set by the parent): ccalloc's events reach stderr."""
+    x = torch.empty(64 << 20, device="cuda")
+    del x
+    torch.cuda.empty_cache()
+    return {"ok": True, "detail": "ran"}
+
+
+def child_compile(torch, alloc, args):
+    """torch.compile(mode="reduce-overhead"): CUDA graph trees for training and inference."""
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, mode="reduce-overhead")
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(8):
+        x = torch.randn(128, 256, generator=gen).cuda()
+        y = torch.randint(0, 10, (128,), generator=gen).cuda()
+        loss = nn.functional.cross_entropy(compiled(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    outs = []
+    with torch.no_grad():
+        model.eval()
+        infer = torch.compile(model, mode="reduce-overhead")
+        for _ in range(6):
+            x = torch.randn(64, 256, generator=gen).cuda()
+            outs.append(infer(x).sum().item())
+    torch.cuda.synchronize()
+    return {"ok": None, "losses": losses, "outputs": outs}
+
+
+def child_mempool(torch, alloc, args):
+    """torch.cuda.MemPool / use_mem_pool route allocations to a private pool."""
+    import ccalloc.memory
+
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.empty(8 << 20, device="cuda")
+        b = torch.ones(1000, device="cuda")
+    c = torch.empty(8 << 20, device="cuda")
+    pool_id = tuple(pool.id)
+    snap = ccalloc.memory._snapshot()
+    owner = {}
+    for seg in snap["segments"]:
+        addr = seg["address"]
+        for blk in seg["blocks"]:
+            owner[blk["address"]] = tuple(seg["segment_pool_id"])
+            addr += blk["size"]
+    in_pool = [owner.get(t.data_ptr()) == pool_id for t in (a, b)]
+    outside = owner.get(c.data_ptr()) != pool_id
+    use_count = pool.use_count() if hasattr(pool, "use_count") else "n/a"
+    try:
+        pool_segments = len(torch.cuda.memory_snapshot(pool.id))
+    except TypeError:
+        pool_segments = "n/a"
+    info = [f"pool {pool_id}: a, b in pool {in_pool}; c outside {outside}; use_count {use_count}; "
+            f"snapshot(pool) segments {pool_segments}"]
+    ok = all(in_pool) and outside and b.sum().item() == 1000.0
+    del a, b, pool
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {"ok": ok, "detail": "MemPool allocations land in the pool, others outside" if ok else "see lines below", "info": info}
+
+
+def child_timing(torch, alloc, args):
+    """Steady-state step time of a small training loop (for the backend vs pluggable pairing)."""
+    import time as _time
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = make_convnet(nn).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = (64, 96, 32, 128, 80)
+    times = []
+    for step in range(int(args.get("steps", 300))):
+        b = batches[step % len(batches)]
+        t0 = _time.perf_counter()
+        x = torch.randn(b, 3, 32, 32, device="cuda")
+        y = torch.randint(0, 10, (b,), device="cuda")
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(_time.perf_counter() - t0)
+    steady = sorted(times[50:])
+    return {"ok": True, "median_us": steady[len(steady) // 2] * 1e6, "mode": args.get("_mode")}
+
+
 CHILDREN = {
     "info": child_info,
     "train": child_train,
@@ -580,6 +841,14 @@ CHILDREN = {
     "cudnn_benchmark": child_cudnn_benchmark,
     "oom": child_oom,
     "ddp_worker": child_ddp_worker,
+    "torch_stats": child_torch_stats,
+    "resnet_cudnn": child_resnet_cudnn,
+    "snapshot": child_snapshot,
+    "snapshot_no_torch": child_snapshot_no_torch,
+    "log": child_log,
+    "compile": child_compile,
+    "mempool": child_mempool,
+    "timing": child_timing,
 }
 
 
@@ -593,7 +862,7 @@ def child_main(name: str, alloc: str, args: dict) -> int:
 
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                ccalloc.torch.enable()
+                args["_mode"] = ccalloc.torch.enable()
             args["_enable_warnings"] = [str(w.message) for w in caught]
             for w in caught:
                 print(f"warning from enable(): {w.message}", file=sys.stderr)
@@ -807,6 +1076,84 @@ def check_ddp(device_count):
     return ("PASS" if ok else "FAIL"), (f"2 ranks, {verdict}; per-device allocated > 0" if ok else "see lines below"), info
 
 
+def check_backend_mode():
+    result, note = run_child("info", "ccalloc", timeout=600)
+    if result is None:
+        return "FAIL", first_line(note), note.splitlines()[1:]
+    mode = result.get("mode")
+    return ("PASS" if mode == "backend" else "FAIL"), f"ccalloc.torch.enable() -> {mode!r}", result.get("enable_warnings", [])
+
+
+def check_torch_stats():
+    return from_child("torch_stats")
+
+
+def check_resnet_cudnn():
+    return from_child("resnet_cudnn")
+
+
+def check_snapshot():
+    with tempfile.TemporaryDirectory() as d:
+        return from_child("snapshot", args={"dir": d})
+
+
+def check_snapshot_no_torch():
+    # PyTorch keeps its own allocator here: ccalloc is used through its C API alone.
+    with tempfile.TemporaryDirectory() as d:
+        return from_child("snapshot_no_torch", alloc="native", args={"dir": d})
+
+
+def check_log():
+    p = subprocess.run(child_cmd("log", "ccalloc"), env=child_env({"CCALLOC_LOG": "debug"}), capture_output=True,
+                       text=True, timeout=CHILD_TIMEOUT)
+    silent_env = child_env()
+    silent_env.pop("CCALLOC_LOG", None)
+    quiet = subprocess.run(child_cmd("log", "ccalloc"), env=silent_env, capture_output=True, text=True,
+                           timeout=CHILD_TIMEOUT)
+    found = [w for w in ("ccalloc initialized", "segment_map", "segment_unmap") if w in p.stderr]
+    info = [f"with CCALLOC_LOG=debug, stderr has {found}", f"without: {len(quiet.stderr.strip())} bytes on stderr"]
+    ok = len(found) == 3 and "segment_map" not in quiet.stderr
+    return ("PASS" if ok else "FAIL"), "ccalloc's events reach stderr when asked, none otherwise", info
+
+
+def check_compile():
+    runs = {}
+    for alloc in ("native", "ccalloc"):
+        result, note = run_child("compile", alloc, timeout=600)
+        if result is None or result.get("crashed") or "losses" not in result:
+            text = note or (result or {}).get("detail", "")
+            return "FAIL", f"{alloc} run failed: {first_line(text)}", (note.splitlines()[1:] if note else (result or {}).get("info", []))
+        runs[alloc] = result
+    a, b = runs["native"], runs["ccalloc"]
+    info = [f"native  losses {a['losses']}", f"ccalloc losses {b['losses']}",
+            f"inference sums equal: {a['outputs'] == b['outputs']}"]
+    ok = a["losses"] == b["losses"] and a["outputs"] == b["outputs"]
+    return ("PASS" if ok else "FAIL"), ("8 training + 6 inference steps with CUDA graph trees, bit-equal to native"
+                                        if ok else "differ from native"), info
+
+
+def check_mempool():
+    return from_child("mempool")
+
+
+def check_backend_time():
+    """Paired, interleaved rounds: backend vs pluggable, steady-state median step time."""
+    ratios, info = [], []
+    for r in range(3):
+        medians = {}
+        for mode in (("backend", "pluggable") if r % 2 == 0 else ("pluggable", "backend")):
+            result, note = run_child("timing", "ccalloc", env={"CCALLOC_TORCH_MODE": mode}, timeout=600)
+            if result is None or "median_us" not in result:
+                return "FAIL", f"{mode} run failed: {first_line(note or (result or {}).get('detail', ''))}", []
+            medians[mode] = result["median_us"]
+        ratios.append(medians["backend"] / medians["pluggable"])
+        info.append(f"round {r}: backend {medians['backend']:.0f} us, pluggable {medians['pluggable']:.0f} us, "
+                    f"ratio {ratios[-1]:.3f}")
+    ratios.sort()
+    ok = ratios[1] <= 1.05
+    return ("PASS" if ok else "FAIL"), f"backend / pluggable step time: median {ratios[1]:.3f} (range {ratios[0]:.3f}-{ratios[-1]:.3f})", info
+
+
 def main():
     global VERBOSE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -831,6 +1178,15 @@ def main():
         ("cudnn_benchmark", check_cudnn_benchmark),
         ("oom_raises", check_oom),
         ("ddp_two_gpus", lambda: check_ddp(device_count)),
+        ("backend_mode", check_backend_mode),
+        ("torch_stats", check_torch_stats),
+        ("resnet_cudnn", check_resnet_cudnn),
+        ("snapshot", check_snapshot),
+        ("snapshot_no_torch", check_snapshot_no_torch),
+        ("log", check_log),
+        ("compile_reduce_overhead", check_compile),
+        ("mempool", check_mempool),
+        ("backend_vs_pluggable_time", check_backend_time),
     ]
     if opts.list:
         print("\n".join(name for name, _ in checks))
