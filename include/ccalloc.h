@@ -137,6 +137,26 @@ typedef bool (*ccalloc_stream_filter)(void *ctx, cudaStream_t stream);
 // Releases the caller's `ctx` when ccalloc no longer needs it.
 typedef void (*ccalloc_release_fn)(void *ctx);
 
+// One event of the allocation history, with PyTorch's meanings (`TraceEntry`).
+typedef struct {
+  // Grows by one per recorded event.
+  uint64_t seq;
+  // 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free,
+  // 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
+  uint32_t action;
+  int32_t device;
+  uint64_t addr;
+  uint64_t size;
+  cudaStream_t stream;
+  // Microseconds since the Unix epoch.
+  int64_t time_us;
+  // What `ccalloc_set_trace_context` tagged the event with (0: nothing).
+  uint64_t context;
+} ccalloc_trace_entry;
+
+// Called with each segment event (`ccalloc_set_segment_observer`); `ctx` is the caller's.
+typedef void (*ccalloc_trace_observer)(void *ctx, const ccalloc_trace_entry *entry);
+
 // One segment of a snapshot. A paged segment appears as one segment per mapped range.
 typedef struct {
   int32_t device;
@@ -165,23 +185,6 @@ typedef struct {
   // other streams' work).
   uint32_t state;
 } ccalloc_block_info;
-
-// One event of the allocation history, with PyTorch's meanings (`TraceEntry`).
-typedef struct {
-  // Grows by one per recorded event.
-  uint64_t seq;
-  // 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free,
-  // 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
-  uint32_t action;
-  int32_t device;
-  uint64_t addr;
-  uint64_t size;
-  cudaStream_t stream;
-  // Microseconds since the Unix epoch.
-  int64_t time_us;
-  // What `ccalloc_set_trace_context` tagged the event with (0: nothing).
-  uint64_t context;
-} ccalloc_trace_entry;
 
 #ifdef __cplusplus
 extern "C" {
@@ -346,6 +349,12 @@ void ccalloc_set_trace_context(uint64_t context);
 // The sequence number of the oldest history event still kept: a host may drop data it
 // keeps for events before it.
 ccalloc_status ccalloc_history_oldest_seq(uint64_t *out_seq);
+
+// Adds `observer`, called with every segment event (actions 3 to 6) whether or not the
+// history is recorded: a segment's free or unmap comes before the memory goes, its
+// allocation or map once it is usable. It runs under the device's lock and must not call
+// ccalloc. Observers stay for the life of the process (PyTorch's trace trackers).
+ccalloc_status ccalloc_add_segment_observer(ccalloc_trace_observer observer, void *ctx);
 
 // Takes a snapshot of `device` (-1: every device): its segments with their blocks, and
 // the recorded history. Free it with `ccalloc_snapshot_free`.

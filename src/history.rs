@@ -35,6 +35,13 @@ pub enum Action {
 }
 
 impl Action {
+    fn is_segment_event(self) -> bool {
+        matches!(
+            self,
+            Action::SegmentAlloc | Action::SegmentFree | Action::SegmentMap | Action::SegmentUnmap
+        )
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Action::Alloc => "alloc",
@@ -87,6 +94,22 @@ struct Recorder {
 
 static RECORDING: AtomicBool = AtomicBool::new(false);
 static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
+
+/// Called with every segment event, recording or not (PyTorch's trace trackers: NCCL
+/// registers segments as they come and go). It runs under the device's lock: it must not
+/// call back into ccalloc.
+pub type SegmentObserver = Box<dyn Fn(&Entry) + Send + Sync>;
+static OBSERVED: AtomicBool = AtomicBool::new(false);
+static OBSERVERS: Mutex<Vec<SegmentObserver>> = Mutex::new(Vec::new());
+
+/// Adds an observer of segment events (they are never removed: PyTorch has no call for it).
+pub fn observe_segments(observer: SegmentObserver) {
+    OBSERVERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(observer);
+    OBSERVED.store(true, Ordering::Release);
+}
 
 thread_local! {
     static CONTEXT: Cell<u64> = const { Cell::new(0) };
@@ -166,8 +189,24 @@ fn push(r: &mut Recorder, action: Action, device: i32, addr: u64, size: u64, str
     });
 }
 
-/// Records an event that concerns no block (segments, OOMs, snapshots).
+/// Records an event that concerns no block (segments, OOMs, snapshots), and hands segment
+/// events to the observers.
 pub fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
+    if OBSERVED.load(Ordering::Relaxed) && action.is_segment_event() {
+        let entry = Entry {
+            seq: 0,
+            action,
+            device,
+            addr,
+            size,
+            stream,
+            time_us: now_us(),
+            context: 0,
+        };
+        for observer in OBSERVERS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            observer(&entry);
+        }
+    }
     if !is_recording() {
         return;
     }

@@ -358,6 +358,9 @@ ccalloc_stream_filter = _nullable_function_pointer(c_bool, c_void_p, c_void_p)
 # (NULL: nothing to release).
 ccalloc_release_fn = _nullable_function_pointer(None, c_void_p)
 
+# ``void (*)(void *ctx, const ccalloc_trace_entry *entry)``: sees each segment event.
+ccalloc_trace_observer = _nullable_function_pointer(None, c_void_p, POINTER(ccalloc_trace_entry))
+
 
 # --------------------------------------------------------------------------------------------
 # Function table: every function declared in ccalloc.h, (argtypes, restype)
@@ -415,6 +418,7 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     ),
     "ccalloc_snapshot_trace_entry": ([c_void_p, c_size_t, POINTER(ccalloc_trace_entry)], _status),
     "ccalloc_dump_snapshot": ([c_char_p], _status),
+    "ccalloc_add_segment_observer": ([ccalloc_trace_observer, c_void_p], _status),
     # PyTorch CUDAPluggableAllocator entry points (their addresses are handed to PyTorch).
     "ccalloc_torch_alloc": ([c_size_t, c_int, _stream], c_void_p),
     "ccalloc_torch_free": ([c_void_p, c_size_t, c_int, _stream], None),

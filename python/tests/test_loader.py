@@ -196,6 +196,7 @@ _C_TO_CTYPES = {
     "ccalloc_trace_entry*": ctypes.POINTER(_lib.ccalloc_trace_entry),
     "ccalloc_stream_filter": _lib.ccalloc_stream_filter,
     "ccalloc_release_fn": _lib.ccalloc_release_fn,
+    "ccalloc_trace_observer": _lib.ccalloc_trace_observer,
 }
 
 

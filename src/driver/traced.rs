@@ -27,10 +27,14 @@ fn traced<T>(
     size: u64,
 ) -> DriverResult<T> {
     if result.is_ok() {
-        tracing::debug!(device, addr, size, "{}", action.name());
-        history::record(action, device as i32, addr, size, 0);
+        announce(action, device, addr, size);
     }
     result
+}
+
+fn announce(action: Action, device: usize, addr: u64, size: u64) {
+    tracing::debug!(device, addr, size, "{}", action.name());
+    history::record(action, device as i32, addr, size, 0);
 }
 
 impl Driver for Traced {
@@ -51,8 +55,9 @@ impl Driver for Traced {
         }
     }
     fn release(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        let result = self.inner.release(device, ptr, size);
-        traced(result, Action::SegmentFree, device, ptr, size)
+        // Said before the memory goes: an observer (NCCL) deregisters it while it exists.
+        announce(Action::SegmentFree, device, ptr, size);
+        self.inner.release(device, ptr, size)
     }
     fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
         self.inner.record_event(device, stream)
@@ -101,7 +106,7 @@ impl Driver for Traced {
         self.inner.set_access(device, va, size)
     }
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
-        let result = self.inner.unmap(device, va, size);
-        traced(result, Action::SegmentUnmap, device, va, size)
+        announce(Action::SegmentUnmap, device, va, size);
+        self.inner.unmap(device, va, size)
     }
 }

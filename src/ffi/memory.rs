@@ -10,7 +10,7 @@ use crate::error::{Error, ErrorKind};
 use crate::history;
 use crate::runtime;
 use crate::snapshot::{self, Snapshot};
-use std::ffi::{c_char, CStr};
+use std::ffi::{c_char, c_void, CStr};
 
 /// One event of the allocation history, with PyTorch's meanings (`TraceEntry`).
 #[repr(C)]
@@ -143,6 +143,57 @@ pub extern "C" fn ccalloc_set_trace_context(context: u64) {
 #[no_mangle]
 pub extern "C" fn ccalloc_history_oldest_seq(out_seq: *mut u64) -> ccalloc_status {
     guard(|| write_out(out_seq, "out_seq", history::oldest_seq()))
+}
+
+/// Called with each segment event (`ccalloc_set_segment_observer`); `ctx` is the caller's.
+pub type ccalloc_trace_observer =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, entry: *const ccalloc_trace_entry)>;
+
+struct ForeignObserver {
+    call: unsafe extern "C" fn(*mut c_void, *const ccalloc_trace_entry),
+    ctx: *mut c_void,
+}
+
+// SAFETY: the API contract requires observers callable from any thread.
+unsafe impl Send for ForeignObserver {}
+unsafe impl Sync for ForeignObserver {}
+
+impl ForeignObserver {
+    fn notify(&self, e: &history::Entry) {
+        let entry = entry_of(e);
+        // SAFETY: a caller-supplied function with the documented signature.
+        unsafe { (self.call)(self.ctx, &entry) };
+    }
+}
+
+fn entry_of(e: &history::Entry) -> ccalloc_trace_entry {
+    ccalloc_trace_entry {
+        seq: e.seq,
+        action: e.action as u32,
+        device: e.device,
+        addr: e.addr,
+        size: e.size,
+        stream: e.stream as cudaStream_t,
+        time_us: e.time_us,
+        context: e.context,
+    }
+}
+
+/// Adds `observer`, called with every segment event (actions 3 to 6) whether or not the
+/// history is recorded: a segment's free or unmap comes before the memory goes, its
+/// allocation or map once it is usable. It runs under the device's lock and must not call
+/// ccalloc. Observers stay for the life of the process (PyTorch's trace trackers).
+#[no_mangle]
+pub extern "C" fn ccalloc_add_segment_observer(
+    observer: ccalloc_trace_observer,
+    ctx: *mut c_void,
+) -> ccalloc_status {
+    guard(|| {
+        let call = observer.ok_or_else(|| invalid("observer is NULL"))?;
+        let foreign = ForeignObserver { call, ctx };
+        history::observe_segments(Box::new(move |e| foreign.notify(e)));
+        Ok(())
+    })
 }
 
 /// Takes a snapshot of `device` (-1: every device): its segments with their blocks, and
@@ -287,17 +338,7 @@ pub unsafe extern "C" fn ccalloc_snapshot_trace_entry(
             .trace
             .get(index)
             .ok_or_else(|| out_of_range("trace entry", index, s.trace.len()))?;
-        let entry = ccalloc_trace_entry {
-            seq: e.seq,
-            action: e.action as u32,
-            device: e.device,
-            addr: e.addr,
-            size: e.size,
-            stream: e.stream as cudaStream_t,
-            time_us: e.time_us,
-            context: e.context,
-        };
-        write_out(out_entry, "out_entry", entry)
+        write_out(out_entry, "out_entry", entry_of(e))
     })
 }
 

@@ -523,7 +523,9 @@ def child_oom(torch, alloc, args):
             says = all(w in str(raised) for w in ("reserved", "live", "largest free block"))
             info.append(f"torch.OutOfMemoryError: {is_oom_error}; message names reserved, live and the "
                         f"largest free block: {says}; OOM observer calls: {observed}")
-            good = good and is_oom_error and says and len(observed) == 1 and observed[0][2] == total
+            limit = int(total * fraction)
+            good = (good and is_oom_error and says and len(observed) == 1 and observed[0][1] == size
+                    and abs(observed[0][2] - limit) <= 1)
         ok = ok and good
     else:
         ok = False

@@ -34,8 +34,6 @@ namespace cca = c10::cuda::CUDACachingAllocator;
 namespace cda = c10::CachingDeviceAllocator;
 using c10::MempoolId_t;
 
-constexpr int kMaxDevices = 64;
-
 std::string last_error() {
   const char* m = ccalloc_last_error();
   return m ? std::string(m) : std::string();
@@ -69,20 +67,22 @@ ccalloc_pool_id pool_of(MempoolId_t id) {
 class CcallocAllocator;
 CcallocAllocator* g_instance = nullptr;
 
-template <int D>
-void delete_on(void* ptr);
-
-template <size_t... I>
-constexpr std::array<c10::DeleterFnPtr, sizeof...(I)> make_deleters(std::index_sequence<I...>) {
-  return {&delete_on<static_cast<int>(I)>...};
-}
-
-// One deleter per device, so that a DataPtr's deleter names the device its block lives on
-// without a table lookup per free.
-const std::array<c10::DeleterFnPtr, kMaxDevices> kDeleters =
-    make_deleters(std::make_index_sequence<kMaxDevices>{});
-
+// Every DataPtr carries this one deleter, which raw_deleter() returns too: CUDA graph trees
+// recognise the allocator's storages by comparing the two.
 void raw_delete_fn(void* ptr);
+
+// What getCheckpointState saves of a private pool: its blocks, in address order per
+// segment, with whether each was handed out.
+struct PoolCheckpoint final : cca::AllocatorState {
+  c10::DeviceIndex device = 0;
+  MempoolId_t pool{0, 0};
+  struct Block {
+    uint64_t address;
+    uint64_t size;
+    bool allocated;
+  };
+  std::vector<Block> blocks;
+};
 
 class CcallocAllocator final : public cca::CUDAAllocator {
  public:
@@ -90,7 +90,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     c10::DeviceIndex device = c10::cuda::current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     void* ptr = size == 0 ? nullptr : malloc_or_throw(size, device, stream);
-    return {ptr, ptr, kDeleters.at(device), c10::Device(c10::DeviceType::CUDA, device)};
+    return {ptr, ptr, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
@@ -131,15 +131,8 @@ class CcallocAllocator final : public cca::CUDAAllocator {
         return;
       }
     }
-    TORCH_WARN("ccalloc: raw_delete(", ptr, "): ", last_error());
-  }
-
-  void free_block(void* ptr, int device) {
-    ccalloc_status status = free_on(ptr, device);
-    if (status != CCALLOC_OK) {
-      // A deleter cannot throw: PyTorch calls it from destructors.
-      TORCH_WARN("ccalloc: freeing ", ptr, " on device ", device, ": ", last_error());
-    }
+    // A deleter cannot throw: PyTorch calls it from destructors.
+    TORCH_WARN("ccalloc: freeing ", ptr, ": ", last_error());
   }
 
   void init(int device_count) override {
@@ -181,10 +174,28 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     return enabled_;
   }
 
+  // As the native allocator: the larger of the biggest cached block and what the device
+  // could still give (within the memory fraction). cuDNN sizes its benchmark workspace by it.
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
     uint64_t largest = 0;
     check(ccalloc_cache_info(device, &largest), "cache_info");
-    *largest_block = static_cast<size_t>(largest);
+    size_t device_free = 0, device_total = 0;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) {
+        (void)cudaGetLastError();
+        device_free = 0;
+      }
+    }
+    double fraction = 1.0;
+    ccalloc_stats stats{};
+    if (ccalloc_get_memory_fraction(device, &fraction) == CCALLOC_OK && fraction < 1.0 &&
+        ccalloc_get_stats(device, &stats) == CCALLOC_OK) {
+      double allowed = fraction * static_cast<double>(device_total);
+      double reserved = static_cast<double>(stats.reserved_bytes.all.current);
+      device_free = std::min(device_free, allowed > reserved ? static_cast<size_t>(allowed - reserved) : size_t{0});
+    }
+    *largest_block = std::max(static_cast<size_t>(largest), device_free);
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -197,8 +208,10 @@ class CcallocAllocator final : public cca::CUDAAllocator {
         "cannot export. Move the tensor to the CPU, or share it with NCCL.");
   }
 
+  using cca::CUDAAllocator::recordStream;
+
   void recordStream(const c10::DataPtr& data_ptr, c10::cuda::CUDAStream stream) override {
-    if (!data_ptr.get() || !is_ours(data_ptr.get_deleter())) {
+    if (!data_ptr.get() || data_ptr.get_deleter() != &raw_delete_fn) {
       return;
     }
     int device = data_ptr.device().index();
@@ -264,6 +277,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
       seg.is_large = s.is_large;
       seg.is_expandable = s.is_expandable;
       seg.owner_private_pool_id = {s.pool.first, s.pool.second};
+      seg.registration_counter = static_cast<int32_t>(i);
       for (size_t b = 0; b < s.block_count; ++b) {
         ccalloc_block_info blk{};
         check(ccalloc_snapshot_block(snap, i, b, &blk), "snapshot_block");
@@ -358,6 +372,16 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     check(ccalloc_create_or_incref_pool(device, pool_of(mempool_id)), "create_or_incref_pool");
   }
 
+  // MemPool(use_on_oom=True) asks that OOMs draw on the pool; ccalloc keeps a pool's memory
+  // for it alone, so only the default (off, which ~MemPool always sets) is accepted as is.
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, "ccalloc: MemPool(use_on_oom=True) is not supported");
+  }
+
+  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
+    TORCH_CHECK(false, "ccalloc: MemPool(no_split=True) is not supported");
+  }
+
   bool checkPoolLiveAllocations(
       c10::DeviceIndex device,
       MempoolId_t mempool_id,
@@ -425,6 +449,10 @@ class CcallocAllocator final : public cca::CUDAAllocator {
   void attachAllocatorTraceTracker(cda::AllocatorTraceTracker tracker) override {
     std::lock_guard<std::mutex> lock(observers_mutex_);
     trace_trackers_.push_back(std::move(tracker));
+    if (!observing_segments_) {
+      check(ccalloc_add_segment_observer(&CcallocAllocator::on_segment_event, this), "add_segment_observer");
+      observing_segments_ = true;
+    }
   }
 
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
@@ -452,33 +480,39 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
   }
 
-  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(
-        false,
-        "ccalloc: checkpointing a private pool's state (CUDA graph trees after a recording "
-        "diverges) is not supported; see ccalloc's docs/pytorch.md.");
+  // CUDA graph trees save a pool's state after every recording.
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device, MempoolId_t id) override {
+    auto state = std::make_shared<PoolCheckpoint>();
+    state->device = device;
+    state->pool = id;
+    cca::SnapshotInfo snap = snapshot(id, false);
+    for (const auto& seg : snap.segments) {
+      if (seg.device != device) {
+        continue;
+      }
+      uint64_t addr = seg.address;
+      for (const auto& b : seg.blocks) {
+        state->blocks.push_back({addr, b.size, b.allocated});
+        addr += b.size;
+      }
+    }
+    return state;
   }
 
+  // Restoring a saved state (graph trees, only when a tree diverges after a partial replay)
+  // would need blocks re-made at given addresses, which ccalloc does not offer.
   cca::CheckpointDelta setCheckpointPoolState(
       c10::DeviceIndex,
       std::shared_ptr<cca::AllocatorState>) override {
     TORCH_CHECK(
         false,
-        "ccalloc: restoring a private pool's state (CUDA graph trees after a recording "
-        "diverges) is not supported; see ccalloc's docs/pytorch.md.");
+        "ccalloc: restoring a private pool's state is not supported. CUDA graph trees ask for "
+        "it only when a recorded path diverges after a partial replay (a new branch or shape "
+        "mid-path); set torch._inductor.config.triton.cudagraph_trees = False for such models.");
   }
 
   std::string name() override {
     return "ccalloc";
-  }
-
-  static bool is_ours(c10::DeleterFnPtr deleter) {
-    for (auto d : kDeleters) {
-      if (d == deleter) {
-        return true;
-      }
-    }
-    return false;
   }
 
  private:
@@ -490,6 +524,28 @@ class CcallocAllocator final : public cca::CUDAAllocator {
       }
     }
     return device_count_;
+  }
+
+  // Segment events from ccalloc, under its device lock: handed to PyTorch's trace trackers
+  // (NCCL registers segments with them).
+  static void on_segment_event(void* ctx, const ccalloc_trace_entry* e) {
+    auto* self = static_cast<CcallocAllocator*>(ctx);
+    std::vector<cda::AllocatorTraceTracker> trackers;
+    {
+      std::lock_guard<std::mutex> lock(self->observers_mutex_);
+      trackers = self->trace_trackers_;
+    }
+    cda::TraceEntry entry(
+        action_of(e->action),
+        static_cast<c10::DeviceIndex>(e->device),
+        static_cast<size_t>(e->addr),
+        static_cast<size_t>(e->size),
+        e->stream,
+        MempoolId_t{0, 0},
+        0);
+    for (auto& tracker : trackers) {
+      tracker(entry);
+    }
   }
 
   static cda::TraceEntry::Action action_of(uint32_t action) {
@@ -557,7 +613,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     pending_context_.reset();
     std::string message = last_error();
     if (status == CCALLOC_OUT_OF_MEMORY) {
-      notify_oom(device);
+      notify_oom(device, size);
       TORCH_CHECK_WITH(OutOfMemoryError, false, message);
     }
     TORCH_CHECK(false, "ccalloc: allocating ", size, " bytes on device ", static_cast<int>(device),
@@ -578,7 +634,9 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     return status;
   }
 
-  void notify_oom(c10::DeviceIndex device) {
+  // As the native allocator calls them: (device, size asked, the memory limit (the
+  // fraction's, else the device's), device free bytes).
+  void notify_oom(c10::DeviceIndex device, size_t size) {
     std::vector<cca::OutOfMemoryObserver> observers;
     {
       std::lock_guard<std::mutex> lock(observers_mutex_);
@@ -594,13 +652,13 @@ class CcallocAllocator final : public cca::CUDAAllocator {
         (void)cudaGetLastError();
       }
     }
-    ccalloc_stats s{};
-    size_t allocated = 0;
-    if (ccalloc_get_stats(device, &s) == CCALLOC_OK) {
-      allocated = static_cast<size_t>(s.allocated_bytes.all.current);
+    double fraction = 1.0;
+    size_t limit = device_total;
+    if (ccalloc_get_memory_fraction(device, &fraction) == CCALLOC_OK && fraction < 1.0) {
+      limit = static_cast<size_t>(fraction * static_cast<double>(device_total));
     }
     for (auto& observer : observers) {
-      observer(device, allocated, device_total, device_free);
+      observer(device, size, limit, device_free);
     }
   }
 
@@ -611,6 +669,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   std::vector<cda::AllocatorTraceTracker> trace_trackers_;
+  bool observing_segments_ = false;
 
   std::mutex history_mutex_;
   cda::CreateContextFn context_recorder_ = nullptr;
@@ -624,13 +683,6 @@ class CcallocAllocator final : public cca::CUDAAllocator {
 };
 
 thread_local std::shared_ptr<c10::GatheredContext> CcallocAllocator::pending_context_;
-
-template <int D>
-void delete_on(void* ptr) {
-  if (ptr != nullptr && g_instance != nullptr) {
-    g_instance->free_block(ptr, D);
-  }
-}
 
 void raw_delete_fn(void* ptr) {
   if (g_instance != nullptr) {
