@@ -2,6 +2,7 @@
 //! (allocate at `alloc`, free at `free_completed`, same streams) and measures what it reserved.
 
 mod pickle_depth;
+mod snapshot;
 pub mod plot;
 pub mod trace;
 
