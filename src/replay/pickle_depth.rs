@@ -112,9 +112,9 @@ impl Graph {
                     .unwrap_or(0);
                 depth[node] = below + 2;
                 deepest = deepest.max(below as usize + 1);
-                elements[node] = self.children[node]
-                    .iter()
-                    .fold(self.own[node], |sum, &c| sum.saturating_add(elements[c as usize]));
+                elements[node] = self.children[node].iter().fold(self.own[node], |sum, &c| {
+                    sum.saturating_add(elements[c as usize])
+                });
                 path.pop();
             }
         }

@@ -215,10 +215,7 @@ fn load_csv(path: &Path, name: String, mut input: impl BufRead, limits: &Limits)
             None => break,
             Some(true) => {}
             Some(false) => {
-                return Err(bad(
-                    path,
-                    format!("line {number}: longer than {max} bytes"),
-                ));
+                return Err(bad(path, format!("line {number}: longer than {max} bytes")));
             }
         }
         let Ok(line) = std::str::from_utf8(&raw) else {
