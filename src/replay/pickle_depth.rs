@@ -405,4 +405,41 @@ mod tests {
         assert!(pickle_depth(b"\x80\x02]\x8c\x05ab").is_err(), "truncated");
         assert!(pickle_depth(b"\x80\x02a.").is_err(), "underflow");
     }
+
+    #[test]
+    fn elements_count_memo_references_in_full() {
+        // [[1, 2, 3] as memo 0, memo 0, memo 0]: the outer list, three times (list + 3).
+        let raw = b"\x80\x02](](K\x01K\x02K\x03eq\x00h\x00h\x00e.";
+        assert_eq!(scan(raw).map(|s| s.elements), Ok(1 + 3 * 4));
+        // A string weighs one element per 64 bytes it carries, at each reference.
+        let mut raw = b"\x80\x02](X\x00\x02\x00\x00".to_vec();
+        raw.extend([b'a'; 512]);
+        raw.extend(b"q\x00h\x00e.");
+        assert_eq!(scan(&raw).map(|s| s.elements), Ok(1 + 2 * 9));
+    }
+
+    #[test]
+    fn open_marks_and_long_numbers_are_bounded() {
+        let mut marks = b"\x80\x02".to_vec();
+        marks.extend([b'('; MAX_OPEN_MARKS + 1]);
+        assert!(scan(&marks).unwrap_err().contains("marks open"));
+        // Marks closed as they go do not add up.
+        let mut closed = b"\x80\x02".to_vec();
+        for _ in 0..2 * MAX_OPEN_MARKS {
+            closed.extend(b"(l0");
+        }
+        closed.extend(b"N.");
+        assert!(scan(&closed).is_ok());
+        let long = |digits: usize| {
+            let mut raw = b"\x80\x02L".to_vec();
+            raw.extend(std::iter::repeat_n(b'7', digits));
+            raw.extend(b"L\n.");
+            scan(&raw)
+        };
+        assert!(long(MAX_NUMBER_LEN).is_ok());
+        assert!(long(MAX_NUMBER_LEN + 1).unwrap_err().contains("digits"));
+        assert!(scan(b"\x80\x02\x8a\x41")
+            .unwrap_err()
+            .contains("65 digits or bytes"));
+    }
 }

@@ -105,9 +105,9 @@ fn panel(out: &mut String, r: &ReplayReport, top: f64) {
     );
 }
 
-/// A round step (1, 2 or 5 times a power of ten) that puts four to ten ticks on 0..=max.
+/// A round step (1, 2 or 5 times a power of ten) that puts four to nine ticks on 0..=max.
 fn tick_step(max: f64) -> f64 {
-    let rough = (max / 5.0).max(1.0);
+    let rough = (max / 8.0).max(1.0);
     let power = 10f64.powf(rough.log10().floor());
     [1.0, 2.0, 5.0, 10.0]
         .into_iter()
