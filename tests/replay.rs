@@ -98,3 +98,77 @@ fn bad_inputs_are_reported_not_panicked() {
     }
     assert!(trace::load(&dir.join("missing.csv")).is_err());
 }
+
+fn sample() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("samples/mlp_sidestream.trace.csv.gz")
+}
+
+/// A replay that runs out of --capacity exits non-zero (3), after printing its report.
+#[test]
+fn running_out_of_capacity_exits_non_zero_with_the_report() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"))
+        .args(["replay", "--capacity", "1GiB"])
+        .arg(sample())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{stdout}");
+    assert!(stdout.contains("mlp_sidestream"), "{stdout}");
+    assert!(stdout.contains("OUT OF MEMORY at event"), "{stdout}");
+}
+
+/// The table fits in 100 columns and keeps the figures that matter.
+#[test]
+fn the_table_fits_100_columns() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"))
+        .args(["replay", "--conf", "expandable_segments:False"])
+        .arg(sample())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    for line in stdout.lines() {
+        assert!(line.chars().count() <= 100, "{} wide: {line}", line.len());
+    }
+    let head: Vec<&str> = stdout.lines().next().unwrap().split_whitespace().collect();
+    for column in [
+        "events",
+        "live",
+        "rsv",
+        "ratio",
+        "PyTorch",
+        "maps/unmaps",
+        "ms*",
+    ] {
+        assert!(head.contains(&column), "{column} missing from {head:?}");
+    }
+    let row: Vec<&str> = stdout.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(row[..2], ["mlp_sidestream", "9425"]);
+    assert!(
+        stdout.contains("segments allocated/freed: 50/0"),
+        "{stdout}"
+    );
+}
+
+/// The timeline's x axis has ticks labelled with event indices; its y axis stays labelled.
+#[test]
+fn the_timeline_has_labelled_axes() {
+    let traces = trace::load(&sample()).unwrap();
+    let r = replay(&traces[0], &ReplayOptions::default(), |_, _| {}).unwrap();
+    let svg = ccalloc::replay::plot::svg(&[r]);
+    let ticks: Vec<&str> = svg
+        .split(r#"<g class="xtick">"#)
+        .skip(1)
+        .map(|t| {
+            let label = &t[t.find("middle\">").unwrap() + 8..];
+            &label[..label.find('<').unwrap()]
+        })
+        .collect();
+    // The trace's 14190 events (the timeline indexes every event read): ticks every 2000.
+    assert_eq!(
+        ticks,
+        ["0", "2000", "4000", "6000", "8000", "10000", "12000", "14000"]
+    );
+    assert!(svg.contains("trace event (index)"));
+    assert_eq!(svg.matches(" GiB</text>").count(), 5, "y-axis labels");
+}

@@ -22,7 +22,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Replay allocator traces (shared/traces CSV, gzip'd or not, or PyTorch snapshot pickles
-    /// from torch.cuda.memory._dump_snapshot()) on the simulated device.
+    /// from torch.cuda.memory._dump_snapshot()) on the simulated device. Exit status: 0, 1 on
+    /// an error, 2 on a bad option, 3 when a trace ran out of --capacity (the report is
+    /// printed).
     Replay {
         /// Trace files.
         #[arg(required = true)]
@@ -91,13 +93,16 @@ fn main() -> ExitCode {
                     }
                 }
             }
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&reports).expect("reports serialize")
-                );
+            let printed = if json {
+                serde_json::to_string_pretty(&reports)
+                    .map_err(std::io::Error::other)
+                    .and_then(|text| writeln!(std::io::stdout().lock(), "{text}"))
             } else {
-                print_table(&reports);
+                print_table(&mut std::io::stdout().lock(), &reports)
+            };
+            if let Err(e) = printed.and_then(|()| std::io::stdout().lock().flush()) {
+                eprintln!("error: writing the report: {e}");
+                return ExitCode::from(1);
             }
             if let Some(path) = plot_path {
                 if let Err(e) = std::fs::write(&path, plot::svg(&reports)) {
@@ -105,6 +110,9 @@ fn main() -> ExitCode {
                     return ExitCode::from(1);
                 }
                 eprintln!("timeline written to {}", path.display());
+            }
+            if reports.iter().any(|r| r.oom.is_some()) {
+                return ExitCode::from(3);
             }
             ExitCode::SUCCESS
         }
@@ -124,22 +132,22 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
     }
 }
 
-fn print_table(reports: &[ReplayReport]) {
-    println!(
-        "{:<24} {:>8} {:>11} {:>13} {:>6} {:>13} {:>6} {:>9} {:>13} {:>10} {:>11} {:>9}  OOM",
+/// The table, at most 100 columns wide (for trace names up to 20 characters); `--json` has
+/// every figure.
+fn print_table(out: &mut impl Write, reports: &[ReplayReport]) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "{:<20} {:>7} {:>10} {:>10} {:>6} {:>10} {:>6} {:>11} {:>7}",
         "trace",
         "events",
         "peak live",
-        "peak reserved",
+        "peak rsv",
         "ratio",
-        "PyTorch rsv",
+        "PyTorch",
         "ratio",
-        "segs+/-",
         "maps/unmaps",
-        "driver ms*",
-        "syncs/waits",
-        "ns/event",
-    );
+        "drv ms*",
+    )?;
     for r in reports {
         let torch = r
             .pytorch_peak_reserved_bytes
@@ -149,17 +157,9 @@ fn print_table(reports: &[ReplayReport]) {
             .pytorch_ratio
             .map(|x| format!("{x:.3}"))
             .unwrap_or_else(|| "-".into());
-        let oom = match &r.oom {
-            Some(o) => format!(
-                "at event {} ({} live, asked {})",
-                o.event,
-                human_bytes(o.live_bytes),
-                human_bytes(o.requested_bytes)
-            ),
-            None => "no".into(),
-        };
-        println!(
-            "{:<24} {:>8} {:>11} {:>13} {:>6.3} {:>13} {:>6} {:>9} {:>13} {:>10.1} {:>11} {:>9.0}  {}",
+        writeln!(
+            out,
+            "{:<20} {:>7} {:>10} {:>10} {:>6.3} {:>10} {:>6} {:>11} {:>7.1}",
             r.trace,
             r.events,
             human_bytes(r.peak_live_bytes),
@@ -167,13 +167,25 @@ fn print_table(reports: &[ReplayReport]) {
             r.ratio,
             torch,
             torch_ratio,
-            format!("{}/{}", r.device_allocs, r.device_frees),
             format!("{}/{}", r.maps, r.unmaps),
             r.est_driver_ms,
-            format!("{}/{}", r.device_syncs, r.event_waits),
-            r.ns_per_event,
-            oom
-        );
+        )?;
+        if r.device_allocs + r.device_frees > 0 {
+            writeln!(
+                out,
+                "  segments allocated/freed: {}/{}",
+                r.device_allocs, r.device_frees
+            )?;
+        }
+        if let Some(o) = &r.oom {
+            writeln!(
+                out,
+                "  OUT OF MEMORY at event {} ({} live, asked {})",
+                o.event,
+                human_bytes(o.live_bytes),
+                human_bytes(o.requested_bytes)
+            )?;
+        }
     }
-    println!("* {}", replay::driver_ms_note());
+    writeln!(out, "* {}", replay::driver_ms_note())
 }

@@ -3,6 +3,7 @@
 
 mod pickle_depth;
 pub mod plot;
+mod snapshot;
 pub mod trace;
 
 use crate::alloc::DeviceAllocator;
@@ -105,12 +106,13 @@ const UNMAP_US: f64 = 25.0;
 const CREATE_OR_RELEASE_US: f64 = 23.0;
 const SEGMENT_ALLOC_OR_FREE_US: f64 = 32.0;
 
-/// The footnote for `ReplayReport::est_driver_ms`, with the costs it uses.
+/// The footnote for `ReplayReport::est_driver_ms`, with the costs it uses, in lines of at
+/// most 100 characters.
 pub fn driver_ms_note() -> String {
     format!(
-        "driver ms: what these calls would cost the host on an H100 (per call: map and access \
-         grant {MAP_AND_GRANT_US} µs, unmap {UNMAP_US}, create {CREATE_OR_RELEASE_US}, release \
-         {CREATE_OR_RELEASE_US}, cudaMalloc/cudaFree {SEGMENT_ALLOC_OR_FREE_US}); waits excluded"
+        "driver ms: what these calls would cost the host on an H100 (waits excluded); per call:\n  \
+         map and access grant {MAP_AND_GRANT_US} µs, unmap {UNMAP_US}, create {CREATE_OR_RELEASE_US}, \
+         release {CREATE_OR_RELEASE_US}, cudaMalloc/cudaFree {SEGMENT_ALLOC_OR_FREE_US}"
     )
 }
 

@@ -1,30 +1,67 @@
-//! How deeply a pickle nests its containers, found without building it. The pickle decoder
+//! What decoding a pickle would cost, found without decoding it. The pickle decoder
 //! (serde-pickle) builds and drops values recursively, so a small hostile file of nested
-//! lists (`]]]]…aaaa.`, two bytes a level) overflows the stack and aborts the process. A
-//! PyTorch memory snapshot nests a handful of levels; this runs the pickle's opcodes over
-//! container ids instead of values, records which container holds which, and measures the
-//! longest chain, so that the replay can refuse a file before decoding it.
+//! lists (`]]]]…aaaa.`, two bytes a level) overflows the stack and aborts the process; it
+//! copies a memoized value at every reference to it, so a file that references one large
+//! list many times (or a list that holds the previous one twice, n times over) decodes to
+//! far more elements than it has bytes; it parses decimal integers in quadratic time; and
+//! it gives every open MARK a stack of its own (128 slots). A PyTorch memory snapshot nests
+//! a handful of levels, writes short integers and references small frame records; this
+//! runs the pickle's opcodes over container ids instead of values, records which container
+//! holds which, and measures the longest chain and the elements the decoded value expands
+//! to, so that the replay can refuse a file before decoding it.
 
 use std::collections::HashMap;
 
-/// What a pickle stack slot holds, for depth: a mark, a scalar, or container `id`.
+/// Longest integer argument read, in digits (INT, LONG) or bytes (LONG1, LONG4); also the
+/// longest FLOAT. The decoder parses a LONG's digits in quadratic time; a snapshot's
+/// integers (addresses, sizes, times) have at most 20 digits.
+pub const MAX_NUMBER_LEN: usize = 64;
+
+/// Most MARKs open at once: the decoder gives each a stack of 128 slots. A pickler opens
+/// one per container being written, so this is far deeper than a snapshot nests.
+pub const MAX_OPEN_MARKS: usize = 1024;
+
+/// What a pickle stack slot holds: a mark, a scalar (with what it weighs: see
+/// `scalar_weight`), or container `id`.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
     Mark,
-    Scalar,
+    Scalar(u32),
     Node(u32),
 }
 
-/// Containers and what each holds (ids); the nesting depth is the longest chain.
+/// A scalar counts one element, plus one per 64 bytes of text it carries (each reference
+/// to a memoized string copies it).
+fn scalar_weight(bytes: u64) -> Slot {
+    Slot::Scalar(u32::try_from(1 + bytes / 64).unwrap_or(u32::MAX))
+}
+
+const SCALAR: Slot = Slot::Scalar(1);
+
+/// Containers, what each holds (ids), and the weight of the scalars each holds; the
+/// nesting depth is the longest chain, a container's elements are its own (itself and its
+/// scalars) plus those of every container it holds, once per reference.
 #[derive(Default)]
 struct Graph {
     children: Vec<Vec<u32>>,
+    own: Vec<u64>,
+}
+
+/// The shape of a decoded pickle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// The deepest nesting of containers (lists, dicts, tuples, sets, objects).
+    pub depth: usize,
+    /// The elements (containers and scalars, memo references counted in full) of the value
+    /// the pickle decodes to, saturating.
+    pub elements: u64,
 }
 
 impl Graph {
     fn node(&mut self, holds: impl IntoIterator<Item = Slot>) -> Slot {
         let id = self.children.len() as u32;
         self.children.push(Vec::new());
+        self.own.push(1);
         self.hold(Slot::Node(id), holds);
         Slot::Node(id)
     }
@@ -32,18 +69,24 @@ impl Graph {
     fn hold(&mut self, parent: Slot, items: impl IntoIterator<Item = Slot>) {
         let Slot::Node(p) = parent else { return };
         for item in items {
-            if let Slot::Node(c) = item {
-                self.children[p as usize].push(c);
+            match item {
+                Slot::Node(c) => self.children[p as usize].push(c),
+                Slot::Scalar(w) => {
+                    let own = &mut self.own[p as usize];
+                    *own = own.saturating_add(w as u64);
+                }
+                Slot::Mark => {}
             }
         }
     }
 
-    /// The longest chain of containers, iteratively (a cycle, which the decoder replaces by
-    /// None, ends a chain).
-    fn depth(&self) -> usize {
+    /// The longest chain of containers and each container's elements, iteratively (a cycle,
+    /// which the decoder replaces by None, ends a chain and counts one element).
+    fn measure(&self) -> (usize, Vec<u64>) {
         const NEW: u32 = 0;
         const OPEN: u32 = 1;
         let mut depth = vec![NEW; self.children.len()];
+        let mut elements = vec![1u64; self.children.len()];
         let mut deepest = 0;
         for root in 0..self.children.len() {
             if depth[root] != NEW {
@@ -69,10 +112,13 @@ impl Graph {
                     .unwrap_or(0);
                 depth[node] = below + 2;
                 deepest = deepest.max(below as usize + 1);
+                elements[node] = self.children[node].iter().fold(self.own[node], |sum, &c| {
+                    sum.saturating_add(elements[c as usize])
+                });
                 path.pop();
             }
         }
-        deepest
+        (deepest, elements)
     }
 }
 
@@ -114,9 +160,10 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The deepest nesting of containers (lists, dicts, tuples, sets, objects) in the pickle, or
-/// why it cannot be read (the decoder would refuse it too).
-pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
+/// The shape of the value the pickle decodes to, or why it is not read (the decoder would
+/// refuse it too, or it holds a number longer than `MAX_NUMBER_LEN` or more than
+/// `MAX_OPEN_MARKS` marks open at once).
+pub fn scan(raw: &[u8]) -> Result<Shape, String> {
     let mut r = Reader { raw, at: 0 };
     let mut graph = Graph::default();
     let mut stack: Vec<Slot> = Vec::new();
@@ -126,27 +173,51 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
         Some(Slot::Mark) | None => Err(malformed()),
         Some(slot) => Ok(slot),
     };
-    fn to_mark(stack: &mut Vec<Slot>) -> Result<Vec<Slot>, String> {
+    // The decoder keeps the items above a mark on a stack of their own: a mark is never the
+    // top item it reads.
+    let top = |stack: &[Slot]| match stack.last() {
+        Some(Slot::Mark) | None => Err(malformed()),
+        Some(&slot) => Ok(slot),
+    };
+    let mut open_marks = 0usize;
+    let to_mark = |stack: &mut Vec<Slot>, open_marks: &mut usize| {
         let mark = stack
             .iter()
             .rposition(|s| *s == Slot::Mark)
             .ok_or("malformed pickle (no mark)")?;
         let items = stack.split_off(mark + 1);
         stack.pop();
-        Ok(items)
-    }
+        *open_marks = open_marks.saturating_sub(1);
+        Ok::<_, String>(items)
+    };
     loop {
         let op = r.take(1)?[0];
         match op {
             b'.' => break, // STOP
-            b'(' => stack.push(Slot::Mark),
+            b'(' => {
+                open_marks += 1;
+                if open_marks > MAX_OPEN_MARKS {
+                    return Err(format!(
+                        "more than {MAX_OPEN_MARKS} marks open at once (a snapshot opens a few)"
+                    ));
+                }
+                stack.push(Slot::Mark);
+            }
             // Arguments only: protocol, frame.
             0x80 => drop(r.take(1)?),
             0x95 => drop(r.take(8)?),
-            // Scalars with a newline-terminated argument: INT, LONG, FLOAT, STRING, UNICODE.
-            b'I' | b'L' | b'F' | b'S' | b'V' => {
-                r.line()?;
-                stack.push(Slot::Scalar);
+            // Numbers with a newline-terminated argument: INT, LONG, FLOAT.
+            b'I' | b'L' | b'F' => {
+                let text = r.line()?;
+                if text.len() > MAX_NUMBER_LEN + 1 {
+                    return Err(too_long(text.len()));
+                }
+                stack.push(SCALAR);
+            }
+            // Text with a newline-terminated argument: STRING, UNICODE.
+            b'S' | b'V' => {
+                let text = r.line()?;
+                stack.push(scalar_weight(text.len() as u64));
             }
             // Fixed-size scalars: BININT, BININT1, BININT2, BINFLOAT; None, True, False.
             b'J' | b'K' | b'M' | b'G' => {
@@ -156,9 +227,9 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
                     b'M' => 2,
                     _ => 8,
                 })?;
-                stack.push(Slot::Scalar);
+                stack.push(SCALAR);
             }
-            b'N' | 0x88 | 0x89 => stack.push(Slot::Scalar),
+            b'N' | 0x88 | 0x89 => stack.push(SCALAR),
             // Counted scalars: LONG1, SHORT_BINSTRING, SHORT_BINBYTES, SHORT_BINUNICODE (1-byte
             // length); LONG4, BINSTRING, BINUNICODE, BINBYTES (4); BINUNICODE8, BINBYTES8,
             // BYTEARRAY8 (8).
@@ -169,8 +240,11 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
                     _ => 8,
                 };
                 let len = r.count(width)?;
+                if matches!(op, 0x8a | 0x8b) && len > MAX_NUMBER_LEN as u64 {
+                    return Err(too_long(len as usize));
+                }
                 r.take(usize::try_from(len).map_err(|_| "truncated pickle")?)?;
-                stack.push(Slot::Scalar);
+                stack.push(scalar_weight(len));
             }
             // Empty containers: list, dict, tuple, set.
             b']' | b'}' | b')' | 0x8f => {
@@ -184,7 +258,7 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
                     r.line()?;
                     r.line()?;
                 }
-                let items = to_mark(&mut stack)?;
+                let items = to_mark(&mut stack, &mut open_marks)?;
                 let node = graph.node(items);
                 stack.push(node);
             }
@@ -212,7 +286,7 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
                 let parent = *stack.last().ok_or_else(malformed)?;
                 let parent = match parent {
                     // BUILD on an unresolved global (a scalar here) makes an object.
-                    Slot::Scalar => {
+                    Slot::Scalar(_) => {
                         let node = graph.node([]);
                         *stack.last_mut().expect("checked") = node;
                         node
@@ -224,27 +298,24 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
             }
             // Into the container below the mark: APPENDS, SETITEMS, ADDITEMS.
             b'e' | b'u' | 0x90 => {
-                let items = to_mark(&mut stack)?;
-                let parent = *stack.last().ok_or_else(malformed)?;
+                let items = to_mark(&mut stack, &mut open_marks)?;
+                let parent = top(&stack)?;
                 graph.hold(parent, items);
             }
             // GLOBAL (two newline-terminated names), STACK_GLOBAL (two names on the stack).
             b'c' => {
                 r.line()?;
                 r.line()?;
-                stack.push(Slot::Scalar);
+                stack.push(SCALAR);
             }
             0x93 => {
                 pop(&mut stack)?;
                 pop(&mut stack)?;
-                stack.push(Slot::Scalar);
+                stack.push(SCALAR);
             }
             b'0' => drop(pop(&mut stack)?),
-            b'1' => drop(to_mark(&mut stack)?),
-            b'2' => {
-                let top = *stack.last().ok_or_else(malformed)?;
-                stack.push(top);
-            }
+            b'1' => drop(to_mark(&mut stack, &mut open_marks)?),
+            b'2' => stack.push(top(&stack)?),
             // Memo: PUT (decimal line), BINPUT (1 byte), LONG_BINPUT (4), MEMOIZE.
             b'p' | b'q' | b'r' | 0x94 => {
                 let index = match op {
@@ -253,8 +324,7 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
                     b'r' => r.count(4)?,
                     _ => memo.len() as u64,
                 };
-                let top = *stack.last().ok_or_else(malformed)?;
-                memo.insert(index, top);
+                memo.insert(index, top(&stack)?);
             }
             // GET (decimal line), BINGET (1 byte), LONG_BINGET (4).
             b'g' | b'h' | b'j' => {
@@ -263,17 +333,31 @@ pub fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
                     b'h' => r.count(1)?,
                     _ => r.count(4)?,
                 };
-                stack.push(memo.get(&index).copied().unwrap_or(Slot::Scalar));
+                stack.push(memo.get(&index).copied().unwrap_or(SCALAR));
             }
             other => return Err(format!("pickle opcode {other:#04x} is not supported")),
         }
     }
-    Ok(graph.depth())
+    let (depth, elements) = graph.measure();
+    let elements = match stack.last() {
+        Some(Slot::Node(id)) => elements[*id as usize],
+        Some(Slot::Scalar(w)) => *w as u64,
+        _ => 0,
+    };
+    Ok(Shape { depth, elements })
+}
+
+fn too_long(len: usize) -> String {
+    format!("a number {len} digits or bytes long (at most {MAX_NUMBER_LEN} are read)")
 }
 
 #[cfg(test)]
 mod tests {
-    use super::pickle_depth;
+    use super::*;
+
+    fn pickle_depth(raw: &[u8]) -> Result<usize, String> {
+        scan(raw).map(|s| s.depth)
+    }
 
     #[test]
     fn nested_lists_count_their_levels() {
@@ -320,5 +404,42 @@ mod tests {
         assert_eq!(pickle_depth(raw), Ok(2));
         assert!(pickle_depth(b"\x80\x02]\x8c\x05ab").is_err(), "truncated");
         assert!(pickle_depth(b"\x80\x02a.").is_err(), "underflow");
+    }
+
+    #[test]
+    fn elements_count_memo_references_in_full() {
+        // [[1, 2, 3] as memo 0, memo 0, memo 0]: the outer list, three times (list + 3).
+        let raw = b"\x80\x02](](K\x01K\x02K\x03eq\x00h\x00h\x00e.";
+        assert_eq!(scan(raw).map(|s| s.elements), Ok(1 + 3 * 4));
+        // A string weighs one element per 64 bytes it carries, at each reference.
+        let mut raw = b"\x80\x02](X\x00\x02\x00\x00".to_vec();
+        raw.extend([b'a'; 512]);
+        raw.extend(b"q\x00h\x00e.");
+        assert_eq!(scan(&raw).map(|s| s.elements), Ok(1 + 2 * 9));
+    }
+
+    #[test]
+    fn open_marks_and_long_numbers_are_bounded() {
+        let mut marks = b"\x80\x02".to_vec();
+        marks.extend([b'('; MAX_OPEN_MARKS + 1]);
+        assert!(scan(&marks).unwrap_err().contains("marks open"));
+        // Marks closed as they go do not add up.
+        let mut closed = b"\x80\x02".to_vec();
+        for _ in 0..2 * MAX_OPEN_MARKS {
+            closed.extend(b"(l0");
+        }
+        closed.extend(b"N.");
+        assert!(scan(&closed).is_ok());
+        let long = |digits: usize| {
+            let mut raw = b"\x80\x02L".to_vec();
+            raw.extend(std::iter::repeat_n(b'7', digits));
+            raw.extend(b"L\n.");
+            scan(&raw)
+        };
+        assert!(long(MAX_NUMBER_LEN).is_ok());
+        assert!(long(MAX_NUMBER_LEN + 1).unwrap_err().contains("digits"));
+        assert!(scan(b"\x80\x02\x8a\x41")
+            .unwrap_err()
+            .contains("65 digits or bytes"));
     }
 }

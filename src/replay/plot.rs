@@ -7,6 +7,8 @@ const WIDTH: f64 = 900.0;
 const PANEL: f64 = 260.0;
 const MARGIN_LEFT: f64 = 80.0;
 const MARGIN_TOP: f64 = 40.0;
+/// Below each panel: the x ticks' labels and the axis title.
+const PANEL_BOTTOM: f64 = 46.0;
 
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
@@ -14,7 +16,7 @@ fn gib(bytes: u64) -> f64 {
 
 /// Renders every report's timeline, stacked.
 pub fn svg(reports: &[ReplayReport]) -> String {
-    let height = reports.len() as f64 * (PANEL + MARGIN_TOP + 30.0) + 20.0;
+    let height = reports.len() as f64 * (PANEL + MARGIN_TOP + PANEL_BOTTOM) + 20.0;
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -22,7 +24,7 @@ pub fn svg(reports: &[ReplayReport]) -> String {
     );
     let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
     for (i, r) in reports.iter().enumerate() {
-        let top = 20.0 + i as f64 * (PANEL + MARGIN_TOP + 30.0);
+        let top = 20.0 + i as f64 * (PANEL + MARGIN_TOP + PANEL_BOTTOM);
         panel(&mut out, r, top);
     }
     out.push_str("</svg>\n");
@@ -82,12 +84,36 @@ fn panel(out: &mut String, r: &ReplayReport, top: f64) {
             y0 + 16.0
         );
     }
+    let bottom = y0 + PANEL;
+    let step = tick_step(max_x);
+    let mut tick = 0.0;
+    while tick <= max_x {
+        let x = x0 + plot_w * tick / max_x;
+        let _ = writeln!(
+            out,
+            r##"<g class="xtick"><line x1="{x:.1}" x2="{x:.1}" y1="{bottom}" y2="{}" stroke="#999"/><text x="{x:.1}" y="{}" text-anchor="middle">{tick}</text></g>"##,
+            bottom + 5.0,
+            bottom + 18.0
+        );
+        tick += step;
+    }
     let _ = writeln!(
         out,
-        r#"<text x="{}" y="{}" text-anchor="middle">trace event</text>"#,
+        r#"<text x="{}" y="{}" text-anchor="middle">trace event (index)</text>"#,
         x0 + plot_w / 2.0,
-        y0 + PANEL + 18.0
+        bottom + 34.0
     );
+}
+
+/// A round step (1, 2 or 5 times a power of ten) that puts four to nine ticks on 0..=max.
+fn tick_step(max: f64) -> f64 {
+    let rough = (max / 8.0).max(1.0);
+    let power = 10f64.powf(rough.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * power)
+        .find(|&step| step >= rough)
+        .unwrap_or(10.0 * power)
 }
 
 fn escape(text: &str) -> String {

@@ -2,7 +2,6 @@
 //! gzip'd) and PyTorch's own snapshot pickles (`torch.cuda.memory._dump_snapshot()`).
 
 use crate::error::{Error, ErrorKind, Result};
-use serde_pickle::value::{HashableValue, Value};
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
@@ -52,26 +51,110 @@ fn action_of(name: &str) -> Option<Action> {
 /// PyTorch's trace actions that allocate and free nothing.
 const NON_ALLOCATION_ACTIONS: [&str; 2] = ["snapshot", "oom"];
 
+/// Bounds on what a trace file can make the loader hold or do: every file is read as if it
+/// were hostile. A CSV trace is read a line at a time (memory grows with its events, not its
+/// bytes); a pickle is read whole, then measured before it is decoded.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Longest CSV line; a real one is under 100 bytes.
+    pub max_line_bytes: usize,
+    /// Largest pickle read (after gzip).
+    pub max_pickle_bytes: u64,
+    /// Elements a pickle may decode to (memo references counted in full): this many per
+    /// byte of pickle, plus `pickle_elements_floor`. A snapshot's frame references decode
+    /// to a few elements per byte.
+    pub pickle_elements_per_byte: u64,
+    pub pickle_elements_floor: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_line_bytes: 4096,
+            max_pickle_bytes: 1 << 30,
+            pickle_elements_per_byte: 16,
+            pickle_elements_floor: 1 << 22,
+        }
+    }
+}
+
+/// Input echoed in an error message: its first 80 characters, quoted.
+fn clip(text: &str) -> String {
+    const MAX: usize = 80;
+    match text.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{:?}…", &text[..end]),
+        None => format!("{text:?}"),
+    }
+}
+
+/// A message that may quote the input, cut to a readable length.
+fn clip_message(message: &str) -> String {
+    const MAX: usize = 160;
+    match message.char_indices().nth(MAX) {
+        Some((end, _)) => format!("{}…", &message[..end]),
+        None => message.to_string(),
+    }
+}
+
 /// Reads one file: a CSV trace (plain or .gz) or a PyTorch snapshot pickle (one trace per
 /// device that has events).
 pub fn load(path: &Path) -> Result<Vec<Trace>> {
-    let mut raw = Vec::new();
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_to_end(&mut raw))
-        .map_err(|e| bad(path, e))?;
-    if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut plain = Vec::new();
+    let file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
+    load_from(path, file, &Limits::default())
+}
+
+/// Reads a trace from `input` (named `path` in messages and the trace's name), within
+/// `limits`. What it is (gzip, pickle, CSV) is decided by its first bytes.
+pub fn load_from(path: &Path, input: impl Read, limits: &Limits) -> Result<Vec<Trace>> {
+    let (head, input) = peek(input).map_err(|e| bad(path, e))?;
+    if head.starts_with(&[0x1f, 0x8b]) {
         // Every member: `cat a.gz b.gz`, pigz and bgzip write several.
-        flate2::read::MultiGzDecoder::new(&raw[..])
-            .read_to_end(&mut plain)
-            .map_err(|e| bad(path, format!("gzip: {e}")))?;
-        raw = plain;
+        let plain = Gunzip(flate2::read::MultiGzDecoder::new(input));
+        let (head, plain) = peek(plain).map_err(|e| bad(path, e))?;
+        return load_plain(path, &head, plain, limits);
     }
+    load_plain(path, &head, input, limits)
+}
+
+/// The first two bytes of `input` (fewer if it is shorter) and `input` read from its start.
+fn peek<R: Read>(mut input: R) -> std::io::Result<(Vec<u8>, impl Read)> {
+    let mut head = Vec::with_capacity(2);
+    (&mut input).take(2).read_to_end(&mut head)?;
+    Ok((head.clone(), std::io::Cursor::new(head).chain(input)))
+}
+
+/// A gzip stream's errors, named as such.
+struct Gunzip<R: Read>(flate2::read::MultiGzDecoder<R>);
+
+impl<R: Read> Read for Gunzip<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0
+            .read(buf)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("gzip: {e}")))
+    }
+}
+
+fn load_plain(path: &Path, head: &[u8], input: impl Read, limits: &Limits) -> Result<Vec<Trace>> {
     let name = trace_name(path);
-    if raw.first() == Some(&0x80) {
-        return load_pickle(path, &name, &raw);
+    // Protocol 2 and later open with PROTO; a CSV trace opens with its header.
+    if head.first() == Some(&0x80) {
+        let mut raw = Vec::new();
+        input
+            .take(limits.max_pickle_bytes.saturating_add(1))
+            .read_to_end(&mut raw)
+            .map_err(|e| bad(path, e))?;
+        if raw.len() as u64 > limits.max_pickle_bytes {
+            return Err(bad(
+                path,
+                format!(
+                    "a pickle larger than {} (the most read)",
+                    crate::error::human_bytes(limits.max_pickle_bytes)
+                ),
+            ));
+        }
+        return load_pickle(path, &name, &raw, limits);
     }
-    Ok(vec![load_csv(path, name, &raw)?])
+    Ok(vec![load_csv(path, name, BufReader::new(input), limits)?])
 }
 
 fn trace_name(path: &Path) -> String {
@@ -89,22 +172,55 @@ fn trace_name(path: &Path) -> String {
     name.to_string()
 }
 
-fn load_csv(path: &Path, name: String, raw: &[u8]) -> Result<Trace> {
+/// One line of `input` into `line` (without its newline), reading at most `max + 1` bytes:
+/// Ok(None) at the end of the input, Ok(Some(false)) for a line longer than `max` (`line`
+/// holds its start).
+fn next_line(
+    input: &mut impl BufRead,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> std::io::Result<Option<bool>> {
+    line.clear();
+    let read = input.take(max as u64 + 1).read_until(b'\n', line)?;
+    if read == 0 {
+        return Ok(None);
+    }
+    if line.last() == Some(&b'\n') {
+        line.pop();
+    } else if line.len() > max {
+        return Ok(Some(false));
+    }
+    Ok(Some(true))
+}
+
+fn load_csv(path: &Path, name: String, mut input: impl BufRead, limits: &Limits) -> Result<Trace> {
+    const HEADER: &str = "action,addr,size,stream";
     let mut events = Vec::new();
-    let mut lines = BufReader::new(raw).lines();
-    let header = lines
-        .next()
-        .transpose()
-        .map_err(|e| bad(path, e))?
-        .unwrap_or_default();
-    if header.trim() != "action,addr,size,stream" {
+    let mut raw = Vec::new();
+    let max = limits.max_line_bytes;
+    let whole = next_line(&mut input, &mut raw, max).map_err(|e| bad(path, e))?;
+    let header = String::from_utf8_lossy(&raw);
+    if whole != Some(true) || header.trim() != HEADER {
+        let found = match whole {
+            Some(false) => format!("{} (a line longer than {max} bytes)", clip(&header)),
+            _ => clip(&header),
+        };
         return Err(bad(
             path,
-            format!("expected the header action,addr,size,stream, found {header:?}"),
+            format!("expected the header {HEADER}, found {found}"),
         ));
     }
-    for (i, line) in lines.enumerate() {
-        let line = line.map_err(|e| bad(path, e))?;
+    for number in 2usize.. {
+        match next_line(&mut input, &mut raw, max).map_err(|e| bad(path, e))? {
+            None => break,
+            Some(true) => {}
+            Some(false) => {
+                return Err(bad(path, format!("line {number}: longer than {max} bytes")));
+            }
+        }
+        let Ok(line) = std::str::from_utf8(&raw) else {
+            return Err(bad(path, format!("line {number}: not UTF-8")));
+        };
         if line.trim().is_empty() {
             continue;
         }
@@ -120,11 +236,11 @@ fn load_csv(path: &Path, name: String, raw: &[u8]) -> Result<Trace> {
                 })
                 .map_err(|_| {
                     let what = if signed { "a number" } else { "a size" };
-                    bad(path, format!("line {}: {text:?} is not {what}", i + 2))
+                    bad(path, format!("line {number}: {} is not {what}", clip(text)))
                 })
         };
         if fields.len() != 4 {
-            return Err(bad(path, format!("line {}: expected 4 fields", i + 2)));
+            return Err(bad(path, format!("line {number}: expected 4 fields")));
         }
         let Some(action) = action_of(fields[0]) else {
             // PyTorch's other trace actions carry no allocation; anything else is a
@@ -134,7 +250,7 @@ fn load_csv(path: &Path, name: String, raw: &[u8]) -> Result<Trace> {
             }
             return Err(bad(
                 path,
-                format!("line {}: unknown action {:?}", i + 2, fields[0]),
+                format!("line {number}: unknown action {}", clip(fields[0])),
             ));
         };
         events.push(Event {
@@ -147,73 +263,77 @@ fn load_csv(path: &Path, name: String, raw: &[u8]) -> Result<Trace> {
     Ok(Trace { name, events })
 }
 
-fn key(name: &str) -> HashableValue {
-    HashableValue::String(name.to_string())
-}
-
-fn as_u64(value: Option<&Value>) -> Option<u64> {
-    match value? {
-        Value::I64(v) => Some(*v as u64),
-        Value::Int(big) => u64::try_from(big).ok(),
-        Value::None => Some(0),
-        _ => None,
-    }
-}
-
 /// Deeper than any memory snapshot nests (about six levels), shallow enough that decoding
 /// it cannot overflow a thread's stack.
 const MAX_PICKLE_DEPTH: usize = 64;
 
-fn load_pickle(path: &Path, name: &str, raw: &[u8]) -> Result<Vec<Trace>> {
-    // The decoder builds and drops values recursively: a small file of nested lists would
-    // overflow the stack and abort. Measured first, without decoding.
-    let depth = super::pickle_depth::pickle_depth(raw).map_err(|e| bad(path, e))?;
-    if depth > MAX_PICKLE_DEPTH {
+fn load_pickle(path: &Path, name: &str, raw: &[u8], limits: &Limits) -> Result<Vec<Trace>> {
+    // The decoder builds and drops values recursively, and copies a memoized value at each
+    // reference to it: a small file of nested lists would overflow the stack and abort, one
+    // of many references would take time and memory far beyond its size. Measured first,
+    // without decoding.
+    let shape = super::pickle_depth::scan(raw).map_err(|e| bad(path, clip_message(&e)))?;
+    if shape.depth > MAX_PICKLE_DEPTH {
         return Err(bad(
             path,
-            format!("not a memory snapshot: containers nested {depth} deep (a snapshot nests a few levels; at most {MAX_PICKLE_DEPTH} are read)"),
+            format!("not a memory snapshot: containers nested {} deep (a snapshot nests a few levels; at most {MAX_PICKLE_DEPTH} are read)", shape.depth),
+        ));
+    }
+    let most = (raw.len() as u64)
+        .saturating_mul(limits.pickle_elements_per_byte)
+        .saturating_add(limits.pickle_elements_floor);
+    if shape.elements > most {
+        return Err(bad(
+            path,
+            format!(
+                "not a memory snapshot: it decodes to {} elements, memo references counted in full (at most {most} are read from {} bytes)",
+                shape.elements,
+                raw.len()
+            ),
         ));
     }
     let options = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .replace_recursive_structures();
-    let value = serde_pickle::value_from_slice(raw, options)
-        .map_err(|e| bad(path, format!("pickle: {e}")))?;
-    let Value::Dict(snapshot) = value else {
+    // Decoded into only what the replay reads: what else the snapshot holds (frames,
+    // segments) is visited a value at a time and dropped, memo references included.
+    let top: super::snapshot::Top = serde_pickle::from_slice(raw, options)
+        .map_err(|e| bad(path, clip_message(&format!("pickle: {e}"))))?;
+    let super::snapshot::Top::Snapshot(devices) = top else {
         return Err(bad(path, "not a memory snapshot (expected a dict)"));
     };
-    let Some(Value::List(devices)) = snapshot.get(&key("device_traces")) else {
+    let Some(devices) = devices else {
         return Err(bad(path, "no device_traces: record with torch.cuda.memory._record_memory_history() before _dump_snapshot()"));
     };
+    let count = devices.len();
     let mut traces = Vec::new();
-    for (device, entries) in devices.iter().enumerate() {
-        let Value::List(entries) = entries else {
-            continue;
-        };
+    for (device, entries) in devices.into_iter().enumerate() {
+        let Some(entries) = entries else { continue };
         let mut events = Vec::with_capacity(entries.len());
-        for entry in entries {
-            let Value::Dict(e) = entry else { continue };
-            let Some(Value::String(action)) = e.get(&key("action")) else {
+        for (index, e) in entries.into_iter().enumerate() {
+            let Some(action) = e.action.as_deref().and_then(action_of) else {
                 continue;
             };
-            let Some(action) = action_of(action) else {
+            let (Some(addr), Some(size)) = (e.addr, e.size) else {
                 continue;
             };
-            let (Some(addr), Some(size)) =
-                (as_u64(e.get(&key("addr"))), as_u64(e.get(&key("size"))))
-            else {
-                continue;
+            // As in a CSV trace: addresses and streams may be signed (their bits count), a
+            // size may not.
+            let Ok(size) = u64::try_from(size) else {
+                return Err(bad(
+                    path,
+                    format!("device_traces[{device}][{index}]: {size} is not a size"),
+                ));
             };
-            let stream = as_u64(e.get(&key("stream"))).unwrap_or(0);
             events.push(Event {
                 action,
-                addr,
+                addr: addr as u64,
                 size,
-                stream,
+                stream: e.stream.unwrap_or(0) as u64,
             });
         }
         if !events.is_empty() {
-            let name = if devices.len() > 1 {
+            let name = if count > 1 {
                 format!("{name}:cuda{device}")
             } else {
                 name.to_string()
