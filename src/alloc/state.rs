@@ -112,6 +112,9 @@ pub struct State {
     /// Paged segments by base address, and which one serves each (stream, pool).
     pub paged: BTreeMap<DevicePtr, PagedSegment>,
     pub paged_for: HashSet<(StreamId, PoolKind)>,
+    /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
+    /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
+    pub reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
     /// Unmapped physical chunks kept for growth (counted as reserved, large pool).
     pub idle_chunks: Vec<super::paged::Spare>,
     /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
@@ -163,6 +166,7 @@ impl State {
             shut_down: false,
             paged: BTreeMap::new(),
             paged_for: HashSet::new(),
+            reclaim_dirty: Default::default(),
             idle_chunks: Vec::new(),
             last_free_fence: Default::default(),
             live_high_water: 0,
@@ -706,7 +710,19 @@ impl State {
             net_blocks += 1;
             net_bytes += block.size as i64;
         }
+        self.mark_reclaim_dirty(id);
         (net_blocks, net_bytes)
+    }
+
+    /// The free block `id` grew (freed, merged): a chunk may now lie wholly under it, so
+    /// its (stream, pool) is searched at the next reclaim. Only this makes such chunks:
+    /// chunks are mapped under the block being handed out, and splits only shrink free
+    /// blocks.
+    fn mark_reclaim_dirty(&mut self, id: BlockId) {
+        let b = self.blocks.get(id);
+        if b.paged && b.owner.is_none() {
+            self.reclaim_dirty.insert((b.stream, b.pool));
+        }
     }
 
     /// Merges the free `neighbour` into `id`; returns the bytes taken over.
@@ -733,6 +749,7 @@ impl State {
                 self.blocks.get_mut(n).prev = Some(id);
             }
         }
+        self.mark_reclaim_dirty(id);
         other.size
     }
 

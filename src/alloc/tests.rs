@@ -660,18 +660,7 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
     use super::paged::PagedSegment;
     use crate::driver::PhysHandle;
     let (base, page) = (1u64 << 30, 2 * MIB);
-    let mut seg = PagedSegment {
-        base,
-        size: 16 * page,
-        page,
-        stream: S0,
-        pool: sizing::PoolKind::Large,
-        pages: vec![None; 16],
-        last_free: vec![0; 16],
-        frees_since_fence: 0,
-        mapped: super::paged::PageBits::new(16),
-        mapped_set: Default::default(),
-    };
+    let mut seg = PagedSegment::new(base, 16 * page, page, S0, sizing::PoolKind::Large);
     seg.set_chunk(
         5,
         super::paged::Spare {
