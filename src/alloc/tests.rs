@@ -1158,3 +1158,36 @@ fn a_request_beyond_the_memory_limit_fails_without_taking_memory() {
         assert_eq!(stats(&a).num_ooms, 1);
     }
 }
+
+/// The memory limit gates reserving new memory, never handing out cached memory (PyTorch
+/// checks it only when it must reserve): a request larger than the limit that a cached
+/// block can serve is served, in either segment kind.
+#[test]
+fn the_memory_limit_does_not_refuse_cached_memory() {
+    for conf in ["", "expandable_segments:False"] {
+        let (sim, a) = paged(2 << 30, conf);
+        let big = a.malloc(1 << 30, S0).unwrap();
+        a.free(big).unwrap();
+        // 819 MiB of the 2 GiB device.
+        a.set_memory_fraction(819.0 / 2048.0).unwrap();
+        let before = sim.counters(0);
+        let p = a.malloc(900 * MIB, S0).unwrap();
+        let after = sim.counters(0);
+        assert_eq!(
+            (after.allocate_calls, after.maps),
+            (before.allocate_calls, before.maps),
+            "{conf:?}: served from the cache"
+        );
+        a.free(p).unwrap();
+        // Fraction 0: a small request still fits a cached small segment.
+        let small = a.malloc(512, S0).unwrap();
+        a.free(small).unwrap();
+        a.set_memory_fraction(0.0).unwrap();
+        let small = a.malloc(512, S0).unwrap();
+        a.free(small).unwrap();
+        // New memory is refused, at once: a request the cache cannot serve fails.
+        let err = a.malloc(1536 * MIB, S0).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::OutOfMemory, "{conf:?}");
+        assert_eq!(sim.counters(0).peak_bytes_in_use, after.peak_bytes_in_use);
+    }
+}
