@@ -1080,6 +1080,7 @@ impl Shard {
                 .segments
                 .remove(&base)
                 .expect("paged segments are segments");
+            st.forget_used(base, base + seg.size);
             let block = st.blocks.remove(segment.first);
             st.caches.list(None, seg.pool).remove(&block);
             st.paged_for.remove(&(seg.stream, seg.pool));

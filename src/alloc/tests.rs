@@ -1191,3 +1191,32 @@ fn the_memory_limit_does_not_refuse_cached_memory() {
         assert_eq!(sim.counters(0).peak_bytes_in_use, after.peak_bytes_in_use);
     }
 }
+
+/// DOUBLE_FREE is for a pointer once handed out and freed since; a pointer into free space
+/// no block ever covered, or off the 512-byte grid of block starts, is UNKNOWN_POINTER.
+#[test]
+fn pointers_never_handed_out_are_unknown_not_double_frees() {
+    for conf in ["", "expandable_segments:False"] {
+        let (_sim, a) = paged(1 << 30, conf);
+        let p = a.malloc(4096, S0).unwrap();
+        let q = a.malloc(4096, S0).unwrap();
+        a.free(q).unwrap();
+        let kind = |ptr| a.free(ptr).unwrap_err().kind;
+        assert_eq!(kind(q), ErrorKind::DoubleFree, "{conf:?}");
+        // The segment's free space past every block handed out.
+        assert_eq!(kind(p + MIB), ErrorKind::UnknownPointer, "{conf:?}");
+        // Not a block start: freed memory, but off the grid.
+        assert_eq!(kind(q + 1), ErrorKind::UnknownPointer, "{conf:?}");
+        assert_eq!(kind(q + 100), ErrorKind::UnknownPointer, "{conf:?}");
+        // A large block placed from the top of a paged segment: the space below it was
+        // never handed out either.
+        let big = a.malloc(64 * MIB, S0).unwrap();
+        a.free(big).unwrap();
+        assert_eq!(kind(big), ErrorKind::DoubleFree, "{conf:?}");
+        a.free(p).unwrap();
+        assert_eq!(kind(p), ErrorKind::DoubleFree, "{conf:?}");
+        // After the memory goes back to the device, nothing of it is known.
+        a.empty_cache().unwrap();
+        assert_eq!(kind(p), ErrorKind::UnknownPointer, "{conf:?}");
+    }
+}
