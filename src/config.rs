@@ -258,6 +258,52 @@ impl Config {
     }
 }
 
+/// The settings as `key:value,...` that `apply` reads back to this config (from the
+/// defaults): keys at a value no setting names (no size limit, no garbage collection, no
+/// memory fraction) are left out.
+impl std::fmt::Display for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let yes_no = |b: bool| if b { "True" } else { "False" };
+        write!(
+            f,
+            "expandable_segments:{},page_slack:{},page_move_budget:{},per_stream_shards:{},thread_cache:{}",
+            yes_no(self.expandable_segments),
+            self.page_slack,
+            self.page_move_budget,
+            yes_no(self.per_stream_shards),
+            yes_no(self.thread_cache),
+        )?;
+        if self.max_split_size != u64::MAX {
+            write!(f, ",max_split_size_mb:{}", self.max_split_size / MB)?;
+        }
+        write!(
+            f,
+            ",max_non_split_rounding_mb:{}",
+            self.max_non_split_rounding / MB
+        )?;
+        if self.garbage_collection_threshold > 0.0 {
+            write!(
+                f,
+                ",garbage_collection_threshold:{}",
+                self.garbage_collection_threshold
+            )?;
+        }
+        if let Some(fraction) = self.per_process_memory_fraction {
+            write!(f, ",per_process_memory_fraction:{fraction}")?;
+        }
+        // Every interval by its key (2^i MiB), the last as '>'.
+        f.write_str(",roundup_power2_divisions:[")?;
+        for (i, d) in self.roundup_power2_divisions.iter().enumerate() {
+            if i + 1 < ROUNDUP_INTERVALS {
+                write!(f, "{}:{d},", 1u64 << i)?;
+            } else {
+                write!(f, ">:{d}]")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// PyTorch (2.9+) refuses sizes under its 20 MiB large-segment size for both MiB keys.
 fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> {
     let mb = parse_number::<u64>(key, value)?;
@@ -265,7 +311,12 @@ fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> 
     if mb < floor {
         return Err(config_error(format!("{key} must be >= {floor} (got {mb})")));
     }
-    Ok(mb.saturating_mul(MB))
+    mb.checked_mul(MB).ok_or_else(|| {
+        config_error(format!(
+            "{key} must be under {} (got {mb}): larger than any device",
+            u64::MAX / MB + 1
+        ))
+    })
 }
 
 /// The most `roundup_power2_divisions` a setting may name.
@@ -418,6 +469,14 @@ mod tests {
             ("page_slack:-1", "page_slack"),
             ("page_slack:lots", "page_slack"),
             ("page_move_budget:1.5", "page_move_budget"),
+            (
+                "max_non_split_rounding_mb:17592186044416",
+                "larger than any device",
+            ),
+            (
+                "max_split_size_mb:18446744073709551615",
+                "larger than any device",
+            ),
         ] {
             let err = c
                 .apply(&format!("max_non_split_rounding_mb:70,{bad}"))
@@ -482,5 +541,16 @@ mod tests {
             assert!(err.message.len() < 400, "{} bytes", err.message.len());
             assert!(err.message.contains("xxxx"), "{}", err.message);
         }
+    }
+
+    #[test]
+    fn display_reads_back() {
+        let mut c = Config::default();
+        assert_eq!(Config::default().apply(&c.to_string()).map(|_| ()), Ok(()));
+        c.apply("max_split_size_mb:256,garbage_collection_threshold:0.6,per_process_memory_fraction:0.25,roundup_power2_divisions:[4:2,>:8],page_slack:0.1,per_stream_shards:True,thread_cache:False,expandable_segments:False")
+            .unwrap();
+        let mut back = Config::default();
+        back.apply(&c.to_string()).unwrap();
+        assert_eq!(back, c, "{c}");
     }
 }
