@@ -1074,7 +1074,15 @@ impl Shard {
             })
             .map(|(&base, _)| base)
             .collect();
+        let mut result = Ok(());
         for base in empty {
+            // The range goes first: should the driver refuse, the segment stays (empty,
+            // cached) and the next empty_cache tries again.
+            let size = st.paged[&base].size;
+            if let Err(e) = self.driver.free_address(self.device, base, size) {
+                result = result.and(Err(driver_error(self.device, e)));
+                continue;
+            }
             let seg = st.paged.remove(&base).expect("listed");
             let segment = st
                 .segments
@@ -1085,11 +1093,8 @@ impl Shard {
             st.caches.list(None, seg.pool).remove(&block);
             st.paged_for.remove(&(seg.stream, seg.pool));
             st.stats.segment.decrease(seg.pool, 1);
-            self.driver
-                .free_address(self.device, base, seg.size)
-                .map_err(|e| driver_error(self.device, e))?;
         }
-        Ok(())
+        result
     }
 }
 
