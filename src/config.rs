@@ -87,12 +87,25 @@ fn config_error(message: String) -> Error {
     Error::new(ErrorKind::Config, message)
 }
 
+/// The most characters of a setting that an error message quotes: a setting read from the
+/// environment or passed through the C API may be any length.
+const QUOTED_CHARS: usize = 80;
+
+/// `text` quoted for an error message, cut to `QUOTED_CHARS` characters.
+fn quoted(text: &str) -> String {
+    match text.char_indices().nth(QUOTED_CHARS) {
+        None => format!("{text:?}"),
+        Some((cut, _)) => format!("{:?}... ({} bytes in all)", &text[..cut], text.len()),
+    }
+}
+
 fn parse_bool(key: &str, value: &str) -> Result<bool> {
     match value {
         "True" | "true" | "1" => Ok(true),
         "False" | "false" | "0" => Ok(false),
         _ => Err(config_error(format!(
-            "{key} must be True or False (got {value:?})"
+            "{key} must be True or False (got {})",
+            quoted(value)
         ))),
     }
 }
@@ -122,7 +135,8 @@ impl Config {
         for item in split_items(text)? {
             let (key, value) = item.split_once(':').ok_or_else(|| {
                 config_error(format!(
-                    "{item:?} is not key:value (keys: {})",
+                    "{} is not key:value (keys: {})",
+                    quoted(item),
                     KEYS.join(", ")
                 ))
             })?;
@@ -144,7 +158,8 @@ impl Config {
                 let t = parse_number::<f64>(key, value)?;
                 if !(t > 0.0 && t < 1.0) {
                     return Err(config_error(format!(
-                        "garbage_collection_threshold must be between 0 and 1, exclusive (got {value})"
+                        "garbage_collection_threshold must be between 0 and 1, exclusive (got {})",
+                        quoted(value)
                     )));
                 }
                 self.garbage_collection_threshold = t;
@@ -164,7 +179,8 @@ impl Config {
             "thread_cache" => self.thread_cache = parse_bool(key, value)?,
             _ => {
                 return Err(config_error(format!(
-                    "unknown config key {key:?} (known keys: {})",
+                    "unknown config key {} (known keys: {})",
+                    quoted(key),
                     KEYS.join(", ")
                 )))
             }
@@ -187,22 +203,34 @@ impl Config {
         };
         let list = list.strip_suffix(']').ok_or_else(|| {
             config_error(format!(
-                "roundup_power2_divisions: missing ']' in {value:?}"
+                "roundup_power2_divisions: missing ']' in {}",
+                quoted(value)
             ))
         })?;
         let mut table = [0u64; ROUNDUP_INTERVALS];
+        // Intervals are named in increasing order, each once, `>` last: a table whose entries
+        // overlapped or came out of order would mean whichever came last, silently.
         let mut last: Option<usize> = None;
+        let mut rest_given = false;
         for entry in list.split(',') {
             let (size, divisions) = entry.split_once(':').ok_or_else(|| {
                 config_error(format!(
-                    "roundup_power2_divisions: {entry:?} is not SIZE_MB:DIVISIONS or >:DIVISIONS"
+                    "roundup_power2_divisions: {} is not SIZE_MB:DIVISIONS or >:DIVISIONS",
+                    quoted(entry)
                 ))
             })?;
+            if rest_given {
+                return Err(config_error(format!(
+                    "roundup_power2_divisions: '>' must be the last entry (found {} after it)",
+                    quoted(entry)
+                )));
+            }
             let divisions = parse_divisions(divisions.trim())?;
             let size = size.trim();
             if size == ">" {
                 let from = last.map_or(0, |i| i + 1);
                 table[from..].fill(divisions);
+                rest_given = true;
                 continue;
             }
             let mb = parse_number::<u64>("roundup_power2_divisions", size)?;
@@ -213,8 +241,10 @@ impl Config {
             }
             let index = (mb.trailing_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
             if last.is_some_and(|l| index <= l) {
+                let top = 1u64 << (ROUNDUP_INTERVALS - 1);
                 return Err(config_error(format!(
-                    "roundup_power2_divisions: interval keys must increase ({mb} MiB after a larger one)"
+                    "roundup_power2_divisions: interval keys must increase, each interval named once ({mb} MiB after {} MiB; keys from {top} MiB up all name the last interval)",
+                    1u64 << last.expect("checked")
                 )));
             }
             if last.is_none() {
@@ -228,6 +258,52 @@ impl Config {
     }
 }
 
+/// The settings as `key:value,...` that `apply` reads back to this config (from the
+/// defaults): keys at a value no setting names (no size limit, no garbage collection, no
+/// memory fraction) are left out.
+impl std::fmt::Display for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let yes_no = |b: bool| if b { "True" } else { "False" };
+        write!(
+            f,
+            "expandable_segments:{},page_slack:{},page_move_budget:{},per_stream_shards:{},thread_cache:{}",
+            yes_no(self.expandable_segments),
+            self.page_slack,
+            self.page_move_budget,
+            yes_no(self.per_stream_shards),
+            yes_no(self.thread_cache),
+        )?;
+        if self.max_split_size != u64::MAX {
+            write!(f, ",max_split_size_mb:{}", self.max_split_size / MB)?;
+        }
+        write!(
+            f,
+            ",max_non_split_rounding_mb:{}",
+            self.max_non_split_rounding / MB
+        )?;
+        if self.garbage_collection_threshold > 0.0 {
+            write!(
+                f,
+                ",garbage_collection_threshold:{}",
+                self.garbage_collection_threshold
+            )?;
+        }
+        if let Some(fraction) = self.per_process_memory_fraction {
+            write!(f, ",per_process_memory_fraction:{fraction}")?;
+        }
+        // Every interval by its key (2^i MiB), the last as '>'.
+        f.write_str(",roundup_power2_divisions:[")?;
+        for (i, d) in self.roundup_power2_divisions.iter().enumerate() {
+            if i + 1 < ROUNDUP_INTERVALS {
+                write!(f, "{}:{d},", 1u64 << i)?;
+            } else {
+                write!(f, ">:{d}]")?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// PyTorch (2.9+) refuses sizes under its 20 MiB large-segment size for both MiB keys.
 fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> {
     let mb = parse_number::<u64>(key, value)?;
@@ -235,7 +311,12 @@ fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> 
     if mb < floor {
         return Err(config_error(format!("{key} must be >= {floor} (got {mb})")));
     }
-    Ok(mb.saturating_mul(MB))
+    mb.checked_mul(MB).ok_or_else(|| {
+        config_error(format!(
+            "{key} must be under {} (got {mb}): larger than any device",
+            u64::MAX / MB + 1
+        ))
+    })
 }
 
 /// The most `roundup_power2_divisions` a setting may name.
@@ -263,15 +344,26 @@ fn parse_within(key: &str, value: &str, max: f64, meaning: &str) -> Result<f64> 
     let f = parse_number::<f64>(key, value)?;
     if !(0.0..=max).contains(&f) {
         return Err(config_error(format!(
-            "{key} must be within [0, {max}] ({meaning}got {value})"
+            "{key} must be within [0, {max}] ({meaning}got {})",
+            quoted(value)
         )));
     }
-    Ok(f)
+    // -0 reads as 0, as PyTorch's `std::stod` gives a -0.0 that its checks treat as 0;
+    // kept as +0.0 so that no setting reads back as "-0".
+    Ok(if f == 0.0 { 0.0 } else { f })
 }
 
+/// A number written without a '+' (Rust's parsers accept one; a setting is plain digits,
+/// or for fractions a minus sign that the range check then refuses).
 fn parse_number<T: std::str::FromStr>(key: &str, text: &str) -> Result<T> {
+    if text.starts_with('+') {
+        return Err(config_error(format!(
+            "{key}: {} is not a valid number (no '+' sign)",
+            quoted(text)
+        )));
+    }
     text.parse::<T>()
-        .map_err(|_| config_error(format!("{key}: {text:?} is not a valid number")))
+        .map_err(|_| config_error(format!("{key}: {} is not a valid number", quoted(text))))
 }
 
 /// Splits on commas outside brackets.
@@ -289,11 +381,11 @@ fn split_items(text: &str) -> Result<Vec<&str>> {
             _ => {}
         }
         if depth < 0 {
-            return Err(config_error(format!("unbalanced ']' in {text:?}")));
+            return Err(config_error(format!("unbalanced ']' in {}", quoted(text))));
         }
     }
     if depth != 0 {
-        return Err(config_error(format!("unbalanced '[' in {text:?}")));
+        return Err(config_error(format!("unbalanced '[' in {}", quoted(text))));
     }
     items.push(&text[start..]);
     Ok(items
@@ -377,6 +469,14 @@ mod tests {
             ("page_slack:-1", "page_slack"),
             ("page_slack:lots", "page_slack"),
             ("page_move_budget:1.5", "page_move_budget"),
+            (
+                "max_non_split_rounding_mb:17592186044416",
+                "larger than any device",
+            ),
+            (
+                "max_split_size_mb:18446744073709551615",
+                "larger than any device",
+            ),
         ] {
             let err = c
                 .apply(&format!("max_non_split_rounding_mb:70,{bad}"))
@@ -385,5 +485,72 @@ mod tests {
             assert!(err.message.contains(needle), "{bad}: {}", err.message);
             assert_eq!(c, Config::default(), "{bad} changed the config");
         }
+    }
+
+    /// -0 is 0: PyTorch reads these numbers with `std::stod`, whose -0.0 behaves as 0 and
+    /// passes its range checks; ccalloc keeps +0.0 so that nothing reports a negative zero.
+    #[test]
+    fn negative_zero_is_zero() {
+        let mut c = Config::default();
+        c.apply("per_process_memory_fraction:-0,page_slack:-0.0,page_move_budget:-0")
+            .unwrap();
+        for v in [
+            c.per_process_memory_fraction.unwrap(),
+            c.page_slack,
+            c.page_move_budget,
+        ] {
+            assert!(v == 0.0 && v.is_sign_positive(), "{v}");
+        }
+    }
+
+    #[test]
+    fn signs_overlaps_and_disorder_are_refused() {
+        for (bad, needle) in [
+            ("max_split_size_mb:+100", "+100"),
+            ("per_process_memory_fraction:+0.5", "+0.5"),
+            ("roundup_power2_divisions:+4", "+4"),
+            ("roundup_power2_divisions:[256:4,256:8]", "increase"),
+            ("roundup_power2_divisions:[1024:4,256:8]", "increase"),
+            ("roundup_power2_divisions:[256:4,>:2,512:8]", "last"),
+            ("roundup_power2_divisions:[>:2,>:8]", "last"),
+            ("roundup_power2_divisions:[32768:4,65536:8]", "65536"),
+        ] {
+            let mut c = Config::default();
+            let err = c.apply(bad).unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config);
+            assert!(err.message.contains(needle), "{bad}: {}", err.message);
+            assert_eq!(c, Config::default());
+        }
+    }
+
+    /// A bad setting is quoted in its error, but at most about 80 characters of it.
+    #[test]
+    fn long_input_is_cut_in_messages() {
+        let long = "x".repeat(50 << 20);
+        for text in [
+            long.clone(),
+            format!("max_split_size_mb:{long}"),
+            format!("expandable_segments:{long}"),
+            format!("roundup_power2_divisions:[{long}"),
+            format!("roundup_power2_divisions:[{long}]"),
+            format!("{long}]"),
+            format!("{long}:1"),
+            format!("page_slack:{long}"),
+        ] {
+            let err = Config::default().apply(&text).unwrap_err();
+            assert!(err.message.len() < 400, "{} bytes", err.message.len());
+            assert!(err.message.contains("xxxx"), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn display_reads_back() {
+        let mut c = Config::default();
+        assert_eq!(Config::default().apply(&c.to_string()).map(|_| ()), Ok(()));
+        c.apply("max_split_size_mb:256,garbage_collection_threshold:0.6,per_process_memory_fraction:0.25,roundup_power2_divisions:[4:2,>:8],page_slack:0.1,per_stream_shards:True,thread_cache:False,expandable_segments:False")
+            .unwrap();
+        let mut back = Config::default();
+        back.apply(&c.to_string()).unwrap();
+        assert_eq!(back, c, "{c}");
     }
 }

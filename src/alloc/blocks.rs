@@ -191,6 +191,14 @@ impl FreeList {
         self.streams.len()
     }
 
+    /// The cached blocks of `stream`, by size, then address.
+    pub fn ids_of(&self, stream: StreamId) -> impl Iterator<Item = BlockId> + '_ {
+        self.streams
+            .get(&stream)
+            .into_iter()
+            .flat_map(|index| index.ids())
+    }
+
     /// Every cached block, by stream, then size, then address.
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
         let mut streams: Vec<_> = self

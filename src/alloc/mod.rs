@@ -160,9 +160,8 @@ impl Shard {
         }
         let mut st = self.lock()?;
         st.oom_final = oom_final;
-        if size > self.total_memory.min(st.limit) {
-            // Larger than the device, or than the memory limit: fail at once, without
-            // flushing the cache (or mapping pages up to the limit) for nothing.
+        if size > self.total_memory {
+            // Larger than the device: fail at once, without flushing the cache for nothing.
             return Err(self.out_of_memory(&mut st, size, size));
         }
         let capturing = st.caches.capturing();
@@ -179,7 +178,10 @@ impl Shard {
         // Blocks in thread fronts count as allocated here: a hand-out that lifts a figure
         // past its peak takes them back first, so that the new peak is the true one.
         let peaks = (st.front_blocks > 0).then(|| st.front_peaks());
-        let ptr = self.malloc_locked(&mut st, size, stream, owner, rounded)?;
+        // The memory limit gates reserving new memory, never handing out cached memory (as
+        // PyTorch checks it only when it must reserve): past it, only the cache may serve.
+        let cache_only = size > st.limit;
+        let ptr = self.malloc_locked(&mut st, size, stream, owner, rounded, cache_only)?;
         if let Some(before) = peaks {
             if st.front_peaks_passed(&before) {
                 self.drain_fronts(&mut st);
@@ -197,6 +199,7 @@ impl Shard {
         stream: StreamId,
         owner: Option<PoolId>,
         rounded: u64,
+        cache_only: bool,
     ) -> Result<DevicePtr> {
         if owner.is_none() && st.config.expandable_segments {
             if let Some(ptr) = st.take_parked(stream, rounded, size) {
@@ -217,6 +220,15 @@ impl Shard {
             }
             self.merge_set_aside(st);
             found = st.take_cached(owner, pool, stream, rounded);
+        }
+        if cache_only && found.is_none_or(|f| lacks_pages(st, f)) {
+            // More than the limit, and the cache cannot serve it whole: new memory would
+            // pass the limit. Fails at once, without flushing the cache or mapping pages up
+            // to the limit for nothing. (A block lacking pages is paged: returned as taken.)
+            if let Some((id, _)) = found {
+                st.return_untouched(id);
+            }
+            return Err(self.out_of_memory(st, size, size));
         }
         if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
             if let Some(page) = self.paging(st, owner.is_some()) {

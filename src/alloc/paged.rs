@@ -22,7 +22,7 @@ use super::state::{Fence, Segment, State};
 use super::{driver_error, Shard};
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -89,6 +89,9 @@ pub struct Chunk {
     pub handle: PhysHandle,
     pub first: usize,
     pub pages: usize,
+    /// The `State::free_seq` of the last free of a block on the chunk's pages (0: none
+    /// since it was mapped): its last use on the device came before that free.
+    pub last_free: u64,
 }
 
 /// Physical memory in hand, not mapped anywhere: `pages` pages under one handle.
@@ -105,11 +108,11 @@ pub struct PagedSegment {
     pub page: u64,
     pub stream: StreamId,
     pub pool: PoolKind,
-    /// Per page, the chunk mapped there (every page of a chunk names it).
-    pub pages: Vec<Option<Chunk>>,
-    /// Per page, the `State::free_seq` of the last free of a block on it (0: none since
-    /// mapping): its last use on the device came before that free.
-    pub last_free: Vec<u64>,
+    /// The mapped chunks, by first page. A segment spans the whole device while few of its
+    /// pages are mapped: everything kept per segment is proportional to its mapped chunks
+    /// (the bitmap aside, one bit a page), so that many streams, each with its own
+    /// segments, cost memory and time in proportion to what they map.
+    pub chunks: BTreeMap<usize, Chunk>,
     /// Frees since the last one that asked for a fence.
     pub frees_since_fence: u32,
     /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
@@ -141,6 +144,10 @@ impl PageBits {
         self.words[i / 64] |= 1u64 << (i % 64);
     }
 
+    pub fn get(&self, i: usize) -> bool {
+        self.words[i / 64] & (1u64 << (i % 64)) != 0
+    }
+
     pub fn clear(&mut self, i: usize) {
         self.words[i / 64] &= !(1u64 << (i % 64));
     }
@@ -170,6 +177,39 @@ impl PageBits {
 }
 
 impl PagedSegment {
+    /// A segment of `size` bytes at `base` with nothing mapped.
+    pub fn new(base: DevicePtr, size: u64, page: u64, stream: StreamId, pool: PoolKind) -> Self {
+        let count = (size / page) as usize;
+        Self {
+            base,
+            size,
+            page,
+            stream,
+            pool,
+            chunks: BTreeMap::new(),
+            frees_since_fence: 0,
+            mapped: PageBits::new(count),
+            mapped_set: BTreeSet::new(),
+        }
+    }
+
+    /// The chunk mapped at page `i`.
+    pub fn chunk_at(&self, i: usize) -> Option<&Chunk> {
+        let (_, chunk) = self.chunks.range(..=i).next_back()?;
+        (i < chunk.first + chunk.pages).then_some(chunk)
+    }
+
+    /// The chunks overlapping pages `range`, in page order.
+    fn chunks_over(&self, range: Range<usize>) -> impl DoubleEndedIterator<Item = &Chunk> + '_ {
+        let range = if range.is_empty() { 0..0 } else { range };
+        let straddling = self
+            .chunk_at(range.start)
+            .filter(|c| c.first < range.start && !range.is_empty());
+        straddling
+            .into_iter()
+            .chain(self.chunks.range(range).map(|(_, c)| c))
+    }
+
     /// Pages that `[addr, addr+len)` touches.
     fn touched(&self, addr: DevicePtr, len: u64) -> Range<usize> {
         let start = (addr - self.base) / self.page;
@@ -200,7 +240,7 @@ impl PagedSegment {
     /// Bytes of `[addr, addr+len)` that lie on mapped pages.
     pub fn mapped_bytes_in(&self, addr: DevicePtr, len: u64) -> u64 {
         self.touched(addr, len)
-            .filter(|&i| self.pages[i].is_some())
+            .filter(|&i| self.mapped.get(i))
             .map(|i| {
                 let (start, end) = (self.va(i), self.va(i) + self.page);
                 end.min(addr + len) - start.max(addr)
@@ -252,8 +292,10 @@ impl PagedSegment {
     /// A block `[addr, addr+len)` was freed at `seq`. Returns whether this free should record
     /// a fence: the first, then every `FREES_PER_FENCE`-th.
     pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
-        for i in self.touched(addr, len) {
-            self.last_free[i] = seq;
+        let touched = self.touched(addr, len);
+        let firsts: Vec<usize> = self.chunks_over(touched).map(|c| c.first).collect();
+        for first in firsts {
+            self.chunks.get_mut(&first).expect("listed").last_free = seq;
         }
         let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
         self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
@@ -266,9 +308,10 @@ impl PagedSegment {
             handle: spare.handle,
             first,
             pages: spare.pages,
+            last_free: 0,
         };
+        self.chunks.insert(first, chunk);
         for i in first..first + spare.pages {
-            self.pages[i] = Some(chunk);
             self.mapped.set(i);
             self.mapped_set.insert(i);
         }
@@ -276,10 +319,8 @@ impl PagedSegment {
 
     /// The chunk starting at page `first` is no longer mapped: its memory.
     pub fn take_chunk(&mut self, first: usize) -> Spare {
-        let chunk = self.pages[first].expect("the page is mapped");
-        debug_assert_eq!(chunk.first, first, "chunks are taken whole");
+        let chunk = self.chunks.remove(&first).expect("chunks are taken whole");
         for i in first..first + chunk.pages {
-            self.pages[i] = None;
             self.mapped.clear(i);
             self.mapped_set.remove(&i);
         }
@@ -300,7 +341,7 @@ struct Victim {
     first: usize,
     pages: usize,
     /// The segment's stream, and the last free on the chunk's pages (see
-    /// `PagedSegment::last_free`).
+    /// `Chunk::last_free`).
     stream: StreamId,
     last_free: u64,
 }
@@ -417,23 +458,8 @@ impl Shard {
                 oversize: false,
             },
         );
-        let count = (size / page) as usize;
-        let (pages, last_free) = (vec![None; count], vec![0; count]);
-        st.paged.insert(
-            base,
-            PagedSegment {
-                base,
-                size,
-                page,
-                stream,
-                pool,
-                pages,
-                last_free,
-                frees_since_fence: 0,
-                mapped: PageBits::new(count),
-                mapped_set: BTreeSet::new(),
-            },
-        );
+        st.paged
+            .insert(base, PagedSegment::new(base, size, page, stream, pool));
         st.paged_for.insert((stream, pool));
         st.stats.segment.increase(pool, 1);
         Ok(true)
@@ -463,7 +489,7 @@ impl Shard {
         let seg = &st.paged[&base];
         let missing: Vec<usize> = seg
             .touched(addr, len)
-            .filter(|&i| seg.pages[i].is_none())
+            .filter(|&i| !seg.mapped.get(i))
             .collect();
         if missing.is_empty() {
             return Ok(true);
@@ -755,7 +781,7 @@ impl Shard {
     /// Unmaps the chunk at page `first` of a paged segment; its memory is no longer reserved.
     fn unmap_chunk(&self, st: &mut State, base: DevicePtr, first: usize) -> Result<Spare> {
         let seg = st.paged.get_mut(&base).expect("segment exists");
-        let pages = seg.pages[first].expect("the page is mapped").pages as u64;
+        let pages = seg.chunks[&first].pages as u64;
         self.driver
             .unmap(self.device, seg.va(first), pages * seg.page)
             .map_err(|e| driver_error(self.device, e))?;
@@ -840,7 +866,11 @@ impl Shard {
         also: Range<DevicePtr>,
         caller: Option<StreamId>,
     ) -> Result<Vec<Spare>> {
-        let mut candidates = reclaim_candidates(st, also);
+        let (mut candidates, clean, steps) = reclaim_candidates(st, also);
+        st.stats.paging.reclaim_steps += steps;
+        for key in clean {
+            st.reclaim_dirty.remove(&key);
+        }
         // Chunks that fit where the memory is wanted move; larger ones would be released.
         candidates.sort_by_key(|v| v.pages > fit);
         if candidates.is_empty() {
@@ -1057,64 +1087,88 @@ impl Shard {
             })
             .map(|(&base, _)| base)
             .collect();
+        let mut result = Ok(());
         for base in empty {
+            // The range goes first: should the driver refuse, the segment stays (empty,
+            // cached) and the next empty_cache tries again.
+            let size = st.paged[&base].size;
+            if let Err(e) = self.driver.free_address(self.device, base, size) {
+                result = result.and(Err(driver_error(self.device, e)));
+                continue;
+            }
             let seg = st.paged.remove(&base).expect("listed");
             let segment = st
                 .segments
                 .remove(&base)
                 .expect("paged segments are segments");
+            st.forget_used(base, base + seg.size);
             let block = st.blocks.remove(segment.first);
             st.caches.list(None, seg.pool).remove(&block);
             st.paged_for.remove(&(seg.stream, seg.pool));
             st.stats.segment.decrease(seg.pool, 1);
-            self.driver
-                .free_address(self.device, base, seg.size)
-                .map_err(|e| driver_error(self.device, e))?;
         }
-        Ok(())
+        result
     }
 }
 
 /// Chunks wholly under free paged blocks, in preference order: `also` (the rest of the
-/// block being carved) first, then the largest free blocks, highest pages first.
-fn reclaim_candidates(st: &State, also: Range<DevicePtr>) -> Vec<Victim> {
+/// block being carved) first, then the largest free blocks, highest pages first. Only the
+/// free lists of (stream, pool)s in `State::reclaim_dirty` are searched: the others held no
+/// such chunk when last searched, and none has been freed or merged into them since (see
+/// `State::mark_reclaim_dirty`), so the search costs what has changed, not what every
+/// stream holds. Returns the candidates, the (stream, pool)s found without any (to be
+/// marked clean), and the work done (blocks and chunks visited).
+fn reclaim_candidates(
+    st: &State,
+    also: Range<DevicePtr>,
+) -> (Vec<Victim>, Vec<(StreamId, PoolKind)>, u64) {
     let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
     if !also.is_empty() {
         ranges.push((also.start, also.end - also.start));
     }
+    let mut dirty: Vec<(StreamId, PoolKind)> = st.reclaim_dirty.iter().copied().collect();
+    dirty.sort_unstable();
+    let mut steps = 0u64;
+    let mut clean = Vec::new();
     for pool in [PoolKind::Large, PoolKind::Small] {
         let list = &st.caches.general[pool as usize];
-        let mut free: Vec<_> = list
-            .ids()
-            .map(|id| st.blocks.get(id))
-            .filter(|b| b.paged)
-            .map(|b| (b.addr, b.size))
-            .collect();
-        free.sort_by_key(|&(_, size)| std::cmp::Reverse(size));
-        ranges.extend(free);
+        let start = ranges.len();
+        for &(stream, _) in dirty.iter().filter(|(_, p)| *p == pool) {
+            ranges.extend(
+                list.ids_of(stream)
+                    .map(|id| st.blocks.get(id))
+                    .filter(|b| b.paged)
+                    .map(|b| (b.addr, b.size)),
+            );
+        }
+        steps += (ranges.len() - start) as u64;
+        ranges[start..].sort_by_key(|&(_, size)| std::cmp::Reverse(size));
     }
     let mut candidates = Vec::new();
+    let mut found: rustc_hash::FxHashSet<(StreamId, PoolKind)> = Default::default();
     for (addr, size) in ranges {
         let (base, seg) = st.paged_segment(addr);
         let inside = seg.inside(addr, size);
-        let mut i = inside.end;
-        while i > inside.start {
-            i -= 1;
-            let Some(chunk) = seg.pages[i] else { continue };
+        for chunk in seg.chunks_over(inside.clone()).rev() {
+            steps += 1;
             if chunk.first >= inside.start && chunk.first + chunk.pages <= inside.end {
-                let pages = chunk.first..chunk.first + chunk.pages;
+                found.insert((seg.stream, seg.pool));
                 candidates.push(Victim {
                     segment: base,
                     first: chunk.first,
                     pages: chunk.pages,
                     stream: seg.stream,
-                    last_free: seg.last_free[pages].iter().copied().max().unwrap_or(0),
+                    last_free: chunk.last_free,
                 });
             }
-            i = chunk.first.max(inside.start);
         }
     }
-    candidates
+    for key in dirty {
+        if !found.contains(&key) {
+            clean.push(key);
+        }
+    }
+    (candidates, clean, steps)
 }
 
 /// Moves victims from `from` into `into`, in order, until `limit` pages are taken.

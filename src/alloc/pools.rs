@@ -55,19 +55,9 @@ impl Shard {
         // Dropped after the lock: dropping runs the caller's release callback, which may
         // call back into ccalloc.
         let route = st.caches.routes.remove(i);
-        let mut result = Ok(());
-        if !st.caches.capturing() {
-            while let Some(id) = st.deferred.pop() {
-                let uses = std::mem::take(&mut st.blocks.get_mut(id).stream_uses);
-                if let Err(e) = self.await_streams(&mut st, id, uses.clone()) {
-                    // Still deferred: retried when the next window closes.
-                    st.blocks.get_mut(id).stream_uses = uses;
-                    st.deferred.push(id);
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
+        // Those still deferred after a failure are retried at the next window's close,
+        // empty_cache or OOM.
+        let result = self.retry_deferred(&mut st);
         drop(st);
         drop(route);
         result

@@ -124,15 +124,20 @@ impl Shard {
     }
 
     /// Waits for every pending event and caches its block.
+    /// Deferred blocks get their events first (`retry_deferred`).
     fn drain_awaiting(&self, st: &mut State) -> Result<()> {
-        while let Some(pending) = st.awaiting.pop() {
-            for &event in &pending.events {
-                let waited = self.driver.wait_event(self.device, event);
-                self.driver.destroy_event(self.device, event);
-                if let Err(e) = waited {
-                    // The block stays unusable rather than risk reuse while in use.
+        self.retry_deferred(st)?;
+        while let Some(mut pending) = st.awaiting.pop() {
+            while let Some(&event) = pending.events.last() {
+                if let Err(e) = self.driver.wait_event(self.device, event) {
+                    // The block stays unusable rather than risk reuse while in use, and
+                    // awaiting with the events not yet waited for: the next drain tries
+                    // again.
+                    st.awaiting.push(pending);
                     return Err(driver_error(self.device, e));
                 }
+                self.driver.destroy_event(self.device, event);
+                pending.events.pop();
             }
             let addr = st.blocks.get(pending.block).addr;
             crate::history::reusable(self.device as i32, addr);
@@ -173,14 +178,39 @@ impl Shard {
 
     /// Records an event on each stream that used the block; it becomes reusable when all
     /// have completed. Without events (recording failed) the device is synchronized instead.
+    /// Should neither events nor the synchronize fallback work, the block is deferred
+    /// (`State::deferred`, its streams kept): unusable, not lost; `retry_deferred` tries
+    /// again at the next empty_cache or OOM.
     pub(super) fn await_streams(
         &self,
         st: &mut State,
         id: BlockId,
         uses: Vec<StreamId>,
     ) -> Result<()> {
+        let result = self.record_or_sync(st, id, &uses);
+        if result.is_err() {
+            st.blocks.get_mut(id).stream_uses = uses;
+            st.deferred.push(id);
+        }
+        result
+    }
+
+    /// Blocks whose events could not be recorded (or that were freed during a capture) get
+    /// their events now; on a failure, the rest stay deferred.
+    pub(super) fn retry_deferred(&self, st: &mut State) -> Result<()> {
+        if st.caches.capturing() {
+            return Ok(());
+        }
+        while let Some(id) = st.deferred.pop() {
+            let uses = std::mem::take(&mut st.blocks.get_mut(id).stream_uses);
+            self.await_streams(st, id, uses)?;
+        }
+        Ok(())
+    }
+
+    fn record_or_sync(&self, st: &mut State, id: BlockId, uses: &[StreamId]) -> Result<()> {
         let mut events = Vec::with_capacity(uses.len());
-        for &stream in &uses {
+        for &stream in uses {
             match self.driver.record_event(self.device, stream) {
                 Ok(event) => events.push(event),
                 Err(e) => {
@@ -195,7 +225,7 @@ impl Shard {
                     // A stream of another device is not covered by this device's
                     // synchronize: each recorded one is waited for itself (the events
                     // already made for some of them were just dropped).
-                    for &other in &uses {
+                    for &other in uses {
                         self.driver
                             .synchronize_stream(self.device, other)
                             .map_err(|e| super::driver_error(self.device, e))?;

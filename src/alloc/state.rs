@@ -103,6 +103,10 @@ pub struct State {
     /// keys are the allocator's own addresses, not attacker-chosen).
     pub live: rustc_hash::FxHashMap<DevicePtr, BlockId>,
     pub segments: BTreeMap<DevicePtr, Segment>,
+    /// The memory blocks handed out have covered, as disjoint ranges start → end (adjacent
+    /// ones joined; a segment's part is dropped when it goes back to the device): tells a
+    /// double free from a pointer ccalloc never handed out (`diagnose_not_live`).
+    pub used: BTreeMap<DevicePtr, DevicePtr>,
     pub awaiting: Vec<AwaitingEvents>,
     /// Blocks freed during a capture with other streams recorded: their events are recorded
     /// once no capture is open (recording then would become part of the graph).
@@ -112,6 +116,9 @@ pub struct State {
     /// Paged segments by base address, and which one serves each (stream, pool).
     pub paged: BTreeMap<DevicePtr, PagedSegment>,
     pub paged_for: HashSet<(StreamId, PoolKind)>,
+    /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
+    /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
+    pub reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
     /// Unmapped physical chunks kept for growth (counted as reserved, large pool).
     pub idle_chunks: Vec<super::paged::Spare>,
     /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
@@ -157,12 +164,14 @@ impl State {
             caches: Caches::default(),
             live: Default::default(),
             segments: BTreeMap::new(),
+            used: BTreeMap::new(),
             awaiting: Vec::new(),
             deferred: Vec::new(),
             stats: DeviceStats::default(),
             shut_down: false,
             paged: BTreeMap::new(),
             paged_for: HashSet::new(),
+            reclaim_dirty: Default::default(),
             idle_chunks: Vec::new(),
             last_free_fence: Default::default(),
             live_high_water: 0,
@@ -445,6 +454,7 @@ impl State {
             .segments
             .remove(&block.addr)
             .expect("a whole block is its segment");
+        self.forget_used(block.addr, block.end());
         if let Some(owner) = block.owner {
             let pool = self
                 .caches
@@ -513,7 +523,51 @@ impl State {
             self.stats.inactive_split.decrease(pool, 1);
             self.stats.inactive_split_bytes.decrease(pool, block.size);
         }
+        let addr = self.blocks.get(id).addr;
+        self.note_used(addr, addr + rounded);
         self.mark_handed_out(id, requested)
+    }
+
+    /// `[start, end)` is handed out: joined to the ranges in `used`. Usually one lookup: a
+    /// block reused, or carved next to one, lies in or beside a range already noted.
+    fn note_used(&mut self, start: DevicePtr, end: DevicePtr) {
+        let (mut lo, mut hi) = (start, end);
+        if let Some((&s, &e)) = self.used.range(..=start).next_back() {
+            if e >= end {
+                return;
+            }
+            if e >= start {
+                (lo, hi) = (s, hi.max(e));
+            }
+        }
+        let joined: Vec<(DevicePtr, DevicePtr)> =
+            self.used.range(lo..=hi).map(|(&s, &e)| (s, e)).collect();
+        for (s, e) in joined {
+            self.used.remove(&s);
+            hi = hi.max(e);
+        }
+        self.used.insert(lo, hi);
+    }
+
+    /// A segment `[start, end)` went back to the device: nothing in it was handed out.
+    pub fn forget_used(&mut self, start: DevicePtr, end: DevicePtr) {
+        let mut cut: Vec<(DevicePtr, DevicePtr)> = self
+            .used
+            .range(..end)
+            .rev()
+            .take_while(|&(_, &e)| e > start)
+            .map(|(&s, &e)| (s, e))
+            .collect();
+        cut.reverse();
+        for (s, e) in cut {
+            self.used.remove(&s);
+            if s < start {
+                self.used.insert(s, start);
+            }
+            if e > end {
+                self.used.insert(end, e);
+            }
+        }
     }
 
     /// Accounts a block leaving the cache for a caller, as it is.
@@ -706,7 +760,19 @@ impl State {
             net_blocks += 1;
             net_bytes += block.size as i64;
         }
+        self.mark_reclaim_dirty(id);
         (net_blocks, net_bytes)
+    }
+
+    /// The free block `id` grew (freed, merged): a chunk may now lie wholly under it, so
+    /// its (stream, pool) is searched at the next reclaim. Only this makes such chunks:
+    /// chunks are mapped under the block being handed out, and splits only shrink free
+    /// blocks.
+    fn mark_reclaim_dirty(&mut self, id: BlockId) {
+        let b = self.blocks.get(id);
+        if b.paged && b.owner.is_none() {
+            self.reclaim_dirty.insert((b.stream, b.pool));
+        }
     }
 
     /// Merges the free `neighbour` into `id`; returns the bytes taken over.
@@ -733,6 +799,7 @@ impl State {
                 self.blocks.get_mut(n).prev = Some(id);
             }
         }
+        self.mark_reclaim_dirty(id);
         other.size
     }
 
@@ -810,6 +877,15 @@ impl State {
     }
 
     /// Why `ptr` cannot be freed here: a double free, an interior pointer, or unknown.
+    ///
+    /// The rule: a pointer inside free (or freed, not yet cached) memory is a double free
+    /// when it lies on the 512-byte grid of block starts (`MIN_BLOCK_SIZE`) in memory that
+    /// blocks handed out have covered (`used`): it may have been a block's start. Anything
+    /// else was never handed out: off the grid, in free space no block ever covered (a
+    /// segment's unused tail, a paged segment's untouched address space), or outside every
+    /// segment. Exact starts of freed blocks are not kept (that would cost every free a
+    /// record, and blocks merge), so a grid-aligned interior pointer of a freed block also
+    /// reads as a double free.
     pub fn diagnose_not_live(&self, device: usize, ptr: DevicePtr) -> Error {
         let Some((_, seg)) = self.segment_of(ptr) else {
             return Error::new(
@@ -821,11 +897,26 @@ impl State {
         while let Some(id) = cursor {
             let b = self.blocks.get(id);
             if ptr < b.end() {
-                // Inside a free block: freed already (and maybe merged with a neighbour).
-                if b.state != BlockState::Allocated {
+                if b.state == BlockState::Allocated {
+                    break;
+                }
+                // Inside a free block: freed already (and maybe merged with a neighbour),
+                // if it could have been a block's start.
+                let used = self
+                    .used
+                    .range(..=ptr)
+                    .next_back()
+                    .is_some_and(|(_, &end)| ptr < end);
+                if used && ptr.is_multiple_of(sizing::MIN_BLOCK_SIZE) {
                     return super::already_freed(device, ptr);
                 }
-                break;
+                return Error::new(
+                    ErrorKind::UnknownPointer,
+                    format!(
+                        "{ptr:#x} was never handed out by ccalloc on device {device} (it lies in free memory{})",
+                        if used { ", not at a block start" } else { " no block has used" }
+                    ),
+                );
             }
             cursor = b.next;
         }

@@ -660,18 +660,7 @@ fn best_place_finds_mapped_runs_inside_a_free_block() {
     use super::paged::PagedSegment;
     use crate::driver::PhysHandle;
     let (base, page) = (1u64 << 30, 2 * MIB);
-    let mut seg = PagedSegment {
-        base,
-        size: 16 * page,
-        page,
-        stream: S0,
-        pool: sizing::PoolKind::Large,
-        pages: vec![None; 16],
-        last_free: vec![0; 16],
-        frees_since_fence: 0,
-        mapped: super::paged::PageBits::new(16),
-        mapped_set: Default::default(),
-    };
+    let mut seg = PagedSegment::new(base, 16 * page, page, S0, sizing::PoolKind::Large);
     seg.set_chunk(
         5,
         super::paged::Spare {
@@ -1167,5 +1156,67 @@ fn a_request_beyond_the_memory_limit_fails_without_taking_memory() {
             "{conf:?}: cache kept"
         );
         assert_eq!(stats(&a).num_ooms, 1);
+    }
+}
+
+/// The memory limit gates reserving new memory, never handing out cached memory (PyTorch
+/// checks it only when it must reserve): a request larger than the limit that a cached
+/// block can serve is served, in either segment kind.
+#[test]
+fn the_memory_limit_does_not_refuse_cached_memory() {
+    for conf in ["", "expandable_segments:False"] {
+        let (sim, a) = paged(2 << 30, conf);
+        let big = a.malloc(1 << 30, S0).unwrap();
+        a.free(big).unwrap();
+        // 819 MiB of the 2 GiB device.
+        a.set_memory_fraction(819.0 / 2048.0).unwrap();
+        let before = sim.counters(0);
+        let p = a.malloc(900 * MIB, S0).unwrap();
+        let after = sim.counters(0);
+        assert_eq!(
+            (after.allocate_calls, after.maps),
+            (before.allocate_calls, before.maps),
+            "{conf:?}: served from the cache"
+        );
+        a.free(p).unwrap();
+        // Fraction 0: a small request still fits a cached small segment.
+        let small = a.malloc(512, S0).unwrap();
+        a.free(small).unwrap();
+        a.set_memory_fraction(0.0).unwrap();
+        let small = a.malloc(512, S0).unwrap();
+        a.free(small).unwrap();
+        // New memory is refused, at once: a request the cache cannot serve fails.
+        let err = a.malloc(1536 * MIB, S0).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::OutOfMemory, "{conf:?}");
+        assert_eq!(sim.counters(0).peak_bytes_in_use, after.peak_bytes_in_use);
+    }
+}
+
+/// DOUBLE_FREE is for a pointer once handed out and freed since; a pointer into free space
+/// no block ever covered, or off the 512-byte grid of block starts, is UNKNOWN_POINTER.
+#[test]
+fn pointers_never_handed_out_are_unknown_not_double_frees() {
+    for conf in ["", "expandable_segments:False"] {
+        let (_sim, a) = paged(1 << 30, conf);
+        let p = a.malloc(4096, S0).unwrap();
+        let q = a.malloc(4096, S0).unwrap();
+        a.free(q).unwrap();
+        let kind = |ptr| a.free(ptr).unwrap_err().kind;
+        assert_eq!(kind(q), ErrorKind::DoubleFree, "{conf:?}");
+        // The segment's free space past every block handed out.
+        assert_eq!(kind(p + MIB), ErrorKind::UnknownPointer, "{conf:?}");
+        // Not a block start: freed memory, but off the grid.
+        assert_eq!(kind(q + 1), ErrorKind::UnknownPointer, "{conf:?}");
+        assert_eq!(kind(q + 100), ErrorKind::UnknownPointer, "{conf:?}");
+        // A large block placed from the top of a paged segment: the space below it was
+        // never handed out either.
+        let big = a.malloc(64 * MIB, S0).unwrap();
+        a.free(big).unwrap();
+        assert_eq!(kind(big), ErrorKind::DoubleFree, "{conf:?}");
+        a.free(p).unwrap();
+        assert_eq!(kind(p), ErrorKind::DoubleFree, "{conf:?}");
+        // After the memory goes back to the device, nothing of it is known.
+        a.empty_cache().unwrap();
+        assert_eq!(kind(p), ErrorKind::UnknownPointer, "{conf:?}");
     }
 }

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use ccalloc::driver::sim::SimDriver;
-use ccalloc::driver::{DevicePtr, Driver, DriverResult, EventId};
+use ccalloc::driver::{DevicePtr, Driver, DriverResult, EventId, PhysHandle};
 use ccalloc::StreamId;
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
@@ -101,5 +101,159 @@ impl Driver for GatedDriver {
     }
     fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
         self.sim.synchronize_stream(d, s)
+    }
+}
+
+/// The driver calls a `FaultDriver` counts and may fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Call {
+    Allocate,
+    Release,
+    ReserveAddress,
+    FreeAddress,
+    CreatePhysical,
+    ReleasePhysical,
+    Map,
+    SetAccess,
+    Unmap,
+    RecordEvent,
+    EventDone,
+    WaitEvent,
+    Synchronize,
+    SynchronizeStream,
+}
+
+pub const CALLS: [Call; 14] = [
+    Call::Allocate,
+    Call::Release,
+    Call::ReserveAddress,
+    Call::FreeAddress,
+    Call::CreatePhysical,
+    Call::ReleasePhysical,
+    Call::Map,
+    Call::SetAccess,
+    Call::Unmap,
+    Call::RecordEvent,
+    Call::EventDone,
+    Call::WaitEvent,
+    Call::Synchronize,
+    Call::SynchronizeStream,
+];
+
+/// The sim device, counting each kind of driver call and failing chosen ones: the n-th
+/// call of a kind (1-based), each fault once.
+pub struct FaultDriver {
+    pub sim: Arc<SimDriver>,
+    counts: [std::sync::atomic::AtomicU64; 14],
+    faults: Mutex<Vec<(Call, u64)>>,
+    hits: Mutex<Vec<(Call, u64)>>,
+}
+
+impl FaultDriver {
+    pub fn new(sim: Arc<SimDriver>, faults: &[(Call, u64)]) -> Arc<Self> {
+        Arc::new(Self {
+            sim,
+            counts: Default::default(),
+            faults: Mutex::new(faults.to_vec()),
+            hits: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Calls of `kind` made so far.
+    pub fn count(&self, kind: Call) -> u64 {
+        self.counts[kind as usize].load(SeqCst)
+    }
+
+    /// The faults injected so far.
+    pub fn hits(&self) -> Vec<(Call, u64)> {
+        self.hits.lock().unwrap().clone()
+    }
+
+    fn enter(&self, kind: Call, name: &'static str) -> DriverResult<()> {
+        let n = self.counts[kind as usize].fetch_add(1, SeqCst) + 1;
+        let mut faults = self.faults.lock().unwrap();
+        if let Some(i) = faults.iter().position(|&f| f == (kind, n)) {
+            faults.remove(i);
+            self.hits.lock().unwrap().push((kind, n));
+            return Err(ccalloc::driver::DriverError::Failed {
+                call: name,
+                detail: format!("injected failure of call {n}"),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Driver for FaultDriver {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+    fn device_count(&self) -> usize {
+        self.sim.device_count()
+    }
+    fn total_memory(&self, d: usize) -> DriverResult<u64> {
+        self.sim.total_memory(d)
+    }
+    fn allocate(&self, d: usize, size: u64) -> DriverResult<DevicePtr> {
+        self.enter(Call::Allocate, "allocate")?;
+        self.sim.allocate(d, size)
+    }
+    fn release(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.enter(Call::Release, "release")?;
+        self.sim.release(d, p, size)
+    }
+    fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
+        self.enter(Call::RecordEvent, "record_event")?;
+        self.sim.record_event(d, s)
+    }
+    fn event_done(&self, d: usize, e: EventId) -> DriverResult<bool> {
+        self.enter(Call::EventDone, "event_done")?;
+        self.sim.event_done(d, e)
+    }
+    fn wait_event(&self, d: usize, e: EventId) -> DriverResult<()> {
+        self.enter(Call::WaitEvent, "wait_event")?;
+        self.sim.wait_event(d, e)
+    }
+    fn destroy_event(&self, d: usize, e: EventId) {
+        self.sim.destroy_event(d, e)
+    }
+    fn synchronize(&self, d: usize) -> DriverResult<()> {
+        self.enter(Call::Synchronize, "synchronize")?;
+        self.sim.synchronize(d)
+    }
+    fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
+        self.enter(Call::SynchronizeStream, "synchronize_stream")?;
+        self.sim.synchronize_stream(d, s)
+    }
+    fn vmm_granularity(&self, d: usize) -> Option<u64> {
+        self.sim.vmm_granularity(d)
+    }
+    fn reserve_address(&self, d: usize, size: u64) -> DriverResult<DevicePtr> {
+        self.enter(Call::ReserveAddress, "reserve_address")?;
+        self.sim.reserve_address(d, size)
+    }
+    fn free_address(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.enter(Call::FreeAddress, "free_address")?;
+        self.sim.free_address(d, p, size)
+    }
+    fn create_physical(&self, d: usize, size: u64) -> DriverResult<PhysHandle> {
+        self.enter(Call::CreatePhysical, "create_physical")?;
+        self.sim.create_physical(d, size)
+    }
+    fn release_physical(&self, d: usize, h: PhysHandle, size: u64) -> DriverResult<()> {
+        self.enter(Call::ReleasePhysical, "release_physical")?;
+        self.sim.release_physical(d, h, size)
+    }
+    fn map(&self, d: usize, va: DevicePtr, size: u64, h: PhysHandle) -> DriverResult<()> {
+        self.enter(Call::Map, "map")?;
+        self.sim.map(d, va, size, h)
+    }
+    fn set_access(&self, d: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        self.enter(Call::SetAccess, "set_access")?;
+        self.sim.set_access(d, va, size)
+    }
+    fn unmap(&self, d: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
+        self.enter(Call::Unmap, "unmap")?;
+        self.sim.unmap(d, va, size)
     }
 }
