@@ -186,6 +186,10 @@ typedef struct {
   uint32_t state;
 } ccalloc_block_info;
 
+// Receives one block of a pool restore: `allocated` false for a block freed, true for one
+// made again (`ccalloc_restore_pool`).
+typedef void (*ccalloc_restore_fn)(void *ctx, void *ptr, bool allocated);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -388,6 +392,22 @@ ccalloc_status ccalloc_snapshot_trace_entry(const ccalloc_snapshot *snapshot,
 // `torch.cuda.memory._dump_snapshot` writes), which `python -m torch.cuda._memory_viz` and
 // `ccalloc replay` read. Stack frames are empty.
 ccalloc_status ccalloc_dump_snapshot(const char *path);
+
+// Restores private pool `pool` of `device` to a saved layout (PyTorch's
+// `setCheckpointPoolState`): `blocks` lists every block of the pool's segments in address
+// order, as `ccalloc_snapshot_block` gave them (`state` 1: handed out; others: free). Every
+// block of the pool handed out now is freed, then the saved blocks are made again at their
+// addresses, those saved as handed out staying handed out. On success `report(ctx, ptr,
+// false)` is called for each block freed, then `report(ctx, ptr, true)` for each made
+// again. Fails with `CCALLOC_INVALID_ARGUMENT` when the pool's segments no longer match the
+// layout or one of its blocks awaits another stream's work; the pool's blocks are then
+// freed and it must not be used further.
+ccalloc_status ccalloc_restore_pool(int32_t device,
+                                    ccalloc_pool_id pool,
+                                    const ccalloc_block_info *blocks,
+                                    size_t count,
+                                    ccalloc_restore_fn report,
+                                    void *ctx);
 
 #ifdef __cplusplus
 }  // extern "C"

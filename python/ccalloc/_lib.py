@@ -361,6 +361,9 @@ ccalloc_release_fn = _nullable_function_pointer(None, c_void_p)
 # ``void (*)(void *ctx, const ccalloc_trace_entry *entry)``: sees each segment event.
 ccalloc_trace_observer = _nullable_function_pointer(None, c_void_p, POINTER(ccalloc_trace_entry))
 
+# ``void (*)(void *ctx, void *ptr, bool allocated)``: one block of a pool restore.
+ccalloc_restore_fn = _nullable_function_pointer(None, c_void_p, c_void_p, c_bool)
+
 
 # --------------------------------------------------------------------------------------------
 # Function table: every function declared in ccalloc.h, (argtypes, restype)
@@ -419,6 +422,10 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_snapshot_trace_entry": ([c_void_p, c_size_t, POINTER(ccalloc_trace_entry)], _status),
     "ccalloc_dump_snapshot": ([c_char_p], _status),
     "ccalloc_add_segment_observer": ([ccalloc_trace_observer, c_void_p], _status),
+    "ccalloc_restore_pool": (
+        [c_int32, ccalloc_pool_id, POINTER(ccalloc_block_info), c_size_t, ccalloc_restore_fn, c_void_p],
+        _status,
+    ),
     # PyTorch CUDAPluggableAllocator entry points (their addresses are handed to PyTorch).
     "ccalloc_torch_alloc": ([c_size_t, c_int, _stream], c_void_p),
     "ccalloc_torch_free": ([c_void_p, c_size_t, c_int, _stream], None),

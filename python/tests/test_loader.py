@@ -197,6 +197,8 @@ _C_TO_CTYPES = {
     "ccalloc_stream_filter": _lib.ccalloc_stream_filter,
     "ccalloc_release_fn": _lib.ccalloc_release_fn,
     "ccalloc_trace_observer": _lib.ccalloc_trace_observer,
+    "ccalloc_restore_fn": _lib.ccalloc_restore_fn,
+    "const ccalloc_block_info*": ctypes.POINTER(_lib.ccalloc_block_info),
 }
 
 

@@ -567,6 +567,41 @@ impl DeviceAllocator {
         self.each_shard(|s| s.set_pool_users(pool, users))
     }
 
+    /// Restores private pool `pool` to a saved layout (`restore`): frees every block of it
+    /// handed out now, and makes the saved ones again at their addresses.
+    pub fn restore_pool(
+        &self,
+        pool: PoolId,
+        saved: &[super::SavedBlock],
+    ) -> Result<super::Restored> {
+        self.check_open()?;
+        let mut all = super::Restored::default();
+        for shard in self.shards() {
+            if !shard.knows_pool(pool)? {
+                continue;
+            }
+            let done = shard.restore_pool(pool, saved)?;
+            all.freed.extend(done.freed);
+            all.allocated.extend(done.allocated);
+            all.segments_found += done.segments_found;
+        }
+        let starts = saved
+            .windows(2)
+            .filter(|w| w[0].addr + w[0].size != w[1].addr)
+            .count()
+            + usize::from(!saved.is_empty());
+        if all.segments_found < starts {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "restore_pool: {} of the {starts} saved segments of pool {pool:?} are gone",
+                    starts - all.segments_found
+                ),
+            ));
+        }
+        Ok(all)
+    }
+
     /// The holds on private pool `pool` (0 when unknown).
     pub fn pool_use_count(&self, pool: PoolId) -> Result<u32> {
         let setup = self.setup()?;

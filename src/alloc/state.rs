@@ -476,12 +476,30 @@ impl State {
 
     /// Splits off what `rounded` does not need, marks the block live, and counts it.
     pub fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64) -> DevicePtr {
+        self.hand_out_split(id, rounded, requested, false)
+    }
+
+    /// As `hand_out`, but any excess is split off however small: restoring a pool's saved
+    /// layout (`Shard::restore_pool`) re-makes its blocks at their exact sizes.
+    pub fn hand_out_exact(&mut self, id: BlockId, size: u64) -> DevicePtr {
+        self.hand_out_split(id, size, size, true)
+    }
+
+    fn hand_out_split(
+        &mut self,
+        id: BlockId,
+        rounded: u64,
+        requested: u64,
+        exact: bool,
+    ) -> DevicePtr {
         let block = self.blocks.get(id);
         let (pool, owner, paged) = (block.pool, block.owner, block.paged);
         // Paged blocks always split (unused pages are not held) and count no inactive
         // splits: a paged segment is one long split by nature.
         let already_split = block.is_split() && !paged;
-        let split = if paged {
+        let split = if exact {
+            block.size > rounded
+        } else if paged {
             block.size - rounded >= sizing::MIN_BLOCK_SIZE
         } else {
             sizing::should_split(pool, block.size, rounded, &self.config)

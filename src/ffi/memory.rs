@@ -364,3 +364,59 @@ pub unsafe extern "C" fn ccalloc_dump_snapshot(path: *const c_char) -> ccalloc_s
         })
     })
 }
+
+/// Receives one block of a pool restore: `allocated` false for a block freed, true for one
+/// made again (`ccalloc_restore_pool`).
+pub type ccalloc_restore_fn =
+    Option<unsafe extern "C" fn(ctx: *mut c_void, ptr: *mut c_void, allocated: bool)>;
+
+/// Restores private pool `pool` of `device` to a saved layout (PyTorch's
+/// `setCheckpointPoolState`): `blocks` lists every block of the pool's segments in address
+/// order, as `ccalloc_snapshot_block` gave them (`state` 1: handed out; others: free). Every
+/// block of the pool handed out now is freed, then the saved blocks are made again at their
+/// addresses, those saved as handed out staying handed out. On success `report(ctx, ptr,
+/// false)` is called for each block freed, then `report(ctx, ptr, true)` for each made
+/// again. Fails with `CCALLOC_INVALID_ARGUMENT` when the pool's segments no longer match the
+/// layout or one of its blocks awaits another stream's work; the pool's blocks are then
+/// freed and it must not be used further.
+#[no_mangle]
+pub unsafe extern "C" fn ccalloc_restore_pool(
+    device: i32,
+    pool: ccalloc_pool_id,
+    blocks: *const ccalloc_block_info,
+    count: usize,
+    report: ccalloc_restore_fn,
+    ctx: *mut c_void,
+) -> ccalloc_status {
+    guard(|| {
+        if blocks.is_null() && count > 0 {
+            return Err(invalid("blocks is NULL"));
+        }
+        let report = report.ok_or_else(|| invalid("report is NULL"))?;
+        let saved: Vec<crate::alloc::SavedBlock> = if count == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: `count` readable blocks, per the API contract.
+            unsafe { std::slice::from_raw_parts(blocks, count) }
+                .iter()
+                .map(|b| crate::alloc::SavedBlock {
+                    addr: b.address,
+                    size: b.size,
+                    allocated: b.state == 1,
+                })
+                .collect()
+        };
+        let done = runtime::global()?
+            .device(device as i64)?
+            .restore_pool((pool.first, pool.second), &saved)?;
+        for ptr in done.freed {
+            // SAFETY: a caller-supplied function with the documented signature.
+            unsafe { report(ctx, ptr as *mut c_void, false) };
+        }
+        for ptr in done.allocated {
+            // SAFETY: as above.
+            unsafe { report(ctx, ptr as *mut c_void, true) };
+        }
+        Ok(())
+    })
+}

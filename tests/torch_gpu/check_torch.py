@@ -504,7 +504,7 @@ def child_oom(torch, alloc, args):
     observed = []
     backend = args.get("_mode") == "backend"
     if backend:
-        torch.cuda.memory._attach_out_of_memory_observer(
+        torch._C._cuda_attach_out_of_memory_observer(
             lambda device, allocated, total, free: observed.append((device, allocated, total, free)))
     size = int(total * 0.10)
     raised = None

@@ -499,16 +499,47 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     return state;
   }
 
-  // Restoring a saved state (graph trees, only when a tree diverges after a partial replay)
-  // would need blocks re-made at given addresses, which ccalloc does not offer.
+  // Restores a saved pool state (graph trees, when a recorded path diverges after a
+  // partial replay): ccalloc frees the pool's live blocks and re-makes the saved ones at
+  // their addresses.
   cca::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex,
-      std::shared_ptr<cca::AllocatorState>) override {
-    TORCH_CHECK(
-        false,
-        "ccalloc: restoring a private pool's state is not supported. CUDA graph trees ask for "
-        "it only when a recorded path diverges after a partial replay (a new branch or shape "
-        "mid-path); set torch._inductor.config.triton.cudagraph_trees = False for such models.");
+      c10::DeviceIndex device,
+      std::shared_ptr<cca::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<PoolCheckpoint>(pps);
+    TORCH_CHECK(state, "ccalloc: setCheckpointPoolState got a state ccalloc did not save");
+    std::vector<ccalloc_block_info> blocks;
+    blocks.reserve(state->blocks.size());
+    for (const auto& b : state->blocks) {
+      blocks.push_back(ccalloc_block_info{b.address, b.size, 0, b.allocated ? 1u : 0u});
+    }
+    struct Report {
+      std::vector<void*> freed;
+      std::vector<void*> made;
+    } report;
+    check(
+        ccalloc_restore_pool(
+            device,
+            pool_of(state->pool),
+            blocks.data(),
+            blocks.size(),
+            [](void* ctx, void* ptr, bool allocated) {
+              auto* r = static_cast<Report*>(ctx);
+              (allocated ? r->made : r->freed).push_back(ptr);
+            },
+            &report),
+        "restore_pool");
+    {
+      std::lock_guard<std::mutex> lock(history_mutex_);
+      for (void* p : report.freed) {
+        block_contexts_.erase(reinterpret_cast<uint64_t>(p));
+      }
+    }
+    cca::CheckpointDelta delta;
+    delta.ptrs_freed = std::move(report.freed);
+    for (void* p : report.made) {
+      delta.dataptrs_allocd.emplace_back(p, p, &raw_delete_fn, c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
 
   std::string name() override {

@@ -1,0 +1,98 @@
+//! Restoring a private pool to a saved layout, as PyTorch's CUDA graph trees ask when a
+//! recorded path diverges after a partial replay (`setCheckpointPoolState`): every block of
+//! the pool handed out now is freed, then the saved blocks are made again at their exact
+//! addresses and sizes, and those saved as handed out stay handed out.
+//!
+//! Invariant relied on: a private pool's segments are plain and never released while the
+//! pool is held, and once none of its blocks is handed out each segment is one free block
+//! (frees merge). Carving the saved blocks from each segment's start, in address order,
+//! then gives back the saved addresses. A pool with a block still awaiting another
+//! stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
+
+use super::blocks::{BlockId, BlockState};
+use super::caches::PoolId;
+use super::Shard;
+use crate::driver::DevicePtr;
+use crate::error::{Error, ErrorKind, Result};
+
+/// One saved block: its address, size, and whether it was handed out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SavedBlock {
+    pub addr: DevicePtr,
+    pub size: u64,
+    pub allocated: bool,
+}
+
+/// What a restore did: the blocks it freed, and those it made again as handed out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Restored {
+    pub freed: Vec<DevicePtr>,
+    pub allocated: Vec<DevicePtr>,
+    /// Saved segments this shard holds (the device checks every saved one was found).
+    pub segments_found: usize,
+}
+
+fn refused(message: String) -> Error {
+    Error::new(
+        ErrorKind::InvalidArgument,
+        format!("restore_pool: {message}"),
+    )
+}
+
+impl Shard {
+    /// Restores `pool`'s blocks in the segments of this shard to `saved` (every block of
+    /// those segments, in address order; blocks of other shards' segments are skipped).
+    pub(super) fn restore_pool(&self, pool: PoolId, saved: &[SavedBlock]) -> Result<Restored> {
+        let mut st = self.lock()?;
+        self.drain_fronts(&mut st);
+        let mut done = Restored::default();
+        let live: Vec<(DevicePtr, BlockId)> = st
+            .live
+            .iter()
+            .filter(|(_, &id)| st.blocks.get(id).owner == Some(pool))
+            .map(|(&addr, &id)| (addr, id))
+            .collect();
+        for (addr, id) in live {
+            self.free_block(&mut st, id, true)?;
+            done.freed.push(addr);
+        }
+        let mut to_free = Vec::new();
+        let mut cursor: Option<BlockId> = None;
+        for b in saved {
+            if let Some(seg) = st.segments.get(&b.addr) {
+                cursor = Some(seg.first);
+                done.segments_found += 1;
+            }
+            let Some(id) = cursor else {
+                continue; // a segment of another shard
+            };
+            let block = st.blocks.get(id);
+            if block.owner != Some(pool) || block.addr != b.addr || block.size < b.size {
+                return Err(refused(format!(
+                    "the pool's memory at {:#x} no longer matches its saved layout",
+                    b.addr
+                )));
+            }
+            if block.state != BlockState::Free {
+                return Err(refused(format!(
+                    "the pool's block at {:#x} is still in use by another stream's work",
+                    b.addr
+                )));
+            }
+            let (owner, kind) = (block.owner, block.pool);
+            let state = &mut *st;
+            state.caches.list(owner, kind).remove(state.blocks.get(id));
+            let addr = st.hand_out_exact(id, b.size);
+            if b.allocated {
+                done.allocated.push(addr);
+            } else {
+                to_free.push(id);
+            }
+            cursor = st.blocks.get(id).next;
+        }
+        for id in to_free {
+            self.free_block(&mut st, id, false)?;
+        }
+        Ok(done)
+    }
+}
