@@ -425,7 +425,7 @@ fn pin_running() -> Option<&'static Runtime> {
 /// Frees the retired runtimes that no thread's hazard slot names (under the lifecycle
 /// lock); returns them, to be dropped once the lock is released (dropping one may run a
 /// caller's release callback, which may call back into ccalloc).
-fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Box<Runtime>> {
+fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Runtime> {
     if lifecycle.retired.is_empty() {
         return Vec::new();
     }
@@ -444,7 +444,7 @@ fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Box<Runtime>> {
         }
         // SAFETY: from `Box::into_raw`, no longer reachable through `GLOBAL` nor named by
         // any thread: nobody can use it any more.
-        freed.push(unsafe { Box::from_raw(r.0) });
+        freed.push(*unsafe { Box::from_raw(r.0) });
         false
     });
     freed

@@ -104,7 +104,7 @@ fn a_child_forked_while_another_thread_is_inside_ccalloc_is_refused_at_once() {
                     CCALLOC_OK
                 );
                 assert_eq!(ccalloc_free(p, 0), CCALLOC_OK);
-                if i % 2 == 0 {
+                if i.is_multiple_of(2) {
                     assert_eq!(ccalloc_empty_cache(0), CCALLOC_OK);
                 }
                 i += 1;
