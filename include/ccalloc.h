@@ -303,6 +303,11 @@ void ccalloc_torch_record_stream(void *ptr, cudaStream_t stream);
 // streams when NULL) come from private pool `pool` and are reused only by it, as for a CUDA
 // graph capture. `release(ctx)` is called when the window closes. Each begin holds the pool
 // once; see `ccalloc_release_pool`.
+//
+// `filter` is called once per allocation on `device` while any window is open, on the
+// allocating thread, before ccalloc takes any of its locks: it may call back into ccalloc
+// (read statistics, say). An allocation made from inside a filter on the same thread is
+// refused with `CCALLOC_INVALID_ARGUMENT` (the running filter would have to route it).
 ccalloc_status ccalloc_begin_allocate_to_pool(int32_t device,
                                               ccalloc_pool_id pool,
                                               ccalloc_stream_filter filter,

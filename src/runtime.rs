@@ -8,7 +8,7 @@ use crate::driver::sim::SimDriver;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use once_cell::sync::OnceCell;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub struct Runtime {
@@ -20,7 +20,10 @@ pub struct Runtime {
     config: Mutex<Config>,
     /// Set by `shutdown`: no device is started afterwards (a call racing a shutdown must
     /// not bring up a fresh allocator in a runtime nobody will release).
-    shut_down: std::sync::atomic::AtomicBool,
+    shut_down: AtomicBool,
+    /// Used as the global runtime by a thread that could not publish it in its hazard slot
+    /// (a call from a thread-local destructor): never freed.
+    pinned: AtomicBool,
 }
 
 impl Runtime {
@@ -33,7 +36,8 @@ impl Runtime {
             sim: None,
             devices,
             config: Mutex::new(config),
-            shut_down: std::sync::atomic::AtomicBool::new(false),
+            shut_down: AtomicBool::new(false),
+            pinned: AtomicBool::new(false),
         }
     }
 
@@ -235,10 +239,18 @@ impl Runtime {
     }
 }
 
-/// The runtime behind the C API. Each one is leaked on purpose: a thread still inside a call
-/// while another shuts down keeps a valid reference, and finds the allocator shut down.
+/// The running runtime behind the C API (null while there is none).
+///
+/// A runtime is freed once it is shut down and no thread can still be using it. Each thread
+/// publishes the runtime it is using in its hazard slot (`protect`) before it uses it; a
+/// retired runtime is freed only when no slot names it (`reclaim`). A slot keeps naming the
+/// runtime until the thread's next call replaces it (or the thread exits), so the fast path
+/// of a call that uses the same runtime as the last one is a plain load and compare.
 static GLOBAL: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
-static LIFECYCLE: Mutex<Phase> = Mutex::new(Phase::Uninitialized);
+static LIFECYCLE: Mutex<Lifecycle> = Mutex::new(Lifecycle {
+    phase: Phase::Uninitialized,
+    retired: Vec::new(),
+});
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
@@ -247,33 +259,264 @@ enum Phase {
     ShutDown,
 }
 
-/// The running global runtime, or why there is none.
-pub fn global() -> Result<&'static Runtime> {
-    let ptr = GLOBAL.load(Ordering::Acquire);
-    if ptr.is_null() {
-        let phase = *LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
-        return Err(match phase {
-            Phase::ShutDown => Error::new(ErrorKind::ShutDown, "ccalloc has been shut down"),
-            _ => Error::new(
-                ErrorKind::NotInitialized,
-                "ccalloc is not initialized: call ccalloc_init() first",
-            ),
+struct Lifecycle {
+    phase: Phase,
+    /// Shut down runtimes that a thread may still be using (freed by `reclaim`).
+    retired: Vec<Retired>,
+}
+
+/// A shut down runtime, from `Box::into_raw`.
+struct Retired(*mut Runtime);
+
+// SAFETY: a `Runtime` is Send and Sync; the pointer is owned here until freed.
+unsafe impl Send for Retired {}
+
+/// One thread's hazard slot: the runtime it may be using (null: none).
+struct HazardSlot {
+    runtime: AtomicPtr<Runtime>,
+    /// Taken by a live thread; a free slot is reused by the next thread to register.
+    taken: AtomicBool,
+}
+
+/// Every slot ever made (one per thread alive at once; never freed, so that `reclaim` may
+/// read a slot while its thread exits).
+static SLOTS: Mutex<Vec<&'static HazardSlot>> = Mutex::new(Vec::new());
+
+/// The calling thread's slot, given back when the thread exits.
+struct ThreadHazard(&'static HazardSlot);
+
+impl ThreadHazard {
+    fn register() -> Self {
+        let mut slots = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
+        let free = slots.iter().find(|s| {
+            s.taken
+                .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
         });
+        let slot = match free {
+            Some(slot) => *slot,
+            None => {
+                let slot: &'static HazardSlot = Box::leak(Box::new(HazardSlot {
+                    runtime: AtomicPtr::new(std::ptr::null_mut()),
+                    taken: AtomicBool::new(true),
+                }));
+                slots.push(slot);
+                slot
+            }
+        };
+        Self(slot)
     }
-    // SAFETY: non-null values come from `Box::leak` in `init_global` and are never freed.
-    Ok(unsafe { &*ptr })
+}
+
+impl Drop for ThreadHazard {
+    fn drop(&mut self) {
+        self.0.runtime.store(std::ptr::null_mut(), Ordering::SeqCst);
+        self.0.taken.store(false, Ordering::Release);
+    }
+}
+
+thread_local! {
+    static HAZARD: ThreadHazard = ThreadHazard::register();
+}
+
+/// Set in a child process by the `pthread_atfork` handler: the parent's allocator state
+/// (and, on CUDA, its context) is not valid there, and locks may be held by parent threads
+/// that do not exist in the child.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn after_fork_in_child() {
+    FORKED.store(true, Ordering::SeqCst);
+}
+
+/// The error of every call made in a child process forked after ccalloc was initialized.
+pub const FORKED_MESSAGE: &str = "ccalloc cannot be used in a child process after fork(): the \
+     parent's allocator (and its CUDA context) is not valid here, as CUDA itself is unusable \
+     after fork. Start child processes that allocate with exec/spawn (Python: \
+     multiprocessing's \"spawn\" start method)";
+
+/// Fails at once, taking no lock, in a child process forked after ccalloc was initialized.
+pub fn check_not_forked() -> Result<()> {
+    if FORKED.load(Ordering::Relaxed) {
+        return Err(Error::new(ErrorKind::DriverUnavailable, FORKED_MESSAGE));
+    }
+    Ok(())
+}
+
+/// Whether this process is a child forked after ccalloc was initialized.
+pub fn is_forked_child() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+thread_local! {
+    /// How many C API calls this thread is inside (more than one: a call made from a
+    /// callback, such as a pool's stream filter, inside another call).
+    static CALL_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts the calling thread into a C API call until dropped (`ffi::boundary::guard`).
+pub struct CallScope(());
+
+impl CallScope {
+    pub fn enter() -> Self {
+        let _ = CALL_DEPTH.try_with(|d| d.set(d.get() + 1));
+        Self(())
+    }
+}
+
+impl Drop for CallScope {
+    fn drop(&mut self) {
+        let _ = CALL_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+    }
+}
+
+fn nested_call() -> bool {
+    CALL_DEPTH.try_with(|d| d.get() > 1).unwrap_or(false)
+}
+
+/// The running runtime, published in this thread's hazard slot so that it is not freed
+/// while in use; `None` when there is none.
+fn protect() -> Result<Option<&'static Runtime>> {
+    loop {
+        let ptr = GLOBAL.load(Ordering::SeqCst);
+        if ptr.is_null() {
+            return Ok(None);
+        }
+        let published = HAZARD.try_with(|h| {
+            let mine = h.0.runtime.load(Ordering::Relaxed);
+            if mine == ptr {
+                return Ok(());
+            }
+            if !mine.is_null() && nested_call() {
+                // The outer call still uses the runtime this slot names.
+                return Err(Error::new(
+                    ErrorKind::ShutDown,
+                    "ccalloc was shut down and started again during this call",
+                ));
+            }
+            h.0.runtime.store(ptr, Ordering::SeqCst);
+            Ok(())
+        });
+        match published {
+            Ok(result) => result?,
+            // This thread's storage is gone (a call from a thread-local destructor): the
+            // runtime is pinned instead, under the lock that reclaiming takes.
+            Err(_) => return Ok(pin_running()),
+        }
+        // Published while still running: a shutdown retires it only after this point, and
+        // `reclaim` then sees the slot.
+        if GLOBAL.load(Ordering::SeqCst) == ptr {
+            // SAFETY: non-null values come from `Box::into_raw` in `init_global`; this one
+            // stays allocated while the hazard slot names it.
+            return Ok(Some(unsafe { &*ptr }));
+        }
+    }
+}
+
+/// The running runtime, never to be freed: for a thread without its hazard slot.
+fn pin_running() -> Option<&'static Runtime> {
+    let _lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
+    let ptr = GLOBAL.load(Ordering::SeqCst);
+    // SAFETY: under the lifecycle lock the running runtime is not retired or freed.
+    let runtime = unsafe { ptr.as_ref() }?;
+    runtime.pinned.store(true, Ordering::SeqCst);
+    Some(runtime)
+}
+
+/// Frees the retired runtimes that no thread's hazard slot names (under the lifecycle
+/// lock); returns them, to be dropped once the lock is released (dropping one may run a
+/// caller's release callback, which may call back into ccalloc).
+fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Runtime> {
+    if lifecycle.retired.is_empty() {
+        return Vec::new();
+    }
+    let named: Vec<*mut Runtime> = SLOTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|s| s.runtime.load(Ordering::SeqCst))
+        .collect();
+    let mut freed = Vec::new();
+    lifecycle.retired.retain(|r| {
+        // SAFETY: retired runtimes stay allocated until freed here.
+        let pinned = unsafe { &*r.0 }.pinned.load(Ordering::SeqCst);
+        if pinned || named.contains(&r.0) {
+            return true;
+        }
+        // SAFETY: from `Box::into_raw`, no longer reachable through `GLOBAL` nor named by
+        // any thread: nobody can use it any more.
+        freed.push(*unsafe { Box::from_raw(r.0) });
+        false
+    });
+    freed
+}
+
+/// Clears the calling thread's hazard slot, unless it is inside an outer call.
+fn release_own_hazard() {
+    if !nested_call() {
+        let _ = HAZARD.try_with(|h| h.0.runtime.store(std::ptr::null_mut(), Ordering::SeqCst));
+    }
+}
+
+/// The running global runtime, or why there is none. A call racing a shutdown and init
+/// gets one or the other: the runtime, or `ShutDown` (`NotInitialized` only before the
+/// first successful init).
+pub fn global() -> Result<&'static Runtime> {
+    check_not_forked()?;
+    if let Some(runtime) = protect()? {
+        return Ok(runtime);
+    }
+    let lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
+    match lifecycle.phase {
+        // Started again since the load above.
+        Phase::Running => {
+            protect()?.ok_or_else(|| Error::new(ErrorKind::Internal, "running without a runtime"))
+        }
+        Phase::ShutDown => Err(Error::new(
+            ErrorKind::ShutDown,
+            "ccalloc has been shut down",
+        )),
+        Phase::Uninitialized => Err(Error::new(
+            ErrorKind::NotInitialized,
+            "ccalloc is not initialized: call ccalloc_init() first",
+        )),
+    }
+}
+
+/// Registers the fork handler, once per process.
+fn watch_forks() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
+    });
 }
 
 /// Starts the global runtime from the environment; a no-op when it is running.
 pub fn init_global() -> Result<&'static Runtime> {
-    let mut phase = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
-    if *phase == Phase::Running {
+    check_not_forked()?;
+    let mut lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
+    if lifecycle.phase == Phase::Running {
+        drop(lifecycle);
         return global();
     }
     crate::logging::init_from_env();
-    let runtime: &'static Runtime = Box::leak(Box::new(Runtime::from_env()?));
-    GLOBAL.store(runtime as *const Runtime as *mut Runtime, Ordering::Release);
-    *phase = Phase::Running;
+    let freed = reclaim(&mut lifecycle);
+    watch_forks();
+    let started = Runtime::from_env().map(|r| Box::into_raw(Box::new(r)));
+    let runtime = match started {
+        Ok(ptr) => {
+            GLOBAL.store(ptr, Ordering::SeqCst);
+            lifecycle.phase = Phase::Running;
+            // Published under the lock: it cannot be retired before this thread uses it.
+            protect().and_then(|r| {
+                r.ok_or_else(|| Error::new(ErrorKind::Internal, "started runtime missing"))
+            })
+        }
+        Err(e) => Err(e),
+    };
+    drop(lifecycle);
+    drop(freed);
+    let runtime = runtime?;
     tracing::info!(
         backend = runtime.backend(),
         devices = runtime.device_count(),
@@ -283,9 +526,11 @@ pub fn init_global() -> Result<&'static Runtime> {
 }
 
 /// Shuts the global runtime down; later calls fail with `ShutDown` until `init_global`.
+/// The runtime is freed once no thread is still inside a call that uses it.
 pub fn shutdown_global() -> Result<()> {
-    let mut phase = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
-    match *phase {
+    check_not_forked()?;
+    let mut lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
+    match lifecycle.phase {
         Phase::Uninitialized => Err(Error::new(
             ErrorKind::NotInitialized,
             "ccalloc is not initialized: nothing to shut down",
@@ -295,9 +540,16 @@ pub fn shutdown_global() -> Result<()> {
             "ccalloc is already shut down",
         )),
         Phase::Running => {
-            global()?.shutdown()?;
-            GLOBAL.store(std::ptr::null_mut(), Ordering::Release);
-            *phase = Phase::ShutDown;
+            let ptr = GLOBAL.load(Ordering::SeqCst);
+            // SAFETY: the running runtime is not freed while the lifecycle lock is held.
+            unsafe { &*ptr }.shutdown()?;
+            GLOBAL.store(std::ptr::null_mut(), Ordering::SeqCst);
+            lifecycle.phase = Phase::ShutDown;
+            lifecycle.retired.push(Retired(ptr));
+            release_own_hazard();
+            let freed = reclaim(&mut lifecycle);
+            drop(lifecycle);
+            drop(freed);
             Ok(())
         }
     }

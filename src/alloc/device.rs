@@ -65,6 +65,9 @@ pub struct DeviceAllocator {
     slots: [OnceCell<Slot>; MAX_SHARDS],
     setup: Mutex<Setup>,
     shut_down: AtomicBool,
+    /// Whether a `begin_allocate_to_pool` window is open: allocations then run the windows'
+    /// filters before taking any lock (`malloc_routed`).
+    routing: AtomicBool,
     /// `Config::per_stream_shards`; may change only while no shard exists.
     sharded: AtomicBool,
     /// Each thread's front cache for this device (`front`), and this allocator's key in
@@ -102,6 +105,7 @@ impl DeviceAllocator {
                 pools: HashMap::new(),
             }),
             shut_down: AtomicBool::new(false),
+            routing: AtomicBool::new(false),
         })
     }
 
@@ -209,6 +213,52 @@ impl DeviceAllocator {
         if let Some(ptr) = front::take(&self.fronts, self.key, size, stream) {
             return Ok(ptr);
         }
+        if self.routing.load(Ordering::Acquire) {
+            return self.malloc_routed(size, stream);
+        }
+        self.malloc_in_shard(size, stream)
+    }
+
+    /// `malloc` while windows are open. Their filters are the caller's code, which may call
+    /// back into ccalloc (a Python filter reading `memory_allocated()`): they run here, with
+    /// no lock of ours held, and the shard's routing reads their answers (`route_to`). An
+    /// allocation from inside a filter is refused: that filter would route it.
+    fn malloc_routed(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
+        if IN_FILTER.with(std::cell::Cell::get) {
+            return Err(Error::new(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "device {}: allocation from inside a pool stream filter \
+                     (ccalloc_begin_allocate_to_pool) is refused: the filter decides where \
+                     allocations go while it runs; reading statistics from it is fine",
+                    self.device
+                ),
+            ));
+        }
+        let windows: Vec<Arc<Mutex<RouteFilter>>> = {
+            let setup = self.setup()?;
+            setup.windows.iter().map(|(_, f)| f.clone()).collect()
+        };
+        let answers = windows
+            .iter()
+            .map(|filter| {
+                let _running = InFilter::enter();
+                let accepted = filter.lock().is_ok_and(|f| f(stream));
+                (Arc::as_ptr(filter) as usize, stream, accepted)
+            })
+            .collect();
+        let result = {
+            let _answers = Answers::set(answers);
+            self.malloc_in_shard(size, stream)
+        };
+        // Dropped with no lock held: the last hold on a closed window's filter runs the
+        // caller's release callback.
+        drop(windows);
+        result
+    }
+
+    /// `malloc` past the thread's front.
+    fn malloc_in_shard(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
         let (slot, shard) = self.shard(stream)?;
         if !self.several_shards() || size > self.total_memory {
             // One shard, or a size no emptying could make room for: nothing to retry.
@@ -630,11 +680,14 @@ impl DeviceAllocator {
         // first. Blocks they hold stay held (to the shard, allocated) until a drain: growth
         // drains them as always.
         self.fronts.open.store(false, Ordering::Release);
+        self.routing.store(true, Ordering::Release);
         let opened = self.each_shard(|s| s.begin_allocate_to_pool(pool, route_to(&filter)));
         if opened.is_ok() {
             setup.windows.push((pool, filter));
             *setup.pools.entry(pool).or_insert(0) += 1;
         }
+        self.routing
+            .store(!setup.windows.is_empty(), Ordering::Release);
         self.set_fronts_open(&setup);
         drop(setup);
         opened
@@ -651,6 +704,8 @@ impl DeviceAllocator {
             ));
         };
         let window = setup.windows.remove(i);
+        self.routing
+            .store(!setup.windows.is_empty(), Ordering::Release);
         let closed = self.each_shard(|s| s.end_allocate_to_pool(pool));
         self.set_fronts_open(&setup);
         drop(setup);
@@ -772,10 +827,61 @@ thread_local! {
     static LAST_SLOT: std::cell::Cell<(usize, usize)> = const { std::cell::Cell::new((0, 0)) };
 }
 
-/// A shard's view of a window's filter.
+thread_local! {
+    /// The open windows' filters' answers for this thread's allocation in progress
+    /// (`malloc_routed`): (filter's address, stream, accepted).
+    static ANSWERS: std::cell::RefCell<Vec<(usize, StreamId, bool)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+    /// Set while this thread runs a window's filter.
+    static IN_FILTER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// This thread's filter answers until dropped (also on a panic).
+struct Answers;
+
+impl Answers {
+    fn set(answers: Vec<(usize, StreamId, bool)>) -> Self {
+        ANSWERS.with(|a| *a.borrow_mut() = answers);
+        Self
+    }
+}
+
+impl Drop for Answers {
+    fn drop(&mut self) {
+        let _ = ANSWERS.try_with(|a| a.borrow_mut().clear());
+    }
+}
+
+/// Marks this thread as running a filter until dropped.
+struct InFilter;
+
+impl InFilter {
+    fn enter() -> Self {
+        IN_FILTER.with(|f| f.set(true));
+        Self
+    }
+}
+
+impl Drop for InFilter {
+    fn drop(&mut self) {
+        let _ = IN_FILTER.try_with(|f| f.set(false));
+    }
+}
+
+/// A shard's view of a window's filter: the answer `malloc_routed` got from it, before any
+/// lock was taken. A window with no answer opened after this allocation began: the
+/// allocation is not routed to it (it is ordered before the window's opening).
 fn route_to(filter: &Arc<Mutex<RouteFilter>>) -> RouteFilter {
-    let filter = filter.clone();
-    Box::new(move |stream| filter.lock().is_ok_and(|f| f(stream)))
+    let key = Arc::as_ptr(filter) as usize;
+    Box::new(move |stream| {
+        ANSWERS
+            .try_with(|a| {
+                a.borrow()
+                    .iter()
+                    .any(|&(f, s, accepted)| f == key && s == stream && accepted)
+            })
+            .unwrap_or(false)
+    })
 }
 
 #[cfg(test)]

@@ -764,7 +764,16 @@ fn free_run(runs: &mut BTreeMap<u64, u64>, mut first: u64, mut n: u64) {
 
 /// Host address space standing in for device memory. Mappings are lazily backed
 /// (MAP_NORESERVE): replaying a 16 GB trace touches no pages, a canary touches one.
+/// Memory standing in for the device is not inherited by a forked child (MADV_DONTFORK), as
+/// a GPU's memory is not: the physical file's mappings are shared ones, through which parent
+/// and child would otherwise see each other's writes.
 mod host {
+    /// Leaves `[ptr, ptr+len)` out of a forked child's address space.
+    fn dont_fork(ptr: *mut libc::c_void, len: usize) {
+        // SAFETY: only changes how fork treats our own mapping.
+        unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
+    }
+
     pub fn map(size: u64) -> Option<u64> {
         let len = usize::try_from(size).ok()?;
         // SAFETY: a fresh anonymous private mapping; no existing memory is affected.
@@ -778,7 +787,11 @@ mod host {
                 0,
             )
         };
-        (ptr != libc::MAP_FAILED).then_some(ptr as u64)
+        if ptr == libc::MAP_FAILED {
+            return None;
+        }
+        dont_fork(ptr, len);
+        Some(ptr as u64)
     }
 
     pub fn unmap(ptr: u64, size: u64) {
@@ -867,7 +880,11 @@ mod host {
                     offset as libc::off_t,
                 )
             };
-            ptr as u64 == va
+            if ptr as u64 != va {
+                return false;
+            }
+            dont_fork(ptr, size as usize);
+            true
         }
 
         /// Gives a released granule's pages back to the host.

@@ -65,7 +65,17 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// Runs `body` so that no panic crosses into C; failures become a status plus a message.
 /// Recording the message (logging, the thread-local) is kept inside the boundary too: during
 /// thread exit either may fail, and the status must still come back.
+///
+/// In a child process forked after ccalloc was initialized, every call fails at once with
+/// `CCALLOC_DRIVER_UNAVAILABLE` (`runtime::FORKED_MESSAGE`), before any lock is taken or
+/// anything is logged: a parent thread that held a lock at the fork does not exist in the
+/// child, and would never release it.
 pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
+    if crate::runtime::is_forked_child() {
+        set_last_error(crate::runtime::FORKED_MESSAGE);
+        return ccalloc_status::CCALLOC_DRIVER_UNAVAILABLE;
+    }
+    let _scope = crate::runtime::CallScope::enter();
     let (status, message, panicked) = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => return ccalloc_status::CCALLOC_OK,
         Ok(Err(error)) => (status_of(error.kind), error.message, false),

@@ -451,7 +451,7 @@ pub extern "C" fn ccalloc_torch_record_stream(ptr: *mut c_void, stream: cudaStre
     log_torch_failure("ccalloc_torch_record_stream", status);
 }
 
-/// A filter handed over through the C API, called under the device's lock.
+/// A filter handed over through the C API, called before any of the device's locks is taken.
 struct ForeignFilter {
     call: ccalloc_stream_filter,
     ctx: *mut c_void,
@@ -492,6 +492,11 @@ fn begin_pool(device: i32, pool: ccalloc_pool_id, filter: ForeignFilter) -> Resu
 /// streams when NULL) come from private pool `pool` and are reused only by it, as for a CUDA
 /// graph capture. `release(ctx)` is called when the window closes. Each begin holds the pool
 /// once; see `ccalloc_release_pool`.
+///
+/// `filter` is called once per allocation on `device` while any window is open, on the
+/// allocating thread, before ccalloc takes any of its locks: it may call back into ccalloc
+/// (read statistics, say). An allocation made from inside a filter on the same thread is
+/// refused with `CCALLOC_INVALID_ARGUMENT` (the running filter would have to route it).
 #[no_mangle]
 pub extern "C" fn ccalloc_begin_allocate_to_pool(
     device: i32,
