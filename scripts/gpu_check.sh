@@ -10,7 +10,7 @@
 #
 # Steps: environment, build_gpu_test, gpu_test (paged segments, the default), gpu_test_plain
 # (CCALLOC_CONF=expandable_segments:False), gpu_test_shards (per_stream_shards:True),
-# sanitizer (memcheck), header_c (ccalloc.h with
+# sanitizer (memcheck), racecheck, soak (examples/soak.rs under memcheck), header_c (ccalloc.h with
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
 # (tests/c/test_api.c on the sim backend against the same library), torch_checks and
 # python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_torch_empty, bench_steady and vmm_cost
@@ -277,6 +277,42 @@ step_sanitizer() {
     [ -n "$errors" ] && [ "$errors" -eq 0 ] && [ "$rc" -eq 0 ] && [[ "$counts" == *" passed, 0 failed" ]]
 }
 
+step_racecheck() {
+    needs build_gpu_test || return 2
+    need_tool "$SANITIZER" || return 2
+    local log="$BUILD_DIR/racecheck.out" rc hazards counts
+    (unset CCALLOC_BACKEND CCALLOC_CONF
+     timeout "$SANITIZER_TIMEOUT" "$SANITIZER" --tool racecheck \
+         "$BUILD_DIR/test_gpu" --sanitizer) 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    hazards="$(sed -n 's/.*RACECHECK SUMMARY: \([0-9][0-9]*\) hazard.*/\1/p' "$log" | tail -n 1)"
+    counts="$(test_counts "$log")"
+    if [ -n "$counts" ]; then counts="${counts% *} passed, ${counts#* } failed"; fi
+    info "racecheck: ${hazards:-?} hazards; test_gpu --sanitizer: ${counts:-no summary line}, exit $rc"
+    [ -n "$hazards" ] && [ "$hazards" -eq 0 ] && [ "$rc" -eq 0 ] && [[ "$counts" == *" passed, 0 failed" ]]
+}
+
+# gpu/soak: examples/soak.rs built elsewhere (cargo build --release --example soak), run
+# SOAK_MINUTES (default 5) under compute-sanitizer memcheck on the CUDA backend.
+step_soak() {
+    need_library || return 1
+    need_tool "$SANITIZER" || return 2
+    if [ ! -x "$LIB_DIR/soak" ]; then
+        echo "missing $LIB_DIR/soak: cargo build --release --example soak, copy it there"
+        info "no gpu/soak"
+        return 2
+    fi
+    local log="$BUILD_DIR/soak.out" rc errors line
+    (unset CCALLOC_BACKEND CCALLOC_CONF; export LD_LIBRARY_PATH="$LIB_DIR:${LD_LIBRARY_PATH:-}"
+     timeout $(( ${SOAK_MINUTES:-5} * 60 + 300 )) "$SANITIZER" --tool memcheck --leak-check full \
+         "$LIB_DIR/soak" "${SOAK_MINUTES:-5}" "${SOAK_THREADS:-4}") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    errors="$(sed -n 's/.*ERROR SUMMARY: \([0-9][0-9]*\) error.*/\1/p' "$log" | tail -n 1)"
+    line="$(grep -E '^soak: ' "$log" | tail -n 1)"
+    info "memcheck: ${errors:-?} errors; ${line:-no soak line}; exit $rc"
+    [ -n "$errors" ] && [ "$errors" -eq 0 ] && [ "$rc" -eq 0 ] && [[ "$line" == *"failures: 0"* ]]
+}
+
 step_header_c() {
     need_library || return 1
     need_tool "$CC" || return 2
@@ -412,6 +448,8 @@ add_step gpu_test_plain "the same with plain segments (CCALLOC_CONF=expandable_s
 add_step gpu_test_shards "the same with an allocator per stream (CCALLOC_CONF=per_stream_shards:True)"
 add_step multi_gpu "tests/gpu/test_multi_gpu.cu: record_stream across devices, peer access (needs 2 GPUs)"
 add_step sanitizer "test_gpu --sanitizer under compute-sanitizer memcheck"
+add_step racecheck "test_gpu --sanitizer under compute-sanitizer racecheck"
+add_step soak "gpu/soak (examples/soak.rs) for SOAK_MINUTES (5) under compute-sanitizer memcheck"
 add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
 add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"
 add_step sim_c_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
