@@ -120,9 +120,9 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     if (ptr == nullptr) {
       return;
     }
-    // The current device first: almost always the block's. Otherwise the one ccalloc
-    // names (a wrong-device answer still frees nothing).
-    int device = c10::cuda::current_device();
+    // With one device, that one; else the current device first, almost always the
+    // block's, then the others (a wrong-device answer frees nothing).
+    int device = device_count() == 1 ? 0 : c10::cuda::current_device();
     if (free_on(ptr, device) == CCALLOC_OK) {
       return;
     }
@@ -137,7 +137,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
 
   void init(int device_count) override {
     check(ccalloc_init(), "init");
-    device_count_ = device_count;
+    device_count_.store(device_count);
     initialized_.store(true);
   }
 
@@ -431,6 +431,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     check(ccalloc_record_history(enabled, max_entries, clear_history || !enabled), "record_history");
     context_recorder_ = enabled ? context_recorder : nullptr;
     when_ = enabled ? when : cda::RecordContext::NEVER;
+    contexts_on_.store(context_recorder_ != nullptr && when_ != cda::RecordContext::NEVER);
     max_entries_ = max_entries;
     if (clear_history || !enabled) {
       trace_contexts_.clear();
@@ -548,13 +549,15 @@ class CcallocAllocator final : public cca::CUDAAllocator {
 
  private:
   int device_count() {
-    if (device_count_ <= 0) {
-      int32_t count = 0;
-      if (ccalloc_device_count(&count) == CCALLOC_OK) {
-        device_count_ = count;
+    int count = device_count_.load(std::memory_order_relaxed);
+    if (count <= 0) {
+      int32_t found = 0;
+      if (ccalloc_device_count(&found) == CCALLOC_OK) {
+        count = found;
+        device_count_.store(count, std::memory_order_relaxed);
       }
     }
-    return device_count_;
+    return count;
   }
 
   // Segment events from ccalloc, under its device lock: handed to PyTorch's trace trackers
@@ -596,11 +599,8 @@ class CcallocAllocator final : public cca::CUDAAllocator {
 
   // Gathers the caller's context (stack frames) for the event ccalloc records next, as
   // PyTorch's `when` asks: STATE keeps it for live blocks, ALLOC for allocations in the
-  // history too, ALL for frees as well.
-  void tag_next_event(bool is_alloc) {
-    if (!ccalloc_is_recording_history()) {
-      return;
-    }
+  // history too, ALL for frees as well. Returns it (null when none is wanted).
+  std::shared_ptr<c10::GatheredContext> tag_next_event(bool is_alloc) {
     cda::CreateContextFn recorder;
     cda::RecordContext when;
     {
@@ -611,14 +611,14 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     bool wanted = is_alloc ? when >= cda::RecordContext::STATE : when == cda::RecordContext::ALL;
     if (!recorder || !wanted) {
       ccalloc_set_trace_context(0);
-      pending_context_.reset();
-      return;
+      return nullptr;
     }
-    pending_context_ = recorder();
+    // Outside the lock: gathering frames takes the GIL.
+    std::shared_ptr<c10::GatheredContext> context = recorder();
     std::lock_guard<std::mutex> lock(history_mutex_);
     uint64_t id = next_context_++;
     if (is_alloc ? when >= cda::RecordContext::ALLOC : true) {
-      trace_contexts_[id] = pending_context_;
+      trace_contexts_[id] = context;
       context_order_.push_back(id);
       // Each context tags one history event and history drops its oldest first: the last
       // max_entries contexts cover every event still kept.
@@ -628,20 +628,24 @@ class CcallocAllocator final : public cca::CUDAAllocator {
       }
     }
     ccalloc_set_trace_context(id);
+    return context;
   }
 
   void* malloc_or_throw(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
-    tag_next_event(true);
+    // The fast path: one relaxed load when PyTorch records no history.
+    std::shared_ptr<c10::GatheredContext> context;
+    if (contexts_on_.load(std::memory_order_relaxed)) {
+      context = tag_next_event(true);
+    }
     void* ptr = nullptr;
     ccalloc_status status = ccalloc_malloc(size, device, stream, &ptr);
     if (status == CCALLOC_OK) {
-      if (pending_context_) {
+      if (context) {
         std::lock_guard<std::mutex> lock(history_mutex_);
-        block_contexts_[reinterpret_cast<uint64_t>(ptr)] = std::move(pending_context_);
+        block_contexts_[reinterpret_cast<uint64_t>(ptr)] = std::move(context);
       }
       return ptr;
     }
-    pending_context_.reset();
     std::string message = last_error();
     if (status == CCALLOC_OUT_OF_MEMORY) {
       notify_oom(device, size);
@@ -652,16 +656,15 @@ class CcallocAllocator final : public cca::CUDAAllocator {
   }
 
   ccalloc_status free_on(void* ptr, int device) {
-    bool recording = ccalloc_is_recording_history();
-    if (recording) {
-      tag_next_event(false);
+    if (!contexts_on_.load(std::memory_order_relaxed)) {
+      return ccalloc_free(ptr, device);
     }
+    tag_next_event(false);
     ccalloc_status status = ccalloc_free(ptr, device);
-    if (recording && status == CCALLOC_OK) {
+    if (status == CCALLOC_OK) {
       std::lock_guard<std::mutex> lock(history_mutex_);
       block_contexts_.erase(reinterpret_cast<uint64_t>(ptr));
     }
-    pending_context_.reset();
     return status;
   }
 
@@ -694,7 +697,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
   }
 
   std::atomic<bool> initialized_{false};
-  int device_count_ = 0;
+  std::atomic<int> device_count_{0};
   bool enabled_ = true;
 
   std::mutex observers_mutex_;
@@ -710,10 +713,10 @@ class CcallocAllocator final : public cca::CUDAAllocator {
   std::unordered_map<uint64_t, std::shared_ptr<c10::GatheredContext>> trace_contexts_;
   std::deque<uint64_t> context_order_;
   std::unordered_map<uint64_t, std::shared_ptr<c10::GatheredContext>> block_contexts_;
-  static thread_local std::shared_ptr<c10::GatheredContext> pending_context_;
+  // Whether PyTorch records history with contexts (recordHistory): the hot path's one check.
+  std::atomic<bool> contexts_on_{false};
 };
 
-thread_local std::shared_ptr<c10::GatheredContext> CcallocAllocator::pending_context_;
 
 void raw_delete_fn(void* ptr) {
   if (g_instance != nullptr) {
