@@ -1009,13 +1009,13 @@ def read_floats(path):
     return struct.unpack(f"<{len(data) // 4}f", data)
 
 
-def run_ddp(alloc, tmpdir, world=2, timeout=CHILD_TIMEOUT):
+def run_ddp(alloc, tmpdir, world=2, timeout=CHILD_TIMEOUT, extra_env=None, tag=""):
     port = free_port()
     procs = []
     for rank in range(world):
         env = child_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        out = os.path.join(tmpdir, f"{alloc}_{rank}.bin")
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {})})
+        out = os.path.join(tmpdir, f"{alloc}{tag}_{rank}.bin")
         procs.append((subprocess.Popen(child_cmd("ddp_worker", alloc, {"out": out}), env=env,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out))
     results, notes = [], []
@@ -1075,7 +1075,17 @@ def check_ddp(device_count):
         info.append(f"ccalloc rank {rank}: memory_allocated(device={rank}) during training {allocs}; "
                     f"on the other device {r['ccalloc_allocated_other_device']}")
         ok = ok and good
-    return ("PASS" if ok else "FAIL"), (f"2 ranks, {verdict}; per-device allocated > 0" if ok else "see lines below"), info
+    # NCCL's register hook sees segments through the backend's trace trackers (PyTorch 2.11
+    # turns the hook off with expandable segments: plain segments here).
+    with tempfile.TemporaryDirectory(prefix="ccalloc_ddp_hook_") as tmpdir:
+        hook_env = {"TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK": "1", "CCALLOC_CONF": "expandable_segments:False"}
+        results, notes = run_ddp("ccalloc", tmpdir, extra_env=hook_env, tag="_hook")
+    if notes:
+        return "FAIL", "DDP with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 failed", sum((n.splitlines() for n in notes), [])
+    hook_same = results[0]["values"] == runs["native"][0]["values"]
+    info.append(f"with TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1 (plain segments): equal to native {hook_same}")
+    ok = ok and hook_same
+    return ("PASS" if ok else "FAIL"), (f"2 ranks, {verdict}; per-device allocated > 0; NCCL register hook run" if ok else "see lines below"), info
 
 
 def check_backend_mode():
