@@ -6,7 +6,7 @@
 //! fork error. At the end every block is freed, the statistics' invariants are checked, the
 //! cache is emptied (nothing may stay reserved) and ccalloc is shut down. It prints one line:
 //!
-//!     soak: 1.0 min, backend sim, 4 threads: operations N, OOMs N, faults injected 0,
+//!     soak: 1.0 min, backend sim, 4 threads: operations N, OOMs N,
 //!     forks N, cycles N, failures: 0
 //!
 //! and exits non-zero on any failure (the first ones are printed on stderr). Only the C API
@@ -413,7 +413,7 @@ fn main() {
     }
     println!(
         "soak: {:.1} min, backend {backend}, {threads} threads: operations {}, OOMs {}, \
-         faults injected 0, forks {}, cycles {}, failures: {failures}",
+         forks {}, cycles {}, failures: {failures}",
         started.elapsed().as_secs_f64() / 60.0,
         t.ops.load(SeqCst),
         t.ooms.load(SeqCst),

@@ -8,7 +8,7 @@
 //! every `all` the sum of its small and large pools), and once everything is freed and the
 //! cache emptied nothing may stay reserved.
 //!
-//! The test command runs a few dozen cases; for a long run:
+//! The test command runs 500 cases; for a long run:
 //!     CCALLOC_FUZZ_CASES=20000 cargo test --release --test fuzz_api
 //! (any failure prints the minimal sequence proptest shrank it to).
 

@@ -119,7 +119,7 @@ pub struct CallCosts {
 }
 
 impl CallCosts {
-    /// Typical of an H100 (`benches/gpu/vmm_cost.cu`, `results/gpu-2026-11-22/vmm_cost_*`):
+    /// Typical of an H100 (measured by `benches/gpu/vmm_cost.cu`; figures in docs/benchmarks.md):
     /// tens of µs per virtual-memory call (per mapping for access grants and unmaps) whatever
     /// the size, about a µs per event call.
     pub fn h100() -> Self {
