@@ -147,6 +147,10 @@ def _build_adapter(torch: Any, library: str) -> Any:
     for path in (source, header):
         with open(path, "rb") as f:
             digest.update(f.read())
+    # JIT extensions build without optimisation unless asked: the adapter sits on every
+    # allocation and free.
+    cflags = ["-O2"]
+    digest.update(" ".join(cflags).encode())
     digest.update(torch.__version__.encode())
     digest.update(os.path.realpath(library).encode())
     name = "ccalloc_torch_" + digest.hexdigest()[:16]
@@ -161,6 +165,7 @@ def _build_adapter(torch: Any, library: str) -> Any:
         name=name,
         sources=[source],
         extra_include_paths=[_header_dir()],
+        extra_cflags=cflags,
         extra_ldflags=[os.path.realpath(library)],
         build_directory=build_dir,
         with_cuda=True,
