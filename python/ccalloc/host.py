@@ -197,7 +197,9 @@ def managed_memory_stats() -> Dict[str, int]:
     return _stats("ccalloc_managed_get_stats")
 
 
-def prefetch(ptr_or_buffer: Any, device: Any = None, stream: Any = 0, size: Optional[int] = None) -> None:
+def prefetch(
+    ptr_or_buffer: Any, device: Any = None, stream: Any = 0, size: Optional[int] = None
+) -> None:
     """Queues on ``stream`` a move of managed memory to ``device`` (``-1`` or ``"cpu"``: the
     host). A :class:`HostBuffer` moves whole; for an address, ``size`` is required. The
     range must lie in one live managed block (:class:`ccalloc.UnknownPointerError`
@@ -210,7 +212,12 @@ def prefetch(ptr_or_buffer: Any, device: Any = None, stream: Any = 0, size: Opti
     _call("ccalloc_prefetch", ptr, _size(size), _location(device), _stream_handle(stream))
 
 
-def advise(ptr_or_buffer: Any, advice: Union[Advice, int, str], device: Any = None, size: Optional[int] = None) -> None:
+def advise(
+    ptr_or_buffer: Any,
+    advice: Union[Advice, int, str],
+    device: Any = None,
+    size: Optional[int] = None,
+) -> None:
     """Advises how managed memory is used (``cuMemAdvise``). ``advice`` is an
     :class:`Advice` or its name (``"set_read_mostly"``, ...); ``device`` is the one the
     advice names (``-1`` / ``"cpu"``: the host)."""
@@ -262,7 +269,9 @@ def _typestr(dtype: Any) -> Tuple[str, int]:
     if typestr is None:
         name = getattr(dtype, "__name__", dtype)
         if not isinstance(name, str):
-            raise TypeError(f"dtype must be a name such as 'float32' or a NumPy dtype, not {dtype!r}")
+            raise TypeError(
+                f"dtype must be a name such as 'float32' or a NumPy dtype, not {dtype!r}"
+            )
         typestr = _TYPESTRS.get(name, name)
     if len(typestr) < 3 or typestr[0] not in "<>|=" or not typestr[2:].isdigit():
         raise ValueError(f"unknown dtype {dtype!r}")
@@ -292,7 +301,9 @@ class HostBuffer:
     going away. ``record_stream(stream)`` marks it used by work queued on ``stream``.
     """
 
-    def __init__(self, shape: Union[int, Sequence[int]], dtype: Any = "uint8", kind: str = "pinned"):
+    def __init__(
+        self, shape: Union[int, Sequence[int]], dtype: Any = "uint8", kind: str = "pinned"
+    ):
         if kind not in ("pinned", "managed"):
             raise ValueError(f"kind must be 'pinned' or 'managed', not {kind!r}")
         self.shape = _shape(shape)

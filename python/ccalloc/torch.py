@@ -286,4 +286,5 @@ def record_pinned(tensor: Any, stream: Any = None) -> None:
         stream = torch.cuda.current_stream()
     device = getattr(getattr(stream, "device", None), "index", None)
     # The block starts where the storage does (a view's data_ptr may be inside it).
-    host_record_stream(tensor.untyped_storage().data_ptr(), _stream_handle(stream), device or 0)
+    block = tensor.untyped_storage().data_ptr()
+    host_record_stream(block, _stream_handle(stream), device or 0)
