@@ -59,6 +59,34 @@ typedef uint32_t ccalloc_status;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
+// Advice on a managed range (`ccalloc_advise`), with `cuMemAdvise`'s values.
+enum ccalloc_advice
+#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+  : uint32_t
+#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
+ {
+  // The range is mostly read: devices that read it get copies of their own.
+  CCALLOC_ADVISE_SET_READ_MOSTLY = 1,
+  CCALLOC_ADVISE_UNSET_READ_MOSTLY = 2,
+  // The range should stay on the device named (-1: the host) when it can.
+  CCALLOC_ADVISE_SET_PREFERRED_LOCATION = 3,
+  CCALLOC_ADVISE_UNSET_PREFERRED_LOCATION = 4,
+  // The device named (-1: the host) accesses the range: keep it mapped there.
+  CCALLOC_ADVISE_SET_ACCESSED_BY = 5,
+  CCALLOC_ADVISE_UNSET_ACCESSED_BY = 6,
+};
+#ifndef __cplusplus
+#if __STDC_VERSION__ >= 202311L
+typedef enum ccalloc_advice ccalloc_advice;
+#else
+typedef uint32_t ccalloc_advice;
+#endif // __STDC_VERSION__ >= 202311L
+#endif // __cplusplus
+
+// An opaque stream handle: a `cudaStream_t` on CUDA, any caller-chosen value on sim.
+// 0 is the legacy default stream.
+typedef struct StreamId StreamId;
+
 // Segments, blocks and history at one moment (`ccalloc_snapshot_take`).
 typedef struct ccalloc_snapshot ccalloc_snapshot;
 
@@ -331,6 +359,76 @@ void ccalloc_torch_end_allocate_to_pool(int device, ccalloc_pool_id pool);
 
 // PyTorch's `set_release_pool` hook: `void(int, MempoolId_t)`.
 void ccalloc_torch_release_pool(int device, ccalloc_pool_id pool);
+
+// Allocates `size` bytes of page-locked (pinned) host memory, mapped for every device, from
+// ccalloc's pinned cache. Sizes round to 512 bytes and blocks split and merge as device
+// blocks do (PyTorch's pinned cache rounds each request to a power of two). Size 0 fails
+// with `CCALLOC_INVALID_SIZE`. The host may use the block at once; for work queued on a
+// stream, see `ccalloc_host_record_stream`.
+ccalloc_status ccalloc_host_malloc(size_t size, void **out_ptr);
+
+// Frees a block from `ccalloc_host_malloc`. NULL is a no-op. The block is reused only
+// after the work queued on every stream recorded with `ccalloc_host_record_stream` has
+// completed. A device block (or a managed one) fails with `CCALLOC_UNKNOWN_POINTER` and a
+// message saying which it is; a second free with `CCALLOC_DOUBLE_FREE`.
+ccalloc_status ccalloc_host_free(void *ptr);
+
+// Records that work queued until now on `stream` of `device` uses the live pinned block
+// `ptr` (an async copy from or to it): after `ccalloc_host_free` the block is reused only
+// once that work has completed (an event recorded on the stream at the free says when).
+ccalloc_status ccalloc_host_record_stream(void *ptr, int32_t device, cudaStream_t stream);
+
+// Returns every unused cached pinned segment to the driver (`cuMemFreeHost`).
+ccalloc_status ccalloc_host_empty_cache(void);
+
+// Copies the pinned cache's statistics into `*out_stats` (the device statistics' struct;
+// the "all" entries carry the totals). In `torch.cuda.host_memory_stats()`'s names:
+// `allocations` is `allocation`, `allocated_bytes` is `allocated_bytes`, `reserved_bytes`
+// is `reserved_bytes` (bytes of the driver's segments), `segments` is `segment`,
+// `num_host_alloc` / `num_host_free` are `num_device_alloc` / `num_device_free` (calls of
+// `cuMemHostAlloc` / `cuMemFreeHost`); `requested_bytes` is what was asked for.
+ccalloc_status ccalloc_host_get_stats(ccalloc_stats *out_stats);
+
+// Sets every peak statistic of the pinned cache to its current value.
+ccalloc_status ccalloc_host_reset_peak_stats(void);
+
+// Allocates `size` bytes of managed (unified) memory from ccalloc's managed cache
+// (`cuMemAllocManaged`, attached globally): usable from the host and every device, moved
+// on demand or by `ccalloc_prefetch`. Size 0 fails with `CCALLOC_INVALID_SIZE`.
+ccalloc_status ccalloc_managed_malloc(size_t size, void **out_ptr);
+
+// Frees a block from `ccalloc_managed_malloc`. NULL is a no-op. As `ccalloc_host_free`:
+// reused only after the work on its recorded streams (and its prefetches) completed.
+ccalloc_status ccalloc_managed_free(void *ptr);
+
+// `ccalloc_host_record_stream` for a managed block (a kernel on `stream` uses it).
+ccalloc_status ccalloc_managed_record_stream(void *ptr, int32_t device, cudaStream_t stream);
+
+// Returns every unused cached managed segment to the driver.
+ccalloc_status ccalloc_managed_empty_cache(void);
+
+// Copies the managed cache's statistics into `*out_stats` (as `ccalloc_host_get_stats`).
+ccalloc_status ccalloc_managed_get_stats(ccalloc_stats *out_stats);
+
+// Sets every peak statistic of the managed cache to its current value.
+ccalloc_status ccalloc_managed_reset_peak_stats(void);
+
+// Queues on `stream` a move of managed `[ptr, ptr+size)` to `device` (-1: the host)
+// (`cuMemPrefetchAsync`). `stream` belongs to `device` (to device 0 for the host). The
+// range must lie inside one live block from `ccalloc_managed_malloc`: otherwise
+// `CCALLOC_UNKNOWN_POINTER` (not managed memory), `CCALLOC_DOUBLE_FREE` (freed memory) or
+// `CCALLOC_INVALID_ARGUMENT` (past the block's end). The block is not reused after its
+// free before the move has completed.
+ccalloc_status ccalloc_prefetch(void *ptr, size_t size, int32_t device, cudaStream_t stream);
+
+// Advises how managed `[ptr, ptr+size)` is used (`cuMemAdvise`): `advice` is a
+// `ccalloc_advice` value, about `device` (-1: the host). The range is checked as for
+// `ccalloc_prefetch`; an unknown advice value fails with `CCALLOC_INVALID_ARGUMENT`.
+ccalloc_status ccalloc_advise(void *ptr, size_t size, uint32_t advice, int32_t device);
+
+// Sim backend only: prefetches queued to `device` (-1: the host) and the bytes they moved
+// (pages already there move nothing; managed memory starts on the host).
+ccalloc_status ccalloc_sim_prefetches(int32_t device, uint64_t *out_count, uint64_t *out_bytes);
 
 // The largest cached free block on `device`: what the biggest request served without
 // asking the driver could be (PyTorch's `cacheInfo`).

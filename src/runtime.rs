@@ -4,10 +4,12 @@
 use crate::alloc::DeviceAllocator;
 use crate::config::Config;
 use crate::driver::cuda::CudaDriver;
+use crate::driver::host::{HostDriver, ALLOCATION_STREAM};
 use crate::driver::sim::SimDriver;
-use crate::driver::{DevicePtr, Driver, StreamId};
+use crate::driver::{Advice, DevicePtr, Driver, HostKind, Location, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use once_cell::sync::OnceCell;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -17,13 +19,67 @@ pub struct Runtime {
     sim: Option<Arc<SimDriver>>,
     /// Created on first use: retaining a CUDA context costs memory on devices never used.
     devices: Vec<OnceCell<DeviceAllocator>>,
+    /// The pinned host and managed memory caches, created on first use.
+    pinned: OnceCell<HostAllocator>,
+    managed: OnceCell<HostAllocator>,
     config: Mutex<Config>,
     /// Set by `shutdown`: no device is started afterwards (a call racing a shutdown must
     /// not bring up a fresh allocator in a runtime nobody will release).
     shut_down: AtomicBool,
     /// Used as the global runtime by a thread that could not publish it in its hazard slot
     /// (a call from a thread-local destructor): never freed.
-    pinned: AtomicBool,
+    pinned_forever: AtomicBool,
+}
+
+/// A cache of pinned host or managed memory: the caching allocator core over a
+/// `HostDriver`, and the live blocks' requested ranges (prefetch and advice must stay
+/// inside one).
+pub struct HostAllocator {
+    driver: Arc<HostDriver>,
+    allocator: DeviceAllocator,
+    live: Mutex<BTreeMap<DevicePtr, u64>>,
+}
+
+impl HostAllocator {
+    pub fn kind(&self) -> HostKind {
+        self.driver.kind()
+    }
+
+    /// The allocator core behind it (statistics, empty_cache, peaks).
+    pub fn allocator(&self) -> &DeviceAllocator {
+        &self.allocator
+    }
+
+    /// The live block holding all of `[ptr, ptr+size)`, as (start, requested size).
+    fn live_block_holding(&self, ptr: DevicePtr, size: u64) -> Option<(DevicePtr, u64)> {
+        let live = self.live.lock().unwrap();
+        let (&start, &len) = live.range(..=ptr).next_back()?;
+        (ptr.checked_add(size)? <= start + len).then_some((start, len))
+    }
+
+    /// Errors of the allocator core name its one device, "device 0": said as what it is.
+    fn relabel(&self, mut error: Error) -> Error {
+        let label = kind_label(self.kind());
+        error.message = error
+            .message
+            .replace("on device 0", &format!("in {label}"))
+            .replace("device 0", label);
+        error
+    }
+}
+
+fn kind_label(kind: HostKind) -> &'static str {
+    match kind {
+        HostKind::Pinned => "pinned host memory",
+        HostKind::Managed => "managed memory",
+    }
+}
+
+fn kind_block(kind: HostKind) -> (&'static str, &'static str) {
+    match kind {
+        HostKind::Pinned => ("a pinned host block", "ccalloc_host_free"),
+        HostKind::Managed => ("a managed block", "ccalloc_managed_free"),
+    }
 }
 
 impl Runtime {
@@ -37,7 +93,9 @@ impl Runtime {
             devices,
             config: Mutex::new(config),
             shut_down: AtomicBool::new(false),
-            pinned: AtomicBool::new(false),
+            pinned_forever: AtomicBool::new(false),
+            pinned: OnceCell::new(),
+            managed: OnceCell::new(),
         }
     }
 
@@ -154,6 +212,13 @@ impl Runtime {
         if error.kind != ErrorKind::UnknownPointer {
             return error;
         }
+        if let Some(host) = self.host_side_holding(ptr) {
+            let (what, free) = kind_block(host.kind());
+            return Error::new(
+                ErrorKind::UnknownPointer,
+                format!("{ptr:#x} is {what}, not a block of device {device}: free it with {free}"),
+            );
+        }
         match self
             .started_devices()
             .find(|d| d.device() as i64 != device && d.holds(ptr))
@@ -167,6 +232,220 @@ impl Runtime {
             ),
             None => error,
         }
+    }
+
+    /// The pinned host (`HostKind::Pinned`) or managed memory cache, created on first use.
+    pub fn host_side(&self, kind: HostKind) -> Result<&HostAllocator> {
+        let cell = match kind {
+            HostKind::Pinned => &self.pinned,
+            HostKind::Managed => &self.managed,
+        };
+        if let Some(started) = cell.get() {
+            return Ok(started);
+        }
+        // As `device`: started under the settings lock, never after a shutdown.
+        let config = self.config.lock().unwrap();
+        cell.get_or_try_init(|| {
+            if self.shut_down.load(Ordering::Acquire) {
+                return Err(Error::new(
+                    ErrorKind::ShutDown,
+                    "ccalloc has been shut down",
+                ));
+            }
+            let driver = Arc::new(HostDriver::new(self.driver.clone(), kind));
+            let allocator = DeviceAllocator::new(0, driver.clone(), config.clone())?;
+            Ok(HostAllocator {
+                driver,
+                allocator,
+                live: Mutex::new(BTreeMap::new()),
+            })
+        })
+    }
+
+    /// The started host-side caches.
+    pub fn started_host_sides(&self) -> impl Iterator<Item = &HostAllocator> {
+        [&self.pinned, &self.managed]
+            .into_iter()
+            .filter_map(OnceCell::get)
+    }
+
+    fn host_side_holding(&self, ptr: DevicePtr) -> Option<&HostAllocator> {
+        self.started_host_sides().find(|h| h.allocator.holds(ptr))
+    }
+
+    /// Allocates `size` bytes of pinned host or managed memory.
+    pub fn host_malloc(&self, kind: HostKind, size: u64) -> Result<DevicePtr> {
+        if size == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidSize,
+                format!("{} of 0 bytes: size must be positive", kind_label(kind)),
+            ));
+        }
+        let host = self.host_side(kind)?;
+        let ptr = host
+            .allocator
+            .malloc(size, ALLOCATION_STREAM)
+            .map_err(|e| host.relabel(e))?;
+        host.live.lock().unwrap().insert(ptr, size);
+        Ok(ptr)
+    }
+
+    /// Frees a block from `host_malloc`; a device block, or one of the other kind, is named
+    /// as such.
+    pub fn host_free(&self, kind: HostKind, ptr: DevicePtr) -> Result<()> {
+        let host = self.host_side(kind)?;
+        match host.allocator.free(ptr) {
+            Ok(()) => {
+                host.live.lock().unwrap().remove(&ptr);
+                Ok(())
+            }
+            Err(e) if e.kind == ErrorKind::UnknownPointer => Err(self.not_host_block(kind, ptr)),
+            Err(e) => Err(host.relabel(e)),
+        }
+    }
+
+    /// Why `ptr` is not a block of the `kind` cache: it is another kind's, or a device's.
+    fn not_host_block(&self, kind: HostKind, ptr: DevicePtr) -> Error {
+        let (_, free) = kind_block(kind);
+        let other = self
+            .started_host_sides()
+            .find(|h| h.kind() != kind && h.allocator.holds(ptr));
+        let message = if let Some(other) = other {
+            let (what, right) = kind_block(other.kind());
+            format!(
+                "{ptr:#x} is {what}, not {}: free it with {right}",
+                kind_label(kind)
+            )
+        } else if let Some(device) = self.device_holding(ptr) {
+            format!(
+                "{ptr:#x} is a block of device {device}, not {}: free it with ccalloc_free",
+                kind_label(kind)
+            )
+        } else {
+            format!(
+                "{ptr:#x} was not allocated by {}",
+                free.replace("free", "malloc")
+            )
+        };
+        Error::new(ErrorKind::UnknownPointer, message)
+    }
+
+    /// Marks a live host-side block as used by work on `stream` of `device`: once freed, it
+    /// is reused only after that work has completed.
+    pub fn host_record_stream(
+        &self,
+        kind: HostKind,
+        ptr: DevicePtr,
+        device: i64,
+        stream: StreamId,
+    ) -> Result<()> {
+        let device = self.check_device_index(device)?;
+        let host = self.host_side(kind)?;
+        let tag = host.driver.tag(device, stream);
+        match host.allocator.record_stream(ptr, tag) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind == ErrorKind::UnknownPointer => Err(self.not_host_block(kind, ptr)),
+            Err(e) => Err(host.relabel(e)),
+        }
+    }
+
+    fn check_device_index(&self, device: i64) -> Result<usize> {
+        usize::try_from(device)
+            .ok()
+            .filter(|&d| d < self.devices.len())
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidDevice,
+                    format!(
+                        "device {device} does not exist ({} backend has {} devices)",
+                        self.backend(),
+                        self.devices.len()
+                    ),
+                )
+            })
+    }
+
+    /// `[ptr, ptr+size)` must lie inside one live managed block; `doing` names the call.
+    fn check_managed_range(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        doing: &str,
+    ) -> Result<&HostAllocator> {
+        if size == 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidSize,
+                format!("{doing} 0 bytes at {ptr:#x}: size must be positive"),
+            ));
+        }
+        let managed = self.host_side(HostKind::Managed)?;
+        if managed.live_block_holding(ptr, size).is_some() {
+            return Ok(managed);
+        }
+        let (kind, message) = if let Some((start, len)) = managed.live_block_holding(ptr, 1) {
+            (
+                ErrorKind::InvalidArgument,
+                format!(
+                    "{doing} {ptr:#x}+{size}, past the end of the managed block {start:#x} \
+                     of {len} bytes"
+                ),
+            )
+        } else if managed.allocator.holds(ptr) {
+            (
+                ErrorKind::DoubleFree,
+                format!("{doing} freed memory: {ptr:#x} is not in a live managed block"),
+            )
+        } else {
+            let what = if let Some(host) = self.host_side_holding(ptr) {
+                kind_block(host.kind()).0.to_string()
+            } else if let Some(device) = self.device_holding(ptr) {
+                format!("a block of device {device}")
+            } else {
+                "not ccalloc's".to_string()
+            };
+            (
+                ErrorKind::UnknownPointer,
+                format!("{doing} a range that is not managed: {ptr:#x} is {what}"),
+            )
+        };
+        Err(Error::new(kind, message))
+    }
+
+    fn location_of(&self, device: i64) -> Result<Location> {
+        if device == -1 {
+            return Ok(Location::Host);
+        }
+        Ok(Location::Device(self.check_device_index(device)?))
+    }
+
+    /// Queues on `stream` a move of managed `[ptr, ptr+size)` to `device` (-1: the host).
+    /// The stream is that device's (device 0's for the host); the block is then reused only
+    /// after the move.
+    pub fn prefetch(&self, ptr: DevicePtr, size: u64, device: i64, stream: StreamId) -> Result<()> {
+        let to = self.location_of(device)?;
+        let managed = self.check_managed_range(ptr, size, "prefetching")?;
+        let stream_device = match to {
+            Location::Host => 0,
+            Location::Device(d) => d,
+        };
+        self.driver
+            .prefetch(ptr, size, to, stream_device, stream)
+            .map_err(crate::alloc::driver_error_of)?;
+        let (start, _) = managed
+            .live_block_holding(ptr, size)
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "managed block vanished"))?;
+        managed
+            .allocator
+            .record_stream(start, managed.driver.tag(stream_device, stream))
+    }
+
+    /// Advice on how managed `[ptr, ptr+size)` is used, about `device` (-1: the host).
+    pub fn advise(&self, ptr: DevicePtr, size: u64, advice: Advice, device: i64) -> Result<()> {
+        let location = self.location_of(device)?;
+        self.check_managed_range(ptr, size, "advice on")?;
+        self.driver
+            .advise(ptr, size, advice, location)
+            .map_err(crate::alloc::driver_error_of)
     }
 
     /// Applies `key:value,...` to the settings of every device, present and future.
@@ -228,6 +507,22 @@ impl Runtime {
                 ));
             }
         }
+        for host in self.started_host_sides() {
+            let live = host.allocator.stats()?.allocation.all().current;
+            if live > 0 {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "{} still has {live} live allocations; free them before shutdown",
+                        kind_label(host.kind())
+                    ),
+                ));
+            }
+        }
+        let started: Vec<&DeviceAllocator> = started
+            .into_iter()
+            .chain(self.started_host_sides().map(|h| &h.allocator))
+            .collect();
         for (i, device) in started.iter().enumerate() {
             if let Err(e) = device.shutdown() {
                 started[..i].iter().for_each(|d| d.reopen());
@@ -418,7 +713,7 @@ fn pin_running() -> Option<&'static Runtime> {
     let ptr = GLOBAL.load(Ordering::SeqCst);
     // SAFETY: under the lifecycle lock the running runtime is not retired or freed.
     let runtime = unsafe { ptr.as_ref() }?;
-    runtime.pinned.store(true, Ordering::SeqCst);
+    runtime.pinned_forever.store(true, Ordering::SeqCst);
     Some(runtime)
 }
 
@@ -438,7 +733,7 @@ fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Runtime> {
     let mut freed = Vec::new();
     lifecycle.retired.retain(|r| {
         // SAFETY: retired runtimes stay allocated until freed here.
-        let pinned = unsafe { &*r.0 }.pinned.load(Ordering::SeqCst);
+        let pinned = unsafe { &*r.0 }.pinned_forever.load(Ordering::SeqCst);
         if pinned || named.contains(&r.0) {
             return true;
         }

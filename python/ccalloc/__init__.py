@@ -91,6 +91,25 @@ __all__ = [
     "record_stream",
     "sim_pause_stream",
     "sim_device_bytes",
+    # pinned host and managed memory (ccalloc.host)
+    "Advice",
+    "HostBuffer",
+    "host_malloc",
+    "host_free",
+    "host_record_stream",
+    "host_empty_cache",
+    "host_memory_stats",
+    "host_reset_peak_memory_stats",
+    "managed_malloc",
+    "managed_free",
+    "managed_record_stream",
+    "managed_empty_cache",
+    "managed_memory_stats",
+    "prefetch",
+    "advise",
+    "pinned_empty",
+    "managed_empty",
+    "sim_prefetches",
     # errors
     "Status",
     "CcallocError",
@@ -589,3 +608,26 @@ def sim_device_bytes(device: Any = None) -> int:
     out = ctypes.c_uint64()
     _call("ccalloc_sim_device_bytes", _device_index(device), ctypes.byref(out))
     return out.value
+
+
+# Pinned host and managed memory: defined in ``ccalloc.host`` (which uses the plumbing above).
+from .host import (  # noqa: E402
+    Advice,
+    HostBuffer,
+    advise,
+    host_empty_cache,
+    host_free,
+    host_malloc,
+    host_memory_stats,
+    host_record_stream,
+    host_reset_peak_memory_stats,
+    managed_empty,
+    managed_empty_cache,
+    managed_free,
+    managed_malloc,
+    managed_memory_stats,
+    managed_record_stream,
+    pinned_empty,
+    prefetch,
+    sim_prefetches,
+)

@@ -396,6 +396,22 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_reset_accumulated_stats": ([c_int32], _status),
     "ccalloc_sim_pause_stream": ([c_int32, _stream, c_bool], _status),
     "ccalloc_sim_device_bytes": ([c_int32, POINTER(c_uint64)], _status),
+    # Pinned host and managed memory.
+    "ccalloc_host_malloc": ([c_size_t, POINTER(c_void_p)], _status),
+    "ccalloc_host_free": ([c_void_p], _status),
+    "ccalloc_host_record_stream": ([c_void_p, c_int32, _stream], _status),
+    "ccalloc_host_empty_cache": ([], _status),
+    "ccalloc_host_get_stats": ([POINTER(ccalloc_stats)], _status),
+    "ccalloc_host_reset_peak_stats": ([], _status),
+    "ccalloc_managed_malloc": ([c_size_t, POINTER(c_void_p)], _status),
+    "ccalloc_managed_free": ([c_void_p], _status),
+    "ccalloc_managed_record_stream": ([c_void_p, c_int32, _stream], _status),
+    "ccalloc_managed_empty_cache": ([], _status),
+    "ccalloc_managed_get_stats": ([POINTER(ccalloc_stats)], _status),
+    "ccalloc_managed_reset_peak_stats": ([], _status),
+    "ccalloc_prefetch": ([c_void_p, c_size_t, c_int32, _stream], _status),
+    "ccalloc_advise": ([c_void_p, c_size_t, c_uint32, c_int32], _status),
+    "ccalloc_sim_prefetches": ([c_int32, POINTER(c_uint64), POINTER(c_uint64)], _status),
     # Private pools (CUDA graphs).
     "ccalloc_begin_allocate_to_pool": (
         [c_int32, ccalloc_pool_id, ccalloc_stream_filter, c_void_p, ccalloc_release_fn],

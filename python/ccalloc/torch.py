@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from . import _lib
 
-__all__ = ["enable", "is_enabled", "mode"]
+__all__ = ["enable", "is_enabled", "mode", "pinned_tensor", "record_pinned"]
 
 _lock = threading.Lock()
 _allocator: Optional[Any] = None  # the adapter module, or the CUDAPluggableAllocator in use
@@ -248,3 +248,48 @@ def mode() -> Optional[str]:
     """``"backend"`` (ccalloc is a full PyTorch allocator backend), ``"pluggable"``
     (through ``CUDAPluggableAllocator``), or ``None`` before :func:`enable`."""
     return _mode
+
+
+def pinned_tensor(shape: Any, dtype: Any = None) -> Any:
+    """A CPU tensor of ``shape`` and ``dtype`` (default ``torch.float32``) in pinned host
+    memory from ccalloc's pinned cache: a ``pin_memory()`` for data loaders that wastes
+    less (512-byte rounding with split and merge, where PyTorch's pinned cache rounds each
+    request to a power of two). Copies from it with ``non_blocking=True`` are asynchronous.
+
+    The block is freed when the tensor's storage goes. As PyTorch does for its own pinned
+    memory, mark the streams that copy from it with :func:`record_pinned` so that the block
+    is not reused before the copies have finished.
+    """
+    torch = _import_torch()
+    from .host import HostBuffer
+
+    dtype = torch.float32 if dtype is None else dtype
+    dims = (int(shape),) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    count = 1
+    for d in dims:
+        count *= d
+    if count == 0:
+        return torch.empty(dims, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = HostBuffer((count * itemsize,), "uint8", "pinned")
+    raw = (ctypes.c_char * buffer.nbytes).from_address(buffer.ptr)
+    # The tensor's storage holds `raw` (torch.frombuffer keeps its buffer object), and `raw`
+    # holds the block's owner: the block is freed once neither is referenced.
+    raw._ccalloc_owner = buffer  # type: ignore[attr-defined]
+    return torch.frombuffer(raw, dtype=dtype, count=count).view(dims)
+
+
+def record_pinned(tensor: Any, stream: Any = None) -> None:
+    """Marks the pinned block behind ``tensor`` (from :func:`pinned_tensor`, or a view of
+    one) as used by the work queued until now on ``stream`` (default: the current CUDA
+    stream): once the tensor is gone, the block is reused only after that work."""
+    torch = _import_torch()
+    from . import _stream_handle
+    from .host import host_record_stream
+
+    if stream is None:
+        stream = torch.cuda.current_stream()
+    device = getattr(getattr(stream, "device", None), "index", None)
+    # The block starts where the storage does (a view's data_ptr may be inside it).
+    block = tensor.untyped_storage().data_ptr()
+    host_record_stream(block, _stream_handle(stream), device or 0)

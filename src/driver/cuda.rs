@@ -4,7 +4,10 @@
 //! opens the library itself and checks every symbol used here; only then does it call cudarc.
 //! Allocations go to each device's *primary context*, the one the CUDA runtime and PyTorch use.
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle, StreamId};
+use super::{
+    Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location, PhysHandle,
+    StreamId,
+};
 use cudarc::driver::sys;
 use std::ffi::CStr;
 use std::io::Write;
@@ -33,7 +36,26 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuThreadExchangeStreamCaptureMode",
     "cuStreamGetCtx",
     "cuDeviceCanAccessPeer",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemAllocManaged",
 ];
+
+/// The CUDA 12.2+ forms of the managed-memory calls, taking a `CUmemLocation` (the host is
+/// a location of its own); CUDA 13 keeps only these in its headers. Used where present.
+const LOCATION_SYMBOLS: &[&str] = &["cuMemPrefetchAsync_v2", "cuMemAdvise_v2"];
+/// Their older forms, taking a device (`CU_DEVICE_CPU` for the host).
+const DEVICE_SYMBOLS: &[&str] = &["cuMemPrefetchAsync", "cuMemAdvise"];
+
+/// The host, as the older managed-memory calls name it.
+const CU_DEVICE_CPU: sys::CUdevice = -1;
+
+/// Which optional driver entry points are present.
+struct Symbols {
+    vmm: bool,
+    location: bool,
+    device: bool,
+}
 
 /// Virtual memory management entry points; without them the allocator uses plain segments.
 const VMM_SYMBOLS: &[&str] = &[
@@ -48,8 +70,8 @@ const VMM_SYMBOLS: &[&str] = &[
 ];
 
 /// Opens libcuda the way cudarc will, and checks the symbols we need are there. Returns
-/// whether the virtual memory management symbols are present too.
-fn check_library() -> Result<bool, String> {
+/// which optional ones are present too.
+fn check_library() -> Result<Symbols, String> {
     let mut tried = Vec::new();
     for name in ["cuda", "nvcuda"]
         .iter()
@@ -70,12 +92,19 @@ fn check_library() -> Result<bool, String> {
             }
         }
         // SAFETY: as above, presence only.
-        let vmm = VMM_SYMBOLS
-            .iter()
-            .all(|symbol| unsafe { lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()).is_ok() });
+        let present = |symbols: &[&str]| {
+            symbols.iter().all(|symbol| unsafe {
+                lib.get::<unsafe extern "C" fn()>(symbol.as_bytes()).is_ok()
+            })
+        };
+        let symbols = Symbols {
+            vmm: present(VMM_SYMBOLS),
+            location: present(LOCATION_SYMBOLS),
+            device: present(DEVICE_SYMBOLS),
+        };
         // Keep it loaded: cudarc opens the same file and gets this handle's copy.
         std::mem::forget(lib);
-        return Ok(vmm);
+        return Ok(symbols);
     }
     Err(format!(
         "the CUDA driver library was not found (tried {}); is the NVIDIA driver installed?",
@@ -148,6 +177,9 @@ pub struct CudaDriver {
     /// another device's stream), with that context: CUDA requires an event and the stream it
     /// is recorded on to share a context. Not pooled: destroyed when done.
     foreign_events: Mutex<std::collections::HashMap<u64, Handle<sys::CUcontext>>>,
+    /// Whether the `CUmemLocation` forms of prefetch and advice are present, and the older ones.
+    location_calls: bool,
+    device_calls: bool,
 }
 
 /// Makes a device's primary context current for the duration of a call. A thread with no
@@ -199,7 +231,8 @@ impl Drop for ContextGuard {
 
 impl CudaDriver {
     pub fn new() -> DriverResult<Self> {
-        let vmm_symbols = check_library().map_err(DriverError::Unavailable)?;
+        let symbols = check_library().map_err(DriverError::Unavailable)?;
+        let vmm_symbols = symbols.vmm;
         // SAFETY: the library and its symbols were checked above.
         check("cuInit", unsafe { sys::cuInit(0) })
             .map_err(|e| DriverError::Unavailable(format!("cuInit failed: {e}")))?;
@@ -257,6 +290,8 @@ impl CudaDriver {
         Ok(Self {
             devices,
             foreign_events: Mutex::new(std::collections::HashMap::new()),
+            location_calls: symbols.location,
+            device_calls: symbols.device,
         })
     }
 
@@ -300,6 +335,17 @@ impl CudaDriver {
         })
     }
 
+    /// Fails when the driver has neither form of the managed-memory calls.
+    fn check_managed_calls(&self, call: &'static str) -> DriverResult<()> {
+        if self.location_calls || self.device_calls {
+            return Ok(());
+        }
+        Err(DriverError::Failed {
+            call,
+            detail: "the CUDA driver library lacks it: the NVIDIA driver is too old".into(),
+        })
+    }
+
     /// Enters `device`'s primary context, retaining it on first use.
     fn enter(&self, device: usize) -> DriverResult<ContextGuard> {
         let d = self.dev(device)?;
@@ -325,6 +371,44 @@ fn allocation_prop(ordinal: i32) -> sys::CUmemAllocationProp {
     prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = ordinal;
     prop
+}
+
+/// A `CUmemLocation` for the `_v2` managed-memory calls.
+fn mem_location(location: Location, ordinal: i32) -> sys::CUmemLocation {
+    // SAFETY: a plain C struct for which all-zero is a valid value.
+    let mut loc: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    match location {
+        Location::Host => loc.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+        Location::Device(_) => {
+            loc.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            loc.id = ordinal;
+        }
+    }
+    loc
+}
+
+fn advice_of(advice: Advice) -> sys::CUmem_advise {
+    use sys::CUmem_advise::*;
+    match advice {
+        Advice::SetReadMostly => CU_MEM_ADVISE_SET_READ_MOSTLY,
+        Advice::UnsetReadMostly => CU_MEM_ADVISE_UNSET_READ_MOSTLY,
+        Advice::SetPreferredLocation => CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
+        Advice::UnsetPreferredLocation => CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION,
+        Advice::SetAccessedBy => CU_MEM_ADVISE_SET_ACCESSED_BY,
+        Advice::UnsetAccessedBy => CU_MEM_ADVISE_UNSET_ACCESSED_BY,
+    }
+}
+
+/// The host's physical memory in bytes.
+fn physical_ram() -> u64 {
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    (pages.max(0) as u64).saturating_mul(page.max(0) as u64)
 }
 
 /// A new event in the current context, without timing (only its completion is asked).
@@ -491,6 +575,116 @@ impl Driver for CudaDriver {
 
     fn vmm_granularity(&self, device: usize) -> Option<u64> {
         self.devices.get(device)?.vmm_granularity
+    }
+
+    fn host_memory(&self, kind: HostKind) -> DriverResult<u64> {
+        let ram = physical_ram();
+        Ok(match kind {
+            HostKind::Pinned => ram,
+            // Managed memory may oversubscribe the devices: it spills to the host.
+            HostKind::Managed => {
+                let mut total = ram;
+                for device in 0..self.devices.len() {
+                    total = total.saturating_add(self.total_memory(device)?);
+                }
+                total
+            }
+        })
+    }
+
+    fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
+        // Either kind is usable from every device; device 0's context makes the call.
+        let _ctx = self.enter(0)?;
+        match kind {
+            HostKind::Pinned => {
+                let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+                let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+                // SAFETY: allocates page-locked host memory, mapped for every context.
+                check("cuMemHostAlloc", unsafe {
+                    sys::cuMemHostAlloc(&mut ptr, size as usize, flags)
+                })?;
+                Ok(ptr as DevicePtr)
+            }
+            HostKind::Managed => {
+                let mut ptr: sys::CUdeviceptr = 0;
+                let flags = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL as u32;
+                // SAFETY: allocates managed memory, accessible from any stream.
+                check("cuMemAllocManaged", unsafe {
+                    sys::cuMemAllocManaged(&mut ptr, size as usize, flags)
+                })?;
+                Ok(ptr)
+            }
+        }
+    }
+
+    fn host_release(&self, kind: HostKind, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
+        let _ctx = self.enter(0)?;
+        match kind {
+            // SAFETY: `ptr` came from cuMemHostAlloc and no queued work uses it.
+            HostKind::Pinned => check("cuMemFreeHost", unsafe {
+                sys::cuMemFreeHost(ptr as *mut std::ffi::c_void)
+            }),
+            // SAFETY: `ptr` came from cuMemAllocManaged and no queued work uses it.
+            HostKind::Managed => check("cuMemFree", unsafe { sys::cuMemFree_v2(ptr) }),
+        }
+    }
+
+    fn prefetch(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        to: Location,
+        stream_device: usize,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        let target = match to {
+            Location::Host => None,
+            Location::Device(d) => Some(self.dev(d)?),
+        };
+        self.check_managed_calls("cuMemPrefetchAsync")?;
+        let _ctx = self.enter(stream_device)?;
+        let hstream = stream.0 as sys::CUstream;
+        if self.location_calls {
+            let location = mem_location(to, target.map_or(0, |d| d.ordinal));
+            // SAFETY: a managed range of the caller's, queued on the caller's stream.
+            check("cuMemPrefetchAsync_v2", unsafe {
+                sys::cuMemPrefetchAsync_v2(ptr, size as usize, location, 0, hstream)
+            })
+        } else {
+            let device = target.map_or(CU_DEVICE_CPU, |d| d.device);
+            // SAFETY: as above.
+            check("cuMemPrefetchAsync", unsafe {
+                sys::cuMemPrefetchAsync(ptr, size as usize, device, hstream)
+            })
+        }
+    }
+
+    fn advise(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        advice: Advice,
+        location: Location,
+    ) -> DriverResult<()> {
+        let target = match location {
+            Location::Host => None,
+            Location::Device(d) => Some(self.dev(d)?),
+        };
+        self.check_managed_calls("cuMemAdvise")?;
+        let _ctx = self.enter(0)?;
+        if self.location_calls {
+            let loc = mem_location(location, target.map_or(0, |d| d.ordinal));
+            // SAFETY: advice on a managed range of the caller's.
+            check("cuMemAdvise_v2", unsafe {
+                sys::cuMemAdvise_v2(ptr, size as usize, advice_of(advice), loc)
+            })
+        } else {
+            let device = target.map_or(CU_DEVICE_CPU, |d| d.device);
+            // SAFETY: as above.
+            check("cuMemAdvise", unsafe {
+                sys::cuMemAdvise(ptr, size as usize, advice_of(advice), device)
+            })
+        }
     }
 
     fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {

@@ -2,6 +2,7 @@
 //! (`cuda`) and a simulated device (`sim`) for tests, replay and machines without a GPU.
 
 pub mod cuda;
+pub mod host;
 pub mod sim;
 pub mod traced;
 
@@ -49,6 +50,57 @@ fn vmm_unsupported(call: &'static str) -> DriverError {
     DriverError::Failed {
         call,
         detail: "this driver has no virtual memory management".into(),
+    }
+}
+
+/// Memory that lives on the host side rather than in one device's memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HostKind {
+    /// Page-locked host memory, mapped for every device (`cuMemHostAlloc`).
+    Pinned,
+    /// Unified memory that migrates between the host and devices (`cuMemAllocManaged`).
+    Managed,
+}
+
+/// Where managed memory is moved to or advised about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Location {
+    Host,
+    Device(usize),
+}
+
+/// Advice on how a managed range is used (`cuMemAdvise`), with CUDA's values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum Advice {
+    SetReadMostly = 1,
+    UnsetReadMostly = 2,
+    SetPreferredLocation = 3,
+    UnsetPreferredLocation = 4,
+    SetAccessedBy = 5,
+    UnsetAccessedBy = 6,
+}
+
+impl Advice {
+    pub fn from_raw(raw: u32) -> Option<Self> {
+        use Advice::*;
+        [
+            SetReadMostly,
+            UnsetReadMostly,
+            SetPreferredLocation,
+            UnsetPreferredLocation,
+            SetAccessedBy,
+            UnsetAccessedBy,
+        ]
+        .into_iter()
+        .find(|a| *a as u32 == raw)
+    }
+}
+
+fn host_unsupported(call: &'static str) -> DriverError {
+    DriverError::Failed {
+        call,
+        detail: "this driver has no pinned host or managed memory".into(),
     }
 }
 
@@ -145,5 +197,52 @@ pub trait Driver: Send + Sync {
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         let _ = (device, va, size);
         Err(vmm_unsupported("unmap"))
+    }
+
+    // Host-side memory: pinned host memory and managed memory, which `host::HostDriver`
+    // turns into a device of its own for a `DeviceAllocator`.
+
+    /// The most bytes of `kind` memory that may be allocated in all.
+    fn host_memory(&self, kind: HostKind) -> DriverResult<u64> {
+        let _ = kind;
+        Err(host_unsupported("host_memory"))
+    }
+
+    /// A fresh allocation of `size` bytes of `kind` memory.
+    fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
+        let _ = (kind, size);
+        Err(host_unsupported("host_allocate"))
+    }
+
+    /// Returns an allocation from `host_allocate`; no queued work may still use it.
+    fn host_release(&self, kind: HostKind, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        let _ = (kind, ptr, size);
+        Err(host_unsupported("host_release"))
+    }
+
+    /// Queues on `stream` (of device `stream_device`) a move of managed `[ptr, ptr+size)` to `to`.
+    fn prefetch(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        to: Location,
+        stream_device: usize,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        let _ = (ptr, size, to, stream_device, stream);
+        Err(host_unsupported("prefetch"))
+    }
+
+    /// Advises how managed `[ptr, ptr+size)` is used; `location` is the advice's device or
+    /// the host.
+    fn advise(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        advice: Advice,
+        location: Location,
+    ) -> DriverResult<()> {
+        let _ = (ptr, size, advice, location);
+        Err(host_unsupported("advise"))
     }
 }

@@ -2,7 +2,10 @@
 //! catch overlapping blocks), a capacity and allocation granularity, and streams whose
 //! completion tests control (a paused stream leaves its events pending until resumed or waited on).
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle, StreamId};
+use super::{
+    Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location, PhysHandle,
+    StreamId,
+};
 use dashmap::DashMap;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,6 +15,52 @@ use std::time::{Duration, Instant};
 /// cudaMalloc hands out whole 2 MiB pages; capacity is charged the same way here.
 pub const SIM_GRANULARITY: u64 = 2 << 20;
 pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+/// Host memory of the simulated machine (`CCALLOC_SIM_HOST_CAPACITY`).
+pub const DEFAULT_HOST_CAPACITY: u64 = 64 << 30;
+/// Host allocations are charged in whole pages.
+pub const SIM_HOST_PAGE: u64 = 4 << 10;
+/// Managed memory migrates in pages of this size (as CUDA's prefetches do, at least).
+pub const SIM_MIGRATION_PAGE: u64 = 64 << 10;
+
+/// Pinned host and managed memory of the simulated machine, as counted by the sim.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimHostCounters {
+    pub pinned_bytes: u64,
+    pub peak_pinned_bytes: u64,
+    pub live_pinned: u64,
+    pub pinned_allocate_calls: u64,
+    pub pinned_release_calls: u64,
+    pub managed_bytes: u64,
+    pub peak_managed_bytes: u64,
+    pub live_managed: u64,
+    pub managed_allocate_calls: u64,
+    pub managed_release_calls: u64,
+    /// Host allocations refused for want of memory.
+    pub failed_allocations: u64,
+    /// Prefetch calls by destination (-1: the host).
+    pub prefetches: BTreeMap<i64, u64>,
+    /// Bytes prefetches moved, by destination: pages already there move nothing. Managed
+    /// memory starts on the host.
+    pub migrated_bytes: BTreeMap<i64, u64>,
+    /// Advice calls by CUDA's advice value.
+    pub advice: BTreeMap<u32, u64>,
+}
+
+#[derive(Default)]
+struct SimHost {
+    /// Live host allocations: address → (kind, charged size).
+    mappings: HashMap<DevicePtr, (HostKind, u64)>,
+    /// Where each managed page is, by page number, when not on the host.
+    away: HashMap<u64, Location>,
+    counters: SimHostCounters,
+}
+
+fn location_index(location: Location) -> i64 {
+    match location {
+        Location::Host => -1,
+        Location::Device(d) => d as i64,
+    }
+}
 
 /// Counters a test or the replay tool reads back.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -151,6 +200,10 @@ pub struct SimDriver {
     costs: Option<CallCosts>,
     /// Nanoseconds charged so far under `costs` (`spent`).
     spent_ns: AtomicU64,
+    /// Host memory, and how much of it may be pinned.
+    host_capacity: u64,
+    pinned_limit: u64,
+    host: Mutex<SimHost>,
 }
 
 impl SimDriver {
@@ -170,6 +223,46 @@ impl SimDriver {
             event_lag: 0,
             costs: None,
             spent_ns: AtomicU64::new(0),
+            host_capacity: DEFAULT_HOST_CAPACITY,
+            pinned_limit: DEFAULT_HOST_CAPACITY,
+            host: Mutex::new(SimHost::default()),
+        }
+    }
+
+    /// The machine's host memory, and the most of it that may be pinned (at most all).
+    pub fn with_host_memory(mut self, capacity: u64, pinned_limit: u64) -> Self {
+        self.host_capacity = capacity;
+        self.pinned_limit = pinned_limit.min(capacity);
+        self
+    }
+
+    pub fn host_counters(&self) -> SimHostCounters {
+        self.host.lock().unwrap().counters.clone()
+    }
+
+    /// Where the managed page holding `ptr` is now.
+    pub fn residence(&self, ptr: DevicePtr) -> Location {
+        let host = self.host.lock().unwrap();
+        host.away
+            .get(&(ptr / SIM_MIGRATION_PAGE))
+            .copied()
+            .unwrap_or(Location::Host)
+    }
+
+    /// Whether one live managed allocation holds all of `[ptr, ptr+size)`.
+    fn managed_range_ok(host: &SimHost, ptr: DevicePtr, size: u64) -> bool {
+        let end = ptr.saturating_add(size);
+        host.mappings.iter().any(|(&start, &(kind, len))| {
+            kind == HostKind::Managed && ptr >= start && end <= start + len
+        })
+    }
+
+    fn check_location(&self, call: &'static str, location: Location) -> DriverResult<()> {
+        match location {
+            Location::Device(d) if d >= self.devices.len() => {
+                Err(sim_error(call, format!("no simulated device {d}")))
+            }
+            _ => Ok(()),
         }
     }
 
@@ -224,8 +317,10 @@ impl SimDriver {
         }
     }
 
-    /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`), `CCALLOC_SIM_DEVICES` (default 1) and
-    /// `CCALLOC_SIM_COSTS` (`h100`: driver calls take as long as on one, `with_call_costs`).
+    /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`), `CCALLOC_SIM_DEVICES` (default 1),
+    /// `CCALLOC_SIM_COSTS` (`h100`: driver calls take as long as on one, `with_call_costs`),
+    /// and the host's memory: `CCALLOC_SIM_HOST_CAPACITY` (default 64GiB) and
+    /// `CCALLOC_SIM_PINNED_LIMIT` (how much of it may be pinned; default all).
     pub fn from_env() -> Result<Self, String> {
         let capacity = match std::env::var("CCALLOC_SIM_CAPACITY") {
             Ok(text) => crate::error::parse_bytes(&text)
@@ -246,7 +341,15 @@ impl SimDriver {
                 })?,
             Err(_) => 1,
         };
-        let mut sim = Self::new(devices, capacity);
+        let host_size = |name: &str, default: u64| match std::env::var(name) {
+            Ok(text) => crate::error::parse_bytes(&text)
+                .filter(|&b| b > 0)
+                .ok_or_else(|| format!("{name}={text:?} is not a size such as 64GiB")),
+            Err(_) => Ok(default),
+        };
+        let host_capacity = host_size("CCALLOC_SIM_HOST_CAPACITY", DEFAULT_HOST_CAPACITY)?;
+        let pinned_limit = host_size("CCALLOC_SIM_PINNED_LIMIT", host_capacity)?;
+        let mut sim = Self::new(devices, capacity).with_host_memory(host_capacity, pinned_limit);
         match std::env::var("CCALLOC_SIM_COSTS").as_deref() {
             Ok("h100") => sim = sim.with_call_costs(CallCosts::h100()),
             Ok("") | Err(_) => {}
@@ -506,6 +609,143 @@ impl Driver for SimDriver {
         }
     }
 
+    fn host_memory(&self, kind: HostKind) -> DriverResult<u64> {
+        Ok(match kind {
+            HostKind::Pinned => self.pinned_limit,
+            // Managed memory may oversubscribe a device: it spills to the host.
+            HostKind::Managed => {
+                self.host_capacity + self.devices.iter().map(|d| d.capacity).sum::<u64>()
+            }
+        })
+    }
+
+    fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
+        let charged = round_up(size.max(1), SIM_HOST_PAGE);
+        let limit = self.host_memory(kind)?;
+        let mut host = self.host.lock().unwrap();
+        let c = &mut host.counters;
+        // Pinned memory cannot be paged out: what is pinned is gone for managed memory.
+        let (used, limit) = match kind {
+            HostKind::Pinned => (c.pinned_bytes, limit),
+            HostKind::Managed => (c.managed_bytes, limit.saturating_sub(c.pinned_bytes)),
+        };
+        if used + charged > limit {
+            c.failed_allocations += 1;
+            return Err(DriverError::OutOfMemory);
+        }
+        let ptr = host::map(charged).ok_or(DriverError::OutOfMemory)?;
+        host.mappings.insert(ptr, (kind, charged));
+        let c = &mut host.counters;
+        match kind {
+            HostKind::Pinned => {
+                c.pinned_bytes += charged;
+                c.peak_pinned_bytes = c.peak_pinned_bytes.max(c.pinned_bytes);
+                c.live_pinned += 1;
+                c.pinned_allocate_calls += 1;
+            }
+            HostKind::Managed => {
+                c.managed_bytes += charged;
+                c.peak_managed_bytes = c.peak_managed_bytes.max(c.managed_bytes);
+                c.live_managed += 1;
+                c.managed_allocate_calls += 1;
+            }
+        }
+        Ok(ptr)
+    }
+
+    fn host_release(&self, kind: HostKind, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
+        let mut host = self.host.lock().unwrap();
+        let charged = match host.mappings.get(&ptr) {
+            Some(&(k, charged)) if k == kind => charged,
+            _ => {
+                return Err(sim_error(
+                    "sim host release",
+                    format!("{ptr:#x} is not a live simulated {kind:?} allocation"),
+                ))
+            }
+        };
+        host.mappings.remove(&ptr);
+        for page in ptr / SIM_MIGRATION_PAGE..(ptr + charged).div_ceil(SIM_MIGRATION_PAGE) {
+            host.away.remove(&page);
+        }
+        host::unmap(ptr, charged);
+        let c = &mut host.counters;
+        match kind {
+            HostKind::Pinned => {
+                c.pinned_bytes -= charged;
+                c.live_pinned -= 1;
+                c.pinned_release_calls += 1;
+            }
+            HostKind::Managed => {
+                c.managed_bytes -= charged;
+                c.live_managed -= 1;
+                c.managed_release_calls += 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn prefetch(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        to: Location,
+        stream_device: usize,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        self.check_location("prefetch", to)?;
+        let d = self.device(stream_device)?;
+        if d.streams
+            .lock()
+            .unwrap()
+            .get(&stream)
+            .is_some_and(|s| s.destroyed)
+        {
+            return Err(d.destroyed_stream_call("prefetch", stream));
+        }
+        let mut host = self.host.lock().unwrap();
+        if size == 0 || !Self::managed_range_ok(&host, ptr, size) {
+            return Err(sim_error(
+                "prefetch",
+                format!("{ptr:#x}+{size} is not inside one managed allocation"),
+            ));
+        }
+        let mut moved = 0;
+        for page in ptr / SIM_MIGRATION_PAGE..(ptr + size).div_ceil(SIM_MIGRATION_PAGE) {
+            let now = host.away.get(&page).copied().unwrap_or(Location::Host);
+            if now != to {
+                moved += SIM_MIGRATION_PAGE;
+                match to {
+                    Location::Host => host.away.remove(&page),
+                    Location::Device(_) => host.away.insert(page, to),
+                };
+            }
+        }
+        let c = &mut host.counters;
+        *c.prefetches.entry(location_index(to)).or_default() += 1;
+        *c.migrated_bytes.entry(location_index(to)).or_default() += moved;
+        Ok(())
+    }
+
+    fn advise(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        advice: Advice,
+        location: Location,
+    ) -> DriverResult<()> {
+        self.check_location("advise", location)?;
+        let mut host = self.host.lock().unwrap();
+        if size == 0 || !Self::managed_range_ok(&host, ptr, size) {
+            return Err(sim_error(
+                "advise",
+                format!("{ptr:#x}+{size} is not inside one managed allocation"),
+            ));
+        }
+        *host.counters.advice.entry(advice as u32).or_default() += 1;
+        Ok(())
+    }
+
     fn vmm_granularity(&self, device: usize) -> Option<u64> {
         (self.vmm && device < self.devices.len()).then_some(SIM_GRANULARITY)
     }
@@ -738,6 +978,9 @@ impl Driver for SimDriver {
 
 impl Drop for SimDriver {
     fn drop(&mut self) {
+        for (&ptr, &(_, size)) in &self.host.lock().unwrap().mappings {
+            host::unmap(ptr, size);
+        }
         for d in &self.devices {
             let memory = d.memory.lock().unwrap();
             for (&ptr, &size) in memory.mappings.iter().chain(memory.reservations.iter()) {

@@ -4,7 +4,9 @@
 //! (`crate::history`). It only calls downward; with both off it adds a relaxed atomic load
 //! and tracing's level check to the calls it watches, which are the slow path.
 
-use super::{DevicePtr, Driver, DriverResult, EventId, PhysHandle, StreamId};
+use super::{
+    Advice, DevicePtr, Driver, DriverResult, EventId, HostKind, Location, PhysHandle, StreamId,
+};
 use crate::history::{self, Action};
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,5 +110,34 @@ impl Driver for Traced {
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         announce(Action::SegmentUnmap, device, va, size);
         self.inner.unmap(device, va, size)
+    }
+    // Host-side memory is not device memory: not in the device's segment history.
+    fn host_memory(&self, kind: HostKind) -> DriverResult<u64> {
+        self.inner.host_memory(kind)
+    }
+    fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
+        self.inner.host_allocate(kind, size)
+    }
+    fn host_release(&self, kind: HostKind, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.host_release(kind, ptr, size)
+    }
+    fn prefetch(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        to: Location,
+        stream_device: usize,
+        stream: StreamId,
+    ) -> DriverResult<()> {
+        self.inner.prefetch(ptr, size, to, stream_device, stream)
+    }
+    fn advise(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        advice: Advice,
+        location: Location,
+    ) -> DriverResult<()> {
+        self.inner.advise(ptr, size, advice, location)
     }
 }

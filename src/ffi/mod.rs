@@ -4,6 +4,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod boundary;
+pub mod host;
 pub mod memory;
 pub mod types;
 

@@ -1,0 +1,157 @@
+//! Host-side memory as a device of its own, so that the caching allocator core
+//! (`DeviceAllocator`: size classes, split/merge, stream-aware reuse, statistics) caches it
+//! unchanged: `HostDriver` is a one-device driver whose `allocate`/`release` hand out pinned
+//! host memory (`HostKind::Pinned`) or managed memory (`HostKind::Managed`) of the wrapped
+//! driver, and whose events are the wrapped driver's, on the devices the streams belong to.
+//! It has no virtual memory management: segments are plain.
+//!
+//! Streams. A host block is used by work on streams of any device, so a stream is named by
+//! the pair (device, stream): the allocator core sees a tag per pair (`tag`), and every
+//! event or synchronize call is sent to the pair's device. Blocks are allocated on
+//! `ALLOCATION_STREAM`, which is no real stream: every stream the caller records with
+//! `record_stream` is then "another stream" to the core, whose work must finish before the
+//! block is reused (the host's own accesses are not stream-ordered, unlike a device's).
+
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, StreamId};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// The stream every host-side block is allocated on: no real stream has this handle.
+pub const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
+
+#[derive(Default)]
+struct Tags {
+    /// (device, stream) → its tag; tags are indices into `pairs`, plus one.
+    by_pair: HashMap<(usize, StreamId), StreamId>,
+    pairs: Vec<(usize, StreamId)>,
+}
+
+pub struct HostDriver {
+    inner: Arc<dyn Driver>,
+    kind: HostKind,
+    tags: Mutex<Tags>,
+    /// Each live event's device.
+    events: Mutex<HashMap<u64, usize>>,
+}
+
+impl HostDriver {
+    pub fn new(inner: Arc<dyn Driver>, kind: HostKind) -> Self {
+        Self {
+            inner,
+            kind,
+            tags: Mutex::new(Tags::default()),
+            events: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn kind(&self) -> HostKind {
+        self.kind
+    }
+
+    /// The stream id the allocator core uses for `stream` of `device`.
+    pub fn tag(&self, device: usize, stream: StreamId) -> StreamId {
+        let mut tags = self.tags.lock().unwrap();
+        if let Some(&tag) = tags.by_pair.get(&(device, stream)) {
+            return tag;
+        }
+        tags.pairs.push((device, stream));
+        let tag = StreamId(tags.pairs.len() as u64);
+        tags.by_pair.insert((device, stream), tag);
+        tag
+    }
+
+    /// The (device, stream) a tag stands for.
+    fn untag(&self, tag: StreamId) -> Option<(usize, StreamId)> {
+        let index = usize::try_from(tag.0).ok()?.checked_sub(1)?;
+        self.tags.lock().unwrap().pairs.get(index).copied()
+    }
+
+    fn untag_or_fail(&self, call: &'static str, tag: StreamId) -> DriverResult<(usize, StreamId)> {
+        self.untag(tag).ok_or_else(|| DriverError::Failed {
+            call,
+            detail: format!(
+                "stream {:#x} is not a recorded stream of host memory",
+                tag.0
+            ),
+        })
+    }
+
+    fn event_device(&self, event: EventId) -> usize {
+        self.events
+            .lock()
+            .unwrap()
+            .get(&event.0)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Devices with a recorded stream: the only ones whose work may use these blocks.
+    fn used_devices(&self) -> Vec<usize> {
+        let tags = self.tags.lock().unwrap();
+        let mut devices: Vec<usize> = tags.pairs.iter().map(|&(d, _)| d).collect();
+        devices.sort_unstable();
+        devices.dedup();
+        devices
+    }
+}
+
+impl Driver for HostDriver {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn device_count(&self) -> usize {
+        1
+    }
+
+    fn total_memory(&self, _device: usize) -> DriverResult<u64> {
+        self.inner.host_memory(self.kind)
+    }
+
+    fn allocate(&self, _device: usize, size: u64) -> DriverResult<DevicePtr> {
+        self.inner.host_allocate(self.kind, size)
+    }
+
+    fn release(&self, _device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.host_release(self.kind, ptr, size)
+    }
+
+    fn record_event(&self, _device: usize, stream: StreamId) -> DriverResult<EventId> {
+        let (device, stream) = self.untag_or_fail("record_event", stream)?;
+        let event = self.inner.record_event(device, stream)?;
+        self.events.lock().unwrap().insert(event.0, device);
+        Ok(event)
+    }
+
+    fn event_done(&self, _device: usize, event: EventId) -> DriverResult<bool> {
+        self.inner.event_done(self.event_device(event), event)
+    }
+
+    fn wait_event(&self, _device: usize, event: EventId) -> DriverResult<()> {
+        self.inner.wait_event(self.event_device(event), event)
+    }
+
+    fn destroy_event(&self, _device: usize, event: EventId) {
+        let device = self.events.lock().unwrap().remove(&event.0).unwrap_or(0);
+        self.inner.destroy_event(device, event)
+    }
+
+    fn synchronize(&self, _device: usize) -> DriverResult<()> {
+        for device in self.used_devices() {
+            self.inner.synchronize(device)?;
+        }
+        Ok(())
+    }
+
+    fn synchronize_stream(&self, _device: usize, stream: StreamId) -> DriverResult<()> {
+        match self.untag(stream) {
+            Some((device, stream)) => self.inner.synchronize_stream(device, stream),
+            // The allocation stream has no work of its own.
+            None => Ok(()),
+        }
+    }
+
+    fn min_free_fence_interval(&self) -> std::time::Duration {
+        self.inner.min_free_fence_interval()
+    }
+}
