@@ -100,11 +100,19 @@ fn loader_batches_waste_less_than_power_of_two_rounding() {
     let stats = rt.host_side(PINNED).unwrap().allocator().stats().unwrap();
     let ours = stats.reserved_bytes.all().peak as f64 / peak_requested as f64;
     let pow2 = power_of_two_peak(&requests) as f64 / peak_requested as f64;
-    eprintln!("peak reserved / peak requested: ccalloc {ours:.3}, power of two {pow2:.3}");
-    // Plain segments split and merge, but separate driver allocations never merge: a
-    // cached segment smaller than the next batch stays unused. Still below the power-of-two
-    // cache's figure, by more than a tenth.
-    assert!(ours < 0.9 * pow2, "ccalloc {ours:.3}x against {pow2:.3}x");
+    let allocations = stats.num_device_alloc;
+    eprintln!(
+        "peak reserved / peak requested: ccalloc {ours:.3} ({allocations} pinned allocations), \
+         power of two {pow2:.3}"
+    );
+    // Separate pinned allocations never merge: a cached segment smaller than a new one is
+    // released as it is made (`Driver::releases_outgrown_segments`), so what stays cached is
+    // the few largest, which serve every later batch.
+    assert!(ours < 1.15, "ccalloc {ours:.3}x against {pow2:.3}x");
+    assert!(
+        allocations < 40,
+        "{allocations} pinned allocations for 400 batches"
+    );
 }
 
 #[test]

@@ -73,9 +73,11 @@ pub(crate) struct Shard {
     total_memory: u64,
     driver: Arc<dyn Driver>,
     state: SpinThenBlock<State>,
-    /// `Driver::min_free_fence_interval` and `Driver::times_page_moves`, read once.
+    /// `Driver::min_free_fence_interval`, `Driver::times_page_moves` and
+    /// `Driver::releases_outgrown_segments`, read once.
     free_fence_interval: std::time::Duration,
     times_page_moves: bool,
+    releases_outgrown: bool,
 }
 
 fn driver_error(device: usize, e: DriverError) -> Error {
@@ -115,6 +117,7 @@ impl Shard {
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
         let times_page_moves = driver.times_page_moves();
+        let releases_outgrown = driver.releases_outgrown_segments();
         Self {
             device,
             total_memory,
@@ -122,6 +125,7 @@ impl Shard {
             state: SpinThenBlock::new(State::new(config, limit, device_reserved, fronts)),
             free_fence_interval,
             times_page_moves,
+            releases_outgrown,
         }
     }
 
@@ -283,6 +287,9 @@ impl Shard {
         self.merge_set_aside(st);
         if !capturing && st.config.garbage_collection_threshold > 0.0 {
             self.collect_garbage(st)?;
+        }
+        if !capturing && self.releases_outgrown {
+            self.release_outgrown(st, owner, pool, segment_size)?;
         }
         if let Some(id) = self.new_segment(st, owner, pool, stream, segment_size)? {
             return Ok(id);

@@ -89,6 +89,36 @@ impl Shard {
         released
     }
 
+    /// Releases the cached whole segments of a free list that are smaller than `size`, the
+    /// segment about to be made (`Driver::releases_outgrown_segments`).
+    pub(super) fn release_outgrown(
+        &self,
+        st: &mut State,
+        owner: Option<PoolId>,
+        pool: PoolKind,
+        size: u64,
+    ) -> Result<()> {
+        let Some(list) = st.caches.try_list(owner, pool) else {
+            return Ok(());
+        };
+        let outgrown: Vec<BlockId> = list
+            .ids()
+            .filter(|&id| {
+                let b = st.blocks.get(id);
+                b.is_whole_plain_segment() && b.size < size
+            })
+            .collect();
+        if outgrown.is_empty() {
+            return Ok(());
+        }
+        // A free block's own stream may still be reading it: the device finishes first.
+        self.sync_device(st)?;
+        for id in outgrown {
+            self.release_segment(st, id)?;
+        }
+        Ok(())
+    }
+
     /// Releases every cached block that spans a whole segment in the given free lists.
     pub(super) fn release_whole_segments(
         &self,

@@ -151,6 +151,10 @@ impl Driver for HostDriver {
         }
     }
 
+    fn releases_outgrown_segments(&self) -> bool {
+        matches!(self.kind, HostKind::Pinned)
+    }
+
     fn min_free_fence_interval(&self) -> std::time::Duration {
         self.inner.min_free_fence_interval()
     }

@@ -141,6 +141,14 @@ pub trait Driver: Send + Sync {
         false
     }
 
+    /// Whether a cached free segment smaller than a new one is released as the new one is
+    /// made. Device segments are kept (a later smaller request reuses them); separate pinned
+    /// host allocations never merge, and a loader's growing batch sizes would otherwise pile
+    /// up one outgrown segment per size seen.
+    fn releases_outgrown_segments(&self) -> bool {
+        false
+    }
+
     /// Blocks until the work queued on `stream` has completed.
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()>;
 

@@ -82,6 +82,9 @@ impl Driver for Traced {
     fn times_page_moves(&self) -> bool {
         self.inner.times_page_moves()
     }
+    fn releases_outgrown_segments(&self) -> bool {
+        self.inner.releases_outgrown_segments()
+    }
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
         self.inner.synchronize_stream(device, stream)
     }
