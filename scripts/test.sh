@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Every test, on any machine (no GPU needed): formatting, lints, the header check, Rust unit,
 # property, stress and C/C++ ABI tests, the loom model, and the Python package's tests on the
-# sim backend. Installs what it can (rustfmt/clippy components; pytest and setuptools-rust in
-# a venv under target/) and stops at once, naming the package, when a system tool is missing.
+# sim backend. Installs what it can (rustfmt/clippy components; pytest, setuptools-rust and
+# wheel in a venv under target/) and stops at once, naming the package, when a system tool is
+# missing.
 #
 # Every cargo step uses one feature set and flags, so each crate is compiled once per profile
-# and a re-run with nothing changed compiles nothing: `cargo test` also builds the cdylib the
-# C/C++ and Python tests load (a separate `cargo build` would resolve dev-dependency features
-# differently and build the crate and many dependencies a second time). Loom needs
+# and a re-run with nothing changed compiles nothing. The cdylib the C/C++ and Python tests
+# load (target/debug/libccalloc.so) comes from `cargo build --lib --tests`: the same units as
+# `cargo test` (dev-dependency features included), but copied up to target/debug/; a plain
+# `cargo build` resolves features without dev-dependencies, compiles many dependencies a
+# second time, and rewrites deps/libccalloc.so (no hash in a cdylib's name), so `cargo test`
+# would then rebuild the crate on every run. Loom needs
 # `--cfg loom` on every crate, so it has its own profile (output in target/loom/): unoptimised
 # and without debug info, which builds fastest for a model that runs in well under a second.
 set -euo pipefail
@@ -41,7 +45,10 @@ cargo fmt --all -- --check
 step "cargo clippy -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
 
-step "cargo test (also builds target/debug/libccalloc.so for the C/C++ and Python tests)"
+step "cargo build --lib --tests (target/debug/libccalloc.so for the C/C++ and Python tests)"
+cargo build --locked --lib --tests
+
+step "cargo test"
 cargo test --locked
 
 step "loom model of the device lock (profile loom: --cfg loom rebuilds every crate)"
@@ -52,7 +59,7 @@ venv=target/pyenv
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check pytest setuptools-rust
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check pytest setuptools-rust wheel
 # The tests import python/ from this checkout (conftest.py); the full wheel build and install
 # is opt-in: CCALLOC_TEST_WHEEL=1 (python/tests/test_packaging.py).
 CCALLOC_LIBRARY="$PWD/target/debug/libccalloc.so" "$venv/bin/python" -m pytest -q python/tests
