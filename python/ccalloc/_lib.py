@@ -8,9 +8,13 @@ Search order (the first hit wins):
 
 1. ``$CCALLOC_LIBRARY``: an explicit path. When set it is the only candidate: a wrong value
    is reported, never silently replaced by another copy.
-2. ``libccalloc.so`` inside this package (copied there before ``pip install``).
-3. ``<repo>/target/release/libccalloc.so`` and then ``<repo>/target/debug/libccalloc.so``,
-   relative to this file (a source checkout, ``python/ccalloc/../../target/...``).
+2. ``libccalloc.so`` inside this package: ``pip install ./python`` (and the wheel it makes)
+   builds it with cargo and bundles it. An editable install (``pip install -e``) puts a
+   copy in ``python/ccalloc/`` too, refreshed only by installing again.
+3. In a source checkout only (``<repo>/Cargo.toml`` exists, relative to this file:
+   ``python/ccalloc/../..``): ``<repo>/target/release/libccalloc.so`` and then
+   ``<repo>/target/debug/libccalloc.so``, what ``cargo build`` makes; so
+   ``PYTHONPATH=<repo>/python`` works without installing.
 """
 
 from __future__ import annotations
@@ -472,11 +476,18 @@ def candidate_paths() -> List[Tuple[str, str]]:
     explicit = os.environ.get(ENV_LIBRARY)
     if explicit:
         return [(f"${ENV_LIBRARY}", explicit)]
-    return [
-        ("package", os.path.join(_PACKAGE_DIR, LIBRARY_NAME)),
-        ("target/release", os.path.join(_REPO_DIR, "target", "release", LIBRARY_NAME)),
-        ("target/debug", os.path.join(_REPO_DIR, "target", "debug", LIBRARY_NAME)),
-    ]
+    candidates = [("package", os.path.join(_PACKAGE_DIR, LIBRARY_NAME))]
+    if _in_checkout():
+        candidates += [
+            ("target/release", os.path.join(_REPO_DIR, "target", "release", LIBRARY_NAME)),
+            ("target/debug", os.path.join(_REPO_DIR, "target", "debug", LIBRARY_NAME)),
+        ]
+    return candidates
+
+
+def _in_checkout() -> bool:
+    """Whether this package is ``python/ccalloc`` of a source checkout (not an install)."""
+    return os.path.isfile(os.path.join(_REPO_DIR, "Cargo.toml"))
 
 
 def _find() -> str:
@@ -491,10 +502,21 @@ def _find() -> str:
             f"or unset it to search the default places."
         )
     looked = "\n".join(f"  - {path} ({where})" for where, path in candidates)
+    if _in_checkout():
+        advice = (
+            f"Build it with `cargo build --release` in {_REPO_DIR}, or install the package "
+            f"with `pip install {os.path.join(_REPO_DIR, 'python')}` (which builds and "
+            f"bundles it), or set {ENV_LIBRARY} to its path."
+        )
+    else:
+        advice = (
+            f"This installation of ccalloc lacks its library: reinstall it with "
+            f"`pip install <ccalloc checkout>/python` (which builds it with cargo), or set "
+            f"{ENV_LIBRARY} to the path of a libccalloc built by `cargo build --release`."
+        )
     raise LibraryNotFoundError(
         f"ccalloc: {LIBRARY_NAME} not found. Looked in ${ENV_LIBRARY} (unset) and:\n{looked}\n"
-        f"Build it with `cargo build --release` in the ccalloc repository, copy it into the "
-        f"package directory before `pip install`, or set {ENV_LIBRARY} to its path."
+        + advice
     )
 
 

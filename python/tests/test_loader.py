@@ -46,6 +46,7 @@ def test_first_existing_candidate_wins(monkeypatch, tmp_path):
     debug = tmp_path / "target" / "debug"
     for d in (package, release, debug):
         d.mkdir(parents=True)
+    (tmp_path / "Cargo.toml").write_text("")
     monkeypatch.setattr(_lib, "_PACKAGE_DIR", str(package))
     monkeypatch.setattr(_lib, "_REPO_DIR", str(tmp_path))
     (debug / "libccalloc.so").write_bytes(b"")
@@ -58,6 +59,7 @@ def test_first_existing_candidate_wins(monkeypatch, tmp_path):
 
 def test_nothing_found_lists_every_place(monkeypatch, tmp_path):
     monkeypatch.delenv("CCALLOC_LIBRARY", raising=False)
+    (tmp_path / "Cargo.toml").write_text("")
     monkeypatch.setattr(_lib, "_PACKAGE_DIR", str(tmp_path / "pkg"))
     monkeypatch.setattr(_lib, "_REPO_DIR", str(tmp_path))
     with pytest.raises(ccalloc.LibraryNotFoundError) as info:
@@ -69,6 +71,25 @@ def test_nothing_found_lists_every_place(monkeypatch, tmp_path):
     assert str(tmp_path / "target" / "debug" / "libccalloc.so") in message
     assert "CCALLOC_LIBRARY" in message and "cargo build" in message
     assert isinstance(info.value, OSError)
+
+
+def test_installed_package_looks_only_inside_itself(monkeypatch, tmp_path):
+    """Installed (no Cargo.toml two levels up): the bundled library is the only candidate, and
+    the error says how to reinstall rather than listing site-packages/../target paths."""
+    monkeypatch.delenv("CCALLOC_LIBRARY", raising=False)
+    package = tmp_path / "site-packages" / "ccalloc"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(_lib, "_PACKAGE_DIR", str(package))
+    monkeypatch.setattr(_lib, "_REPO_DIR", str(tmp_path))
+    assert _lib.candidate_paths() == [("package", str(package / "libccalloc.so"))]
+    with pytest.raises(ccalloc.LibraryNotFoundError) as info:
+        _lib._find()
+    message = str(info.value)
+    assert str(package / "libccalloc.so") in message
+    assert "target" not in message
+    assert "pip install" in message and "CCALLOC_LIBRARY" in message
+    (package / "libccalloc.so").write_bytes(b"")
+    assert _lib._find() == str(package / "libccalloc.so")
 
 
 def test_missing_env_library_fails_on_first_use_not_on_import():

@@ -72,14 +72,12 @@ const VMM_SYMBOLS: &[&str] = &[
 /// Opens libcuda the way cudarc will, and checks the symbols we need are there. Returns
 /// which optional ones are present too.
 fn check_library() -> Result<Symbols, String> {
-    let mut tried = Vec::new();
     for name in ["cuda", "nvcuda"]
         .iter()
         .flat_map(|l| cudarc::get_lib_name_candidates(l))
     {
         // SAFETY: loading the system CUDA driver library runs its initialisers, as cudarc would.
         let Ok(lib) = (unsafe { libloading::Library::new(&name) }) else {
-            tried.push(name);
             continue;
         };
         for symbol in REQUIRED_SYMBOLS {
@@ -106,9 +104,15 @@ fn check_library() -> Result<Symbols, String> {
         std::mem::forget(lib);
         return Ok(symbols);
     }
+    // cudarc tries dozens of file names; the one a driver install provides is enough to name.
+    let library = if cfg!(windows) {
+        "nvcuda.dll"
+    } else {
+        "libcuda.so.1"
+    };
     Err(format!(
-        "the CUDA driver library was not found (tried {}); is the NVIDIA driver installed?",
-        tried.join(", ")
+        "the CUDA driver library ({library}) was not found: install the NVIDIA driver, \
+         or set CCALLOC_BACKEND=sim to run on the simulated device"
     ))
 }
 
