@@ -122,7 +122,7 @@ def run(kind):
     times = [s.elapsed_time(e) for s, e in step_ms[WARMUP:]]
     if kind == "ccalloc":
         stats = ccalloc.host_memory_stats()
-        peak, allocs, key = stats["reserved_bytes.peak"], stats["num_host_alloc"], "reserved_bytes.peak"
+        peak, allocs, key = stats["allocated_bytes.peak"], stats["num_host_alloc"], "allocated_bytes.peak"
     elif kind == "torch":
         peak, allocs, key = torch_host_peak(torch)
     else:

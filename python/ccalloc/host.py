@@ -129,10 +129,13 @@ def host_empty_cache() -> None:
 
 
 def _stats(function: str) -> Dict[str, int]:
+    """ccalloc's figures (the device statistics' names and meanings), flattened."""
     raw = _lib.ccalloc_stats()
     _call(function, ctypes.byref(raw))
     flat: Dict[str, int] = {}
-    for name in ("allocation", "segment", "allocated_bytes", "reserved_bytes", "requested_bytes"):
+    names = ("allocation", "segment", "active", "allocated_bytes", "reserved_bytes", "active_bytes",
+             "requested_bytes")
+    for name in names:
         stat = getattr(raw, name).all
         for metric in ("current", "peak", "allocated", "freed"):
             flat[f"{name}.{metric}"] = int(getattr(stat, metric))
@@ -141,21 +144,36 @@ def _stats(function: str) -> Dict[str, int]:
     return flat
 
 
-def host_memory_stats() -> Dict[str, int]:
-    """Statistics of the pinned cache, with ``torch.cuda.host_memory_stats()``'s names.
+# torch.cuda.host_memory_stats()'s name -> ccalloc's figure with that meaning. PyTorch counts
+# the pinned blocks it owns (active or cached) as "allocations" / "allocated_bytes", and
+# blocks checked out to callers until their streams' work is done as "active_requests" /
+# "active_bytes": ccalloc's segments / reserved bytes, and active blocks / bytes.
+_TORCH_HOST_NAMES = {
+    "allocations": "segment",
+    "allocated_bytes": "reserved_bytes",
+    "active_requests": "active",
+    "active_bytes": "active_bytes",
+}
 
-    ``allocations.*`` (live blocks), ``allocated_bytes.*``, ``reserved_bytes.*`` (bytes of
-    the driver's pinned segments), ``segment.*`` (segments), ``requested_bytes.*``, each
-    with ``current`` / ``peak`` / ``allocated`` / ``freed``; ``num_host_alloc`` and
-    ``num_host_free`` (calls of ``cuMemHostAlloc`` / ``cuMemFreeHost``).
+
+def host_memory_stats() -> Dict[str, int]:
+    """Statistics of the pinned cache under ``torch.cuda.host_memory_stats()``'s names and
+    meanings: ``allocations.*`` and ``allocated_bytes.*`` (pinned segments the cache owns,
+    in use or cached), ``active_requests.*`` and ``active_bytes.*`` (blocks handed out, until
+    the work of the streams they were recorded on is done), each with ``current`` / ``peak``
+    / ``allocated`` / ``freed``, and ``num_host_alloc`` / ``num_host_free`` (calls of
+    ``cuMemHostAlloc`` / ``cuMemFreeHost``). ``requested_bytes.*`` (bytes asked for) is
+    ccalloc's own addition.
     """
     raw = _stats("ccalloc_host_get_stats")
-    stats = {
-        key.replace("allocation.", "allocations.", 1) if key.startswith("allocation.") else key: v
-        for key, v in raw.items()
-    }
-    stats["num_host_alloc"] = stats.pop("num_device_alloc")
-    stats["num_host_free"] = stats.pop("num_device_free")
+    stats: Dict[str, int] = {}
+    for torch_name, ours in _TORCH_HOST_NAMES.items():
+        for metric in ("current", "peak", "allocated", "freed"):
+            stats[f"{torch_name}.{metric}"] = raw[f"{ours}.{metric}"]
+    for metric in ("current", "peak", "allocated", "freed"):
+        stats[f"requested_bytes.{metric}"] = raw[f"requested_bytes.{metric}"]
+    stats["num_host_alloc"] = raw["num_device_alloc"]
+    stats["num_host_free"] = raw["num_device_free"]
     return stats
 
 

@@ -11,12 +11,13 @@ from conftest import MiB
 @pytest.fixture(autouse=True)
 def host_caches_clean():
     yield
-    leaks = (ccalloc.host_memory_stats()["allocations.current"],
-             ccalloc.managed_memory_stats()["allocation.current"])
+    # Emptying waits for recorded streams: a freed block still awaiting one counts as active.
     ccalloc.host_empty_cache()
     ccalloc.managed_empty_cache()
+    leaks = (ccalloc.host_memory_stats()["active_requests.current"],
+             ccalloc.managed_memory_stats()["allocation.current"])
     assert leaks == (0, 0), f"test left host-side blocks behind: {leaks}"
-    assert ccalloc.host_memory_stats()["reserved_bytes.current"] == 0
+    assert ccalloc.host_memory_stats()["allocated_bytes.current"] == 0
 
 
 def test_pinned_blocks_are_cached_and_counted():
@@ -29,10 +30,14 @@ def test_pinned_blocks_are_cached_and_counted():
     assert b == a
     stats = ccalloc.host_memory_stats()
     assert stats["num_host_alloc"] - before["num_host_alloc"] == 1
-    assert stats["allocations.current"] == 1
+    assert stats["active_requests.current"] == 1  # PyTorch's names: blocks handed out
+    assert stats["active_bytes.current"] >= 3 * MiB
+    assert stats["allocations.current"] == 1  # ... and pinned segments owned
     assert stats["requested_bytes.current"] == 3 * MiB
-    assert stats["reserved_bytes.current"] >= 3 * MiB
+    assert stats["allocated_bytes.current"] >= 3 * MiB
     ccalloc.host_free(b)
+    cached = ccalloc.host_memory_stats()
+    assert cached["active_requests.current"] == 0 and cached["allocations.current"] == 1
     ccalloc.host_empty_cache()
     assert ccalloc.host_memory_stats()["num_host_free"] - before["num_host_free"] == 1
 
@@ -106,10 +111,10 @@ def test_buffers_expose_array_interfaces_and_free_themselves():
     assert bytes(buf.memoryview()[:4]) == b"\x01\x02\x03\x04"
     with pytest.raises(AttributeError):
         buf.__cuda_array_interface__
-    assert ccalloc.host_memory_stats()["allocations.current"] == 1
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 1
     del view, buf
     gc.collect()
-    assert ccalloc.host_memory_stats()["allocations.current"] == 0
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 0
 
     with ccalloc.managed_empty(10, "int64") as m:
         assert m.__cuda_array_interface__["shape"] == (10,)
@@ -142,10 +147,10 @@ def test_pinned_tensor_with_torch():
     assert t.data_ptr() != 0 and t.shape == (8, 2) and t.dtype == torch.float32
     t.fill_(1.0)
     assert float(t.sum()) == 16.0
-    assert ccalloc.host_memory_stats()["allocations.current"] == 1
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 1
     del t
     gc.collect()
-    assert ccalloc.host_memory_stats()["allocations.current"] == 0
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 0
 
 
 class _FakeTensor:
@@ -182,8 +187,10 @@ def test_pinned_tensor_keeps_its_block_while_the_tensor_lives(monkeypatch):
     t = ct.pinned_tensor((8, 2))
     assert t.count == 16 and len(t.raw) == 64
     gc.collect()
-    assert ccalloc.host_memory_stats()["allocations.current"] == 1, "the tensor holds it"
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 1, "the tensor holds it"
     ct.record_pinned(t, 9)
     del t
     gc.collect()
-    assert ccalloc.host_memory_stats()["allocations.current"] == 0
+    # Freed, but reusable only once stream 9's work is done: emptying the cache waits for it.
+    ccalloc.host_empty_cache()
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 0
