@@ -313,6 +313,35 @@ step_soak() {
     [ -n "$errors" ] && [ "$errors" -eq 0 ] && [ "$rc" -eq 0 ] && [[ "$line" == *"failures: 0"* ]]
 }
 
+# tests/gpu/test_host.cu: pinned host and managed memory (copies, prefetch, advice, an
+# oversubscribed job against plain cudaMallocManaged).
+step_host_test() {
+    need_library || return 1
+    need_tool "$NVCC" || return 2
+    local log="$BUILD_DIR/host_test.out" rc
+    "$NVCC" -std=c++17 -O2 "-arch=$GPU_ARCH" -I "$ROOT/include" "$ROOT/tests/gpu/test_host.cu" \
+        -o "$BUILD_DIR/test_host" -L "$LIB_DIR" -lccalloc -Xlinker -rpath -Xlinker "$LIB_DIR" \
+        || { info "nvcc failed"; return 1; }
+    (unset CCALLOC_BACKEND CCALLOC_CONF
+     timeout "$GPU_TEST_TIMEOUT" "$BUILD_DIR/test_host") 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    judge_test "$rc" "$log" "test_host"
+    local notes
+    notes="$(grep -E '^NOTE  [0-9]+ GiB' "$log" | sed 's/^NOTE  //' | tr '\n' ';')"
+    info "$(cat "$CURRENT_INFO_FILE"); $notes"
+    [ "$rc" -eq 0 ]
+}
+
+step_bench_pinned() {
+    need_library || return 1
+    need_tool python3 || return 2
+    local log="$BUILD_DIR/bench_pinned.out" rc
+    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout 600 python3 benches/gpu/pinned.py) 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    info "$(grep -E '^(torch|ccalloc) ' "$log" | awk '{printf "%s ratio %s, %s ms/step; ", $1, $6, $8}')"
+    [ "$rc" -eq 0 ]
+}
+
 step_header_c() {
     need_library || return 1
     need_tool "$CC" || return 2
@@ -450,11 +479,13 @@ add_step multi_gpu "tests/gpu/test_multi_gpu.cu: record_stream across devices, p
 add_step sanitizer "test_gpu --sanitizer under compute-sanitizer memcheck"
 add_step racecheck "test_gpu --sanitizer under compute-sanitizer racecheck"
 add_step soak "gpu/soak (examples/soak.rs) for SOAK_MINUTES (5) under compute-sanitizer memcheck"
+add_step host_test "tests/gpu/test_host.cu: pinned host and managed memory, oversubscription"
 add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
 add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"
 add_step sim_c_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
 add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats, record_stream, graphs, cudnn, OOM, DDP"
 add_step python_gpu "python/tests with PyTorch on the GPU"
+add_step bench_pinned "benches/gpu/pinned.py: a loader's pinned memory, ccalloc vs PyTorch"
 add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native vs expandable vs ccalloc"
 add_step bench_hotpath "benches/gpu/hotpath.sh: alloc/free timing vs native and cudaMallocAsync"
 add_step bench_torch_empty "benches/gpu/torch_empty.py: torch.empty + del per size, native vs ccalloc vs a null allocator"
