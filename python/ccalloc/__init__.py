@@ -91,25 +91,6 @@ __all__ = [
     "record_stream",
     "sim_pause_stream",
     "sim_device_bytes",
-    # pinned host and managed memory (ccalloc.host)
-    "Advice",
-    "HostBuffer",
-    "host_malloc",
-    "host_free",
-    "host_record_stream",
-    "host_empty_cache",
-    "host_memory_stats",
-    "host_reset_peak_memory_stats",
-    "managed_malloc",
-    "managed_free",
-    "managed_record_stream",
-    "managed_empty_cache",
-    "managed_memory_stats",
-    "prefetch",
-    "advise",
-    "pinned_empty",
-    "managed_empty",
-    "sim_prefetches",
     # errors
     "Status",
     "CcallocError",
@@ -611,23 +592,7 @@ def sim_device_bytes(device: Any = None) -> int:
 
 
 # Pinned host and managed memory: defined in ``ccalloc.host`` (which uses the plumbing above).
-from .host import (  # noqa: E402
-    Advice,
-    HostBuffer,
-    advise,
-    host_empty_cache,
-    host_free,
-    host_malloc,
-    host_memory_stats,
-    host_record_stream,
-    host_reset_peak_memory_stats,
-    managed_empty,
-    managed_empty_cache,
-    managed_free,
-    managed_malloc,
-    managed_memory_stats,
-    managed_record_stream,
-    pinned_empty,
-    prefetch,
-    sim_prefetches,
-)
+from . import host as _host  # noqa: E402
+from .host import *  # noqa: E402,F401,F403
+
+__all__ += _host.__all__
