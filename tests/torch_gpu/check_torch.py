@@ -834,6 +834,44 @@ def child_timing(torch, alloc, args):
     return {"ok": True, "median_us": steady[len(steady) // 2] * 1e6, "mode": args.get("_mode")}
 
 
+def child_managed_tensor(torch, alloc, args):
+    """A managed buffer as a CUDA tensor (__cuda_array_interface__), prefetched and advised,
+    and a pinned buffer as a NumPy array copied to the device: no PyTorch allocator involved."""
+    import numpy
+
+    import ccalloc
+
+    n = 1 << 20
+    buf = ccalloc.managed_empty((n,), "float32")
+    ccalloc.advise(buf, ccalloc.Advice.SET_PREFERRED_LOCATION, 0)
+    ccalloc.prefetch(buf, 0)
+    t = torch.as_tensor(buf, device="cuda")
+    t.fill_(2.0)
+    t.mul_(3.0)
+    torch.cuda.synchronize()
+    ccalloc.prefetch(buf, -1)
+    torch.cuda.synchronize()
+    host_view = numpy.asarray(buf)
+    managed_ok = t.data_ptr() == host_view.ctypes.data and bool((host_view == 6.0).all())
+    pinned = ccalloc.pinned_empty((n,), "float32")
+    arr = numpy.asarray(pinned)
+    arr[:] = numpy.arange(n, dtype=numpy.float32)
+    on_device = torch.from_numpy(arr).to("cuda", non_blocking=True)
+    ccalloc.host_record_stream(pinned, torch.cuda.current_stream().cuda_stream)
+    total = on_device.sum().item()
+    pinned_ok = total == float(numpy.arange(n, dtype=numpy.float64).sum())
+    stats = ccalloc.managed_memory_stats()
+    del t, host_view, arr, on_device
+    buf.close()
+    pinned.close()
+    info = [f"managed tensor shares the buffer and reads back 6.0 on the host: {managed_ok}; "
+            f"pinned NumPy array copied to the device sums right: {pinned_ok}; managed stats "
+            f"{ {k: v for k, v in stats.items() if k.endswith('.current')} }"]
+    ok = managed_ok and pinned_ok
+    return {"ok": ok, "detail": "managed buffer as a CUDA tensor, pinned buffer as a NumPy source" if ok else "see lines below",
+            "info": info}
+
+
 CHILDREN = {
     "info": child_info,
     "train": child_train,
@@ -851,6 +889,7 @@ CHILDREN = {
     "compile": child_compile,
     "mempool": child_mempool,
     "timing": child_timing,
+    "managed_tensor": child_managed_tensor,
 }
 
 
@@ -1200,6 +1239,7 @@ def main():
         ("compile_reduce_overhead", check_compile),
         ("mempool", check_mempool),
         ("backend_vs_pluggable_time", check_backend_time),
+        ("managed_tensor", lambda: from_child("managed_tensor", alloc="native")),
     ]
     if opts.list:
         print("\n".join(name for name, _ in checks))
