@@ -9,9 +9,11 @@
 //!   grows; at most `max_entries` are kept, the oldest dropped first. A host that keeps data
 //!   for entries (PyTorch's stack frames, keyed by `context`) may drop what belongs to
 //!   sequence numbers below `oldest_seq()`.
-//! - A block's `free_completed` follows its `free_requested`: at once for a block used on
-//!   its own stream only, and when its last recorded stream's work is done for a block
-//!   given to `record_stream`.
+//! - A block's `free_completed` follows its `free_requested`: at once unless the allocator
+//!   said the free waits for other streams' work (`free_delayed`, called within the
+//!   allocator's free, before the caller's `freed`), and then when `reusable` says that work
+//!   is done. `record_stream` alone decides nothing: on the block's own stream it adds no
+//!   wait.
 
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
@@ -72,13 +74,13 @@ pub struct Entry {
     pub context: u64,
 }
 
-/// What recording knows of a live block: its requested size, and whether `record_stream`
-/// gave it to another stream (then its free completes later).
+/// What recording knows of a live block: its requested size, and whether the allocator
+/// made its free wait for other streams (then its free completes at `reusable`).
 #[derive(Clone, Copy)]
 struct LiveBlock {
     size: u64,
     stream: u64,
-    shared: bool,
+    delayed: bool,
 }
 
 #[derive(Default)]
@@ -224,15 +226,23 @@ pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
         let block = LiveBlock {
             size,
             stream,
-            shared: false,
+            delayed: false,
         };
         r.live.insert((device, addr), block);
         push(r, Action::Alloc, device, addr, size, stream);
     }
 }
 
-/// A live block was given to another stream (`record_stream`).
+/// A live block was given to another stream (`record_stream`). Nothing is recorded: the
+/// allocator says at the free whether it waits for that stream (`free_delayed`); on the
+/// block's own stream it does not.
 pub fn shared(device: i32, addr: u64) {
+    let _ = (device, addr);
+}
+
+/// The allocator is freeing block `addr`, and its reuse waits for other streams' work: its
+/// `free_completed` comes at `reusable`. Called before the caller's `freed`.
+pub fn free_delayed(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
@@ -240,7 +250,7 @@ pub fn shared(device: i32, addr: u64) {
         .as_mut()
         .and_then(|r| r.live.get_mut(&(device, addr)))
     {
-        b.shared = true;
+        b.delayed = true;
     }
 }
 
@@ -254,7 +264,7 @@ pub fn freed(device: i32, addr: u64) {
         let block = r.live.remove(&(device, addr)).unwrap_or(LiveBlock {
             size: 0,
             stream: 0,
-            shared: false,
+            delayed: false,
         });
         push(
             r,
@@ -264,7 +274,7 @@ pub fn freed(device: i32, addr: u64) {
             block.size,
             block.stream,
         );
-        if block.shared {
+        if block.delayed {
             r.awaiting.insert((device, addr), block);
         } else {
             push(
@@ -279,13 +289,17 @@ pub fn freed(device: i32, addr: u64) {
     }
 }
 
-/// A block freed while other streams used it became reusable.
+/// A block freed while other streams used it became reusable. This may come before the
+/// caller's `freed` (the allocator synchronized at once, or another thread saw the work
+/// done first): the free then completes with its request.
 pub fn reusable(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
     if let Some(r) = recorder().as_mut() {
-        if let Some(block) = r.awaiting.remove(&(device, addr)) {
+        if let Some(b) = r.live.get_mut(&(device, addr)) {
+            b.delayed = false;
+        } else if let Some(block) = r.awaiting.remove(&(device, addr)) {
             push(
                 r,
                 Action::FreeCompleted,
@@ -331,7 +345,7 @@ mod tests {
         set_thread_context(42);
         allocated(0, 0x1000, 100, 7);
         allocated(0, 0x2000, 200, 7);
-        shared(0, 0x2000);
+        free_delayed(0, 0x2000);
         freed(0, 0x1000);
         freed(0, 0x2000);
         let names: Vec<_> = entries(Some(0)).iter().map(|e| e.action).collect();

@@ -1,6 +1,7 @@
 //! The process-wide allocator: one driver, one lazily created `DeviceAllocator` per device,
 //! and the global instance the C API uses (init / shutdown).
 
+use crate::alloc::blocks::BlockState;
 use crate::alloc::DeviceAllocator;
 use crate::config::Config;
 use crate::driver::cuda::CudaDriver;
@@ -55,6 +56,25 @@ impl HostAllocator {
         let live = self.live.lock().unwrap();
         let (&start, &len) = live.range(..=ptr).next_back()?;
         (ptr.checked_add(size)? <= start + len).then_some((start, len))
+    }
+
+    /// The live block whose memory holds `ptr`, as (start, requested size): `ptr` may lie
+    /// past the requested size, in what the block's rounding added. Used on error paths
+    /// only (it walks the segments).
+    fn live_block_around(&self, ptr: DevicePtr) -> Option<(DevicePtr, u64)> {
+        let (start, len) = {
+            let live = self.live.lock().unwrap();
+            let (&start, &len) = live.range(..=ptr).next_back()?;
+            (start, len)
+        };
+        let segments = self.allocator.segments().ok()?;
+        segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .any(|&(addr, size, state)| {
+                addr == start && state == BlockState::Allocated && ptr - addr < size
+            })
+            .then_some((start, len))
     }
 
     /// Errors of the allocator core name its one device, "device 0": said as what it is.
@@ -382,7 +402,9 @@ impl Runtime {
         if managed.live_block_holding(ptr, size).is_some() {
             return Ok(managed);
         }
-        let (kind, message) = if let Some((start, len)) = managed.live_block_holding(ptr, 1) {
+        // A range starting in a live block (its requested bytes or its rounding) runs past
+        // that block's end; only memory in no live block is freed memory.
+        let (kind, message) = if let Some((start, len)) = managed.live_block_around(ptr) {
             (
                 ErrorKind::InvalidArgument,
                 format!(

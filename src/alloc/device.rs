@@ -626,28 +626,46 @@ impl DeviceAllocator {
     ) -> Result<super::Restored> {
         self.check_open()?;
         let mut all = super::Restored::default();
+        let mut failed = None;
         for shard in self.shards() {
             if !shard.knows_pool(pool)? {
                 continue;
             }
-            let done = shard.restore_pool(pool, saved)?;
-            all.freed.extend(done.freed);
-            all.allocated.extend(done.allocated);
-            all.segments_found += done.segments_found;
+            // After a shard refused the layout, the others still free their blocks of the
+            // pool (an empty layout makes none again): a failed restore leaves none of the
+            // pool's blocks handed out, in any shard.
+            let layout = if failed.is_none() { saved } else { &[] };
+            match shard.restore_pool(pool, layout) {
+                Ok(done) => {
+                    all.freed.extend(done.freed);
+                    all.allocated.extend(done.allocated);
+                    all.segments_found += done.segments_found;
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
         }
+        // Saved segments: runs of contiguous blocks (an address past the end of the address
+        // space starts a run of its own).
         let starts = saved
             .windows(2)
-            .filter(|w| w[0].addr + w[0].size != w[1].addr)
+            .filter(|w| w[0].addr.checked_add(w[0].size) != Some(w[1].addr))
             .count()
             + usize::from(!saved.is_empty());
-        if all.segments_found < starts {
-            return Err(Error::new(
+        if failed.is_none() && all.segments_found < starts {
+            failed = Some(Error::new(
                 ErrorKind::InvalidArgument,
                 format!(
                     "restore_pool: {} of the {starts} saved segments of pool {pool:?} are gone",
                     starts - all.segments_found
                 ),
             ));
+        }
+        if let Some(e) = failed {
+            // The blocks other shards made again are freed too: the caller learns of none.
+            for ptr in all.allocated {
+                self.free(ptr)?;
+            }
+            return Err(e);
         }
         Ok(all)
     }

@@ -420,6 +420,10 @@ impl Shard {
     /// fence on it, or a device synchronize, covers it instead: `wait_for_free`).
     fn free_block(&self, st: &mut State, id: BlockId, at_callers_free: bool) -> Result<()> {
         let uses = st.take_back(id);
+        if !uses.is_empty() {
+            // The history's free completes when these streams' work does (`reusable`).
+            crate::history::free_delayed(self.device as i32, st.blocks.get(id).addr);
+        }
         if uses.is_empty() {
             let stream = st.blocks.get(id).stream;
             let fence_due = match st.park(id) {

@@ -11,6 +11,7 @@
 
 use super::blocks::{BlockId, BlockState};
 use super::caches::PoolId;
+use super::state::State;
 use super::Shard;
 use crate::driver::DevicePtr;
 use crate::error::{Error, ErrorKind, Result};
@@ -56,12 +57,51 @@ impl Shard {
             self.free_block(&mut st, id, true)?;
             done.freed.push(addr);
         }
-        let mut to_free = Vec::new();
+        // Every block carved so far, with whether it stays handed out. Until the layout is
+        // carved in full they are all handed out; on a failure they are freed again, so that
+        // a refused restore leaves none of the pool's blocks handed out (what the caller is
+        // told), none unreported in the statistics.
+        let mut made: Vec<(BlockId, bool)> = Vec::new();
+        let carved = self.carve(&mut st, pool, saved, &mut made, &mut done.segments_found);
+        if let Err(e) = carved {
+            for (id, _) in made {
+                self.free_block(&mut st, id, false)?;
+            }
+            return Err(e);
+        }
+        for (id, allocated) in made {
+            if allocated {
+                done.allocated.push(st.blocks.get(id).addr);
+            } else {
+                self.free_block(&mut st, id, false)?;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Carves `saved` from this shard's segments of `pool` (all free), pushing each block
+    /// made to `made`; stops at the first saved block that does not fit.
+    fn carve(
+        &self,
+        st: &mut State,
+        pool: PoolId,
+        saved: &[SavedBlock],
+        made: &mut Vec<(BlockId, bool)>,
+        segments_found: &mut usize,
+    ) -> Result<()> {
         let mut cursor: Option<BlockId> = None;
         for b in saved {
+            if b.size == 0 {
+                // Every block has a size: a zero-size one would share its address with
+                // the next, which the live table (keyed by address) cannot hold.
+                return Err(refused(format!(
+                    "the saved block at {:#x} has size 0",
+                    b.addr
+                )));
+            }
             if let Some(seg) = st.segments.get(&b.addr) {
                 cursor = Some(seg.first);
-                done.segments_found += 1;
+                *segments_found += 1;
             }
             let Some(id) = cursor else {
                 continue; // a segment of another shard
@@ -82,17 +122,10 @@ impl Shard {
             let (owner, kind) = (block.owner, block.pool);
             let state = &mut *st;
             state.caches.list(owner, kind).remove(state.blocks.get(id));
-            let addr = st.hand_out_exact(id, b.size);
-            if b.allocated {
-                done.allocated.push(addr);
-            } else {
-                to_free.push(id);
-            }
+            st.hand_out_exact(id, b.size);
+            made.push((id, b.allocated));
             cursor = st.blocks.get(id).next;
         }
-        for id in to_free {
-            self.free_block(&mut st, id, false)?;
-        }
-        Ok(done)
+        Ok(())
     }
 }
