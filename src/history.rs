@@ -233,13 +233,6 @@ pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
     }
 }
 
-/// A live block was given to another stream (`record_stream`). Nothing is recorded: the
-/// allocator says at the free whether it waits for that stream (`free_delayed`); on the
-/// block's own stream it does not.
-pub fn shared(device: i32, addr: u64) {
-    let _ = (device, addr);
-}
-
 /// The allocator is freeing block `addr`, and its reuse waits for other streams' work: its
 /// `free_completed` comes at `reusable`. Called before the caller's `freed`.
 pub fn free_delayed(device: i32, addr: u64) {

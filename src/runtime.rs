@@ -314,13 +314,20 @@ impl Runtime {
     /// as such.
     pub fn host_free(&self, kind: HostKind, ptr: DevicePtr) -> Result<()> {
         let host = self.host_side(kind)?;
+        // Out of the live table before the allocator frees it: once freed, another thread may
+        // be handed the same address and insert it again.
+        let size = host.live.lock().unwrap().remove(&ptr);
         match host.allocator.free(ptr) {
-            Ok(()) => {
-                host.live.lock().unwrap().remove(&ptr);
-                Ok(())
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if let Some(size) = size {
+                    host.live.lock().unwrap().insert(ptr, size);
+                }
+                Err(match e.kind {
+                    ErrorKind::UnknownPointer => self.not_host_block(kind, ptr),
+                    _ => host.relabel(e),
+                })
             }
-            Err(e) if e.kind == ErrorKind::UnknownPointer => Err(self.not_host_block(kind, ptr)),
-            Err(e) => Err(host.relabel(e)),
         }
     }
 

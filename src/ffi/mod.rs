@@ -202,9 +202,7 @@ pub extern "C" fn ccalloc_record_stream(
         if ptr.is_null() {
             return Err(invalid("ptr is NULL"));
         }
-        runtime::global()?.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))?;
-        crate::history::shared(device, ptr as u64);
-        Ok(())
+        runtime::global()?.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
     })
 }
 
@@ -445,9 +443,7 @@ pub extern "C" fn ccalloc_torch_record_stream(ptr: *mut c_void, stream: cudaStre
                 format!("record_stream: {ptr:p} was not allocated by ccalloc"),
             )
         })?;
-        rt.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))?;
-        crate::history::shared(device as i32, ptr as u64);
-        Ok(())
+        rt.record_stream(ptr as DevicePtr, device as i64, stream_of(stream))
     });
     log_torch_failure("ccalloc_torch_record_stream", status);
 }
