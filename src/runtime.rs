@@ -172,11 +172,22 @@ impl Runtime {
                     ),
                 )
             })?;
+        self.start(cell, |config| {
+            DeviceAllocator::new(device as usize, self.driver.clone(), config.clone())
+        })
+    }
+
+    /// `cell`'s allocator, made by `make` on first use. Made under the settings lock, which
+    /// `shutdown` and `set_config` hold throughout: one they did not see cannot appear while
+    /// they run, and none is made after a shutdown.
+    fn start<'a, T>(
+        &self,
+        cell: &'a OnceCell<T>,
+        make: impl FnOnce(&Config) -> Result<T>,
+    ) -> Result<&'a T> {
         if let Some(started) = cell.get() {
             return Ok(started);
         }
-        // Started under the settings lock, which `shutdown` and `set_config` hold throughout:
-        // a device they did not see cannot appear while they run.
         let config = self.config.lock().unwrap();
         cell.get_or_try_init(|| {
             if self.shut_down.load(Ordering::Acquire) {
@@ -185,7 +196,7 @@ impl Runtime {
                     "ccalloc has been shut down",
                 ));
             }
-            DeviceAllocator::new(device as usize, self.driver.clone(), config.clone())
+            make(&config)
         })
     }
 
@@ -260,18 +271,7 @@ impl Runtime {
             HostKind::Pinned => &self.pinned,
             HostKind::Managed => &self.managed,
         };
-        if let Some(started) = cell.get() {
-            return Ok(started);
-        }
-        // As `device`: started under the settings lock, never after a shutdown.
-        let config = self.config.lock().unwrap();
-        cell.get_or_try_init(|| {
-            if self.shut_down.load(Ordering::Acquire) {
-                return Err(Error::new(
-                    ErrorKind::ShutDown,
-                    "ccalloc has been shut down",
-                ));
-            }
+        self.start(cell, |config| {
             let driver = Arc::new(HostDriver::new(self.driver.clone(), kind));
             let allocator = DeviceAllocator::new(0, driver.clone(), config.clone())?;
             Ok(HostAllocator {
