@@ -19,8 +19,8 @@ Devices
 
 Errors
     A failing call raises :class:`CcallocError` (a ``RuntimeError``) or a subclass per
-    status, with ``.status`` (:class:`Status`) and ``.message`` (``ccalloc_last_error()``);
-    e.g. :class:`OutOfMemoryError` is also a ``MemoryError``. A missing library raises
+    status, with ``.status`` (:class:`Status`, read from the library) and ``.message``
+    (``ccalloc_last_error()``); e.g. :class:`OutOfMemoryError` is also a ``MemoryError``. A missing library raises
     :class:`LibraryNotFoundError` (an ``OSError``) on first use; ``import ccalloc`` itself
     always works.
 """
@@ -50,7 +50,6 @@ from ._lib import (
     NotInitializedError,
     OutOfMemoryError,
     ShutDownError,
-    Status,
     UnknownPointerError,
     WrongDeviceError,
 )
@@ -91,8 +90,7 @@ __all__ = [
     "record_stream",
     "sim_pause_stream",
     "sim_device_bytes",
-    # errors
-    "Status",
+    # errors (and Status, left out of * so that importing needs no library)
     "CcallocError",
     "LibraryNotFoundError",
     "InvalidArgumentError",
@@ -117,12 +115,19 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
+def __getattr__(name: str) -> Any:
+    # ``Status`` is read from the library (``_lib.Status``): asking for it loads the library.
+    if name == "Status":
+        return _lib.Status
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _call(name: str, *args: Any) -> None:
     """Calls C function ``name``; starts ccalloc once if it was not initialised; raises on error."""
     lib = _lib.load()
     fn = getattr(lib, name)
     status = fn(*args)
-    if status == Status.NOT_INITIALIZED:
+    if status == _lib.Status.NOT_INITIALIZED:
         init()
         status = fn(*args)
     _lib.check(status)
@@ -243,7 +248,7 @@ def shutdown() -> None:
     :func:`init` is called again.
     """
     status = _lib.load().ccalloc_shutdown()
-    if status in (Status.NOT_INITIALIZED, Status.SHUT_DOWN):
+    if status in (_lib.Status.NOT_INITIALIZED, _lib.Status.SHUT_DOWN):
         return
     _lib.check(status)
 

@@ -43,7 +43,6 @@ __all__ = [
     "ENV_LIBRARY",
     "LIBRARY_NAME",
     "FUNCTIONS",
-    "Status",
     "CcallocError",
     "LibraryNotFoundError",
     "ccalloc_stat",
@@ -81,24 +80,8 @@ _REPO_DIR = os.path.dirname(os.path.dirname(_PACKAGE_DIR))
 # --------------------------------------------------------------------------------------------
 
 
-class Status(enum.IntEnum):
-    """``enum ccalloc_status`` (the value of every C call; ``OK`` is 0)."""
-
-    OK = 0
-    INVALID_ARGUMENT = 1
-    NOT_INITIALIZED = 2
-    SHUT_DOWN = 3
-    OUT_OF_MEMORY = 4
-    UNKNOWN_POINTER = 5
-    DOUBLE_FREE = 6
-    WRONG_DEVICE = 7
-    INVALID_DEVICE = 8
-    INVALID_SIZE = 9
-    CONFIG_ERROR = 10
-    DRIVER_UNAVAILABLE = 11
-    DRIVER_ERROR = 12
-    BUSY = 13
-    INTERNAL_ERROR = 14
+class _StatusBase(enum.IntEnum):
+    """The base of :class:`Status`, whose members are read from the loaded library."""
 
     @property
     def c_name(self) -> str:
@@ -106,114 +89,165 @@ class Status(enum.IntEnum):
         return "CCALLOC_" + self.name
 
 
+# ``CCALLOC_OK``: 0 by the C API's contract (``ccalloc.h``), so checking a status needs no table.
+_OK = 0
+
+# What ``ccalloc_status_name`` answers past the last status.
+_UNKNOWN_STATUS = "CCALLOC_UNKNOWN_STATUS"
+
+# More statuses than any library has: a library that never answers ``_UNKNOWN_STATUS`` is
+# refused instead of read forever.
+_MAX_STATUSES = 1024
+
+
+def _read_statuses(lib, path: str) -> type:
+    """``enum ccalloc_status`` as ``lib`` names it: ``ccalloc_status_name(0)``, ``(1)``, ...
+    until ``CCALLOC_UNKNOWN_STATUS`` (the library's values run 0, 1, 2, ... without gaps)."""
+    members: List[Tuple[str, int]] = []
+    while True:
+        value = len(members)
+        name = _decode(lib.ccalloc_status_name(value))
+        if name == _UNKNOWN_STATUS:
+            break
+        taken = any(m[0] == name[len("CCALLOC_") :] for m in members)
+        if not name.startswith("CCALLOC_") or taken or value >= _MAX_STATUSES:
+            raise LibraryNotFoundError(
+                f"ccalloc: {path}: ccalloc_status_name({value}) = {name!r} is not a new "
+                f"status name; it was built from another ccalloc version than this package."
+            )
+        members.append((name[len("CCALLOC_") :], value))
+    if not members or members[0] != ("OK", _OK):
+        raise LibraryNotFoundError(f"ccalloc: {path}: status 0 is not CCALLOC_OK")
+    status = _StatusBase("Status", members, module=__name__, qualname="Status")
+    status.__doc__ = (
+        "``enum ccalloc_status`` (the value of every C call; ``OK`` is 0), read from the "
+        "loaded library's ``ccalloc_status_name``."
+    )
+    return status
+
+
+def __getattr__(name: str):
+    # ``Status`` exists once the library is loaded (``load`` sets it as a module attribute):
+    # its members are the library's own. Asking for it first loads the library.
+    if name == "Status":
+        load()
+        return globals()["Status"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _status_type() -> type:
+    """:class:`Status` (loading the library if needed)."""
+    load()
+    return globals()["Status"]
+
+
 class LibraryNotFoundError(OSError):
     """``libccalloc.so`` could not be found or loaded (or lacks a symbol this package needs)."""
+
+
+# The exception class of each status that has one, by C name (``class ...(status=NAME)``).
+_ERROR_CLASSES: Dict[str, type] = {}
 
 
 class CcallocError(RuntimeError):
     """A ccalloc call failed.
 
-    ``status`` is the :class:`Status` (an ``int`` when the library returned a code this
-    package does not know), ``message`` the text of ``ccalloc_last_error()``.
+    ``status`` is the :class:`Status` (an ``int`` when the library returned a code it has no
+    name for), ``message`` the text of ``ccalloc_last_error()``.
     Subclasses exist for each status; several also derive from the matching built-in
-    (``MemoryError``, ``ValueError``) so generic handlers catch them.
+    (``MemoryError``, ``ValueError``) so generic handlers catch them. A status without a
+    subclass here (one newer than this package) raises ``CcallocError`` itself.
     """
 
     status: "Status | int" = -1
 
+    def __init_subclass__(cls, status: Optional[str] = None, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            _ERROR_CLASSES[status] = cls
+
     def __init__(self, status: "Status | int", message: str = ""):
         try:
-            status = Status(status)
-        except ValueError:
+            status = _status_type()(status)
+        except (ValueError, LibraryNotFoundError):
             pass
         self.status = status
         self.message = message
-        name = status.c_name if isinstance(status, Status) else f"status {status}"
+        name = status.c_name if isinstance(status, _StatusBase) else f"status {status}"
         super().__init__(f"{message} [{name}]" if message else name)
 
     def __reduce__(self):
         return (type(self), (int(self.status), self.message))
 
 
-class InvalidArgumentError(CcallocError, ValueError):
+class InvalidArgumentError(CcallocError, ValueError, status="CCALLOC_INVALID_ARGUMENT"):
     """``CCALLOC_INVALID_ARGUMENT``: a NULL pointer, NaN or otherwise unusable argument."""
 
 
-class NotInitializedError(CcallocError):
+class NotInitializedError(CcallocError, status="CCALLOC_NOT_INITIALIZED"):
     """``CCALLOC_NOT_INITIALIZED`` (the Python API calls ``init()`` itself, so rarely seen)."""
 
 
-class ShutDownError(CcallocError):
+class ShutDownError(CcallocError, status="CCALLOC_SHUT_DOWN"):
     """``CCALLOC_SHUT_DOWN``: ``shutdown()`` was called; call ``init()`` to start again."""
 
 
-class OutOfMemoryError(CcallocError, MemoryError):
+class OutOfMemoryError(CcallocError, MemoryError, status="CCALLOC_OUT_OF_MEMORY"):
     """``CCALLOC_OUT_OF_MEMORY``: the device or the memory limit cannot hold the request."""
 
 
-class UnknownPointerError(CcallocError, ValueError):
+class UnknownPointerError(CcallocError, ValueError, status="CCALLOC_UNKNOWN_POINTER"):
     """``CCALLOC_UNKNOWN_POINTER``: not allocated by ccalloc, or points inside a block."""
 
 
-class DoubleFreeError(CcallocError, ValueError):
+class DoubleFreeError(CcallocError, ValueError, status="CCALLOC_DOUBLE_FREE"):
     """``CCALLOC_DOUBLE_FREE``: the block was already freed."""
 
 
-class WrongDeviceError(CcallocError, ValueError):
+class WrongDeviceError(CcallocError, ValueError, status="CCALLOC_WRONG_DEVICE"):
     """``CCALLOC_WRONG_DEVICE``: the pointer belongs to another device."""
 
 
-class InvalidDeviceError(CcallocError, ValueError):
+class InvalidDeviceError(CcallocError, ValueError, status="CCALLOC_INVALID_DEVICE"):
     """``CCALLOC_INVALID_DEVICE``: no such device."""
 
 
-class InvalidSizeError(CcallocError, ValueError):
+class InvalidSizeError(CcallocError, ValueError, status="CCALLOC_INVALID_SIZE"):
     """``CCALLOC_INVALID_SIZE``: size 0."""
 
 
-class ConfigError(CcallocError, ValueError):
+class ConfigError(CcallocError, ValueError, status="CCALLOC_CONFIG_ERROR"):
     """``CCALLOC_CONFIG_ERROR``: unknown config key, bad value, or bad ``CCALLOC_*`` variable."""
 
 
-class DriverUnavailableError(CcallocError):
+class DriverUnavailableError(CcallocError, status="CCALLOC_DRIVER_UNAVAILABLE"):
     """``CCALLOC_DRIVER_UNAVAILABLE``: no usable CUDA driver (try ``CCALLOC_BACKEND=sim``)."""
 
 
-class DriverError(CcallocError):
+class DriverError(CcallocError, status="CCALLOC_DRIVER_ERROR"):
     """``CCALLOC_DRIVER_ERROR``: a CUDA driver call failed."""
 
 
-class BusyError(CcallocError):
+class BusyError(CcallocError, status="CCALLOC_BUSY"):
     """``CCALLOC_BUSY``: shutdown refused while allocations are live."""
 
 
-class InternalError(CcallocError):
+class InternalError(CcallocError, status="CCALLOC_INTERNAL_ERROR"):
     """``CCALLOC_INTERNAL_ERROR``: a bug in ccalloc (a panic caught at the C boundary)."""
 
 
-_ERROR_CLASSES: Dict[int, type] = {
-    Status.INVALID_ARGUMENT: InvalidArgumentError,
-    Status.NOT_INITIALIZED: NotInitializedError,
-    Status.SHUT_DOWN: ShutDownError,
-    Status.OUT_OF_MEMORY: OutOfMemoryError,
-    Status.UNKNOWN_POINTER: UnknownPointerError,
-    Status.DOUBLE_FREE: DoubleFreeError,
-    Status.WRONG_DEVICE: WrongDeviceError,
-    Status.INVALID_DEVICE: InvalidDeviceError,
-    Status.INVALID_SIZE: InvalidSizeError,
-    Status.CONFIG_ERROR: ConfigError,
-    Status.DRIVER_UNAVAILABLE: DriverUnavailableError,
-    Status.DRIVER_ERROR: DriverError,
-    Status.BUSY: BusyError,
-    Status.INTERNAL_ERROR: InternalError,
-}
-
+# The exception class of each status, by C name (a status missing here raises CcallocError).
 ERROR_CLASSES = dict(_ERROR_CLASSES)
 
 
 def error_for(status: int, message: str) -> CcallocError:
-    """The exception for a failed call's ``status`` and message."""
-    return _ERROR_CLASSES.get(int(status), CcallocError)(status, message)
+    """The exception for a failed call's ``status`` and message: the class of its status, or
+    :class:`CcallocError` for a status this package has no class for."""
+    try:
+        name = _status_type()(status).c_name
+    except ValueError:
+        name = None
+    return _ERROR_CLASSES.get(name, CcallocError)(status, message)
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,6 +586,8 @@ def load() -> ctypes.CDLL:
         except OSError as e:
             raise LibraryNotFoundError(f"ccalloc: found {path} but could not load it: {e}") from e
         _bind(lib, path)
+        if "Status" not in globals():
+            globals()["Status"] = _read_statuses(lib, path)
         _lib_path = path
         _lib = lib
         return lib
@@ -588,5 +624,5 @@ def check(status: int) -> None:
     Must run on the thread that made the failing call (the message is thread-local); ctypes
     calls run on the calling thread, so calling this right after the call is enough.
     """
-    if status != Status.OK:
+    if status != _OK:
         raise error_for(status, last_error())

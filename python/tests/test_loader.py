@@ -327,6 +327,7 @@ def test_status_enum_matches_header_and_library():
 
 
 def test_every_status_has_an_error_class():
+    """Fails when the library has a status this package has no exception class for."""
     for status in ccalloc.Status:
         if status == ccalloc.Status.OK:
             continue
@@ -335,3 +336,70 @@ def test_every_status_has_an_error_class():
         assert isinstance(error, ccalloc.CcallocError)
         assert error.status is status
         assert str(error) == f"message [{status.c_name}]"
+
+
+def test_every_error_class_names_a_library_status():
+    """Fails when this package has an exception class for a status the library lacks."""
+    library = {s.c_name for s in ccalloc.Status}
+    assert set(_lib.ERROR_CLASSES) <= library
+    assert set(_lib.ERROR_CLASSES) == library - {"CCALLOC_OK"}
+    for name, cls in _lib.ERROR_CLASSES.items():
+        assert getattr(ccalloc, cls.__name__) is cls, name
+
+
+class _FakeLibrary:
+    """Stands in for the library's ``ccalloc_status_name``."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def ccalloc_status_name(self, value):
+        return (self.names[value] if value < len(self.names) else "CCALLOC_UNKNOWN_STATUS").encode()
+
+
+def test_status_is_read_from_the_library():
+    names = [s.c_name for s in ccalloc.Status] + ["CCALLOC_FROM_THE_FUTURE"]
+    status = _lib._read_statuses(_FakeLibrary(names), "fake")
+    assert [(s.c_name, int(s)) for s in status] == [(n, i) for i, n in enumerate(names)]
+    assert status.FROM_THE_FUTURE == len(names) - 1
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        [],
+        ["CCALLOC_INVALID_ARGUMENT"],
+        ["CCALLOC_OK", "not a status"],
+        ["CCALLOC_OK", "CCALLOC_BUSY", "CCALLOC_BUSY"],
+        ["CCALLOC_OK"] * (_lib._MAX_STATUSES + 1),
+    ],
+)
+def test_a_library_with_unreadable_statuses_is_refused(names):
+    with pytest.raises(ccalloc.LibraryNotFoundError, match="fake"):
+        _lib._read_statuses(_FakeLibrary(names), "fake")
+
+
+def test_status_without_an_error_class_gives_base_class(monkeypatch):
+    """A status the library knows and this package has no class for raises CcallocError."""
+    monkeypatch.delitem(_lib._ERROR_CLASSES, "CCALLOC_BUSY")
+    error = _lib.error_for(ccalloc.Status.BUSY, "newer library")
+    assert type(error) is ccalloc.CcallocError
+    assert error.status is ccalloc.Status.BUSY
+    assert str(error) == "newer library [CCALLOC_BUSY]"
+
+
+def test_status_is_not_read_on_import():
+    result = run_python(
+        """
+        import ccalloc
+        from ccalloc import *
+        print("imported")
+        try:
+            ccalloc.Status
+        except ccalloc.LibraryNotFoundError:
+            print("status needs the library")
+        """,
+        env={"CCALLOC_LIBRARY": "/nonexistent/dir/libccalloc.so"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["imported", "status needs the library"]

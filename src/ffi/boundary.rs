@@ -10,26 +10,6 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-pub fn status_of(kind: ErrorKind) -> ccalloc_status {
-    use ccalloc_status::*;
-    match kind {
-        ErrorKind::InvalidArgument => CCALLOC_INVALID_ARGUMENT,
-        ErrorKind::NotInitialized => CCALLOC_NOT_INITIALIZED,
-        ErrorKind::ShutDown => CCALLOC_SHUT_DOWN,
-        ErrorKind::OutOfMemory => CCALLOC_OUT_OF_MEMORY,
-        ErrorKind::UnknownPointer => CCALLOC_UNKNOWN_POINTER,
-        ErrorKind::DoubleFree => CCALLOC_DOUBLE_FREE,
-        ErrorKind::WrongDevice => CCALLOC_WRONG_DEVICE,
-        ErrorKind::InvalidDevice => CCALLOC_INVALID_DEVICE,
-        ErrorKind::InvalidSize => CCALLOC_INVALID_SIZE,
-        ErrorKind::Config => CCALLOC_CONFIG_ERROR,
-        ErrorKind::DriverUnavailable => CCALLOC_DRIVER_UNAVAILABLE,
-        ErrorKind::Driver => CCALLOC_DRIVER_ERROR,
-        ErrorKind::Busy => CCALLOC_BUSY,
-        ErrorKind::Internal => CCALLOC_INTERNAL_ERROR,
-    }
-}
-
 /// Said by `last_error_ptr` on a thread whose own message is gone: a call made from a
 /// thread-local destructor, after ccalloc's thread-local was destroyed.
 const MESSAGE_GONE: &std::ffi::CStr =
@@ -78,7 +58,7 @@ pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
     let _scope = crate::runtime::CallScope::enter();
     let (status, message, panicked) = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => return ccalloc_status::CCALLOC_OK,
-        Ok(Err(error)) => (status_of(error.kind), error.message, false),
+        Ok(Err(error)) => (error.kind.status(), error.message, false),
         Err(payload) => (
             ccalloc_status::CCALLOC_INTERNAL_ERROR,
             format!(

@@ -67,25 +67,9 @@ pub extern "C" fn ccalloc_last_error() -> *const c_char {
 /// The name of a status code, e.g. "CCALLOC_OUT_OF_MEMORY" (static string).
 #[no_mangle]
 pub extern "C" fn ccalloc_status_name(status: u32) -> *const c_char {
-    let name: &'static str = match status {
-        0 => "CCALLOC_OK\0",
-        1 => "CCALLOC_INVALID_ARGUMENT\0",
-        2 => "CCALLOC_NOT_INITIALIZED\0",
-        3 => "CCALLOC_SHUT_DOWN\0",
-        4 => "CCALLOC_OUT_OF_MEMORY\0",
-        5 => "CCALLOC_UNKNOWN_POINTER\0",
-        6 => "CCALLOC_DOUBLE_FREE\0",
-        7 => "CCALLOC_WRONG_DEVICE\0",
-        8 => "CCALLOC_INVALID_DEVICE\0",
-        9 => "CCALLOC_INVALID_SIZE\0",
-        10 => "CCALLOC_CONFIG_ERROR\0",
-        11 => "CCALLOC_DRIVER_UNAVAILABLE\0",
-        12 => "CCALLOC_DRIVER_ERROR\0",
-        13 => "CCALLOC_BUSY\0",
-        14 => "CCALLOC_INTERNAL_ERROR\0",
-        _ => "CCALLOC_UNKNOWN_STATUS\0",
-    };
-    name.as_ptr().cast()
+    ccalloc_status::from_u32(status)
+        .map_or(c"CCALLOC_UNKNOWN_STATUS", ccalloc_status::name)
+        .as_ptr()
 }
 
 /// The backend in use: "cuda" or "sim" (static string).

@@ -3,6 +3,13 @@
 
 use crate::alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};
 
+// The one list of status codes. build.rs reads this enum (its lines must stay of the forms
+// `/// doc`, `CCALLOC_NAME = VALUE,`) and generates from it `ErrorKind` (src/error.rs: one
+// variant per failure status, named by `Status::kind` in build.rs) and `ccalloc_status::ALL`,
+// `from_u32`, `name` and `error_kind` (below); Python reads the names from
+// `ccalloc_status_name`. Adding a status is adding it here (and, optionally, its exception
+// class in python/ccalloc/_lib.py). cbindgen copies the enum into include/ccalloc.h: it reads
+// only literal Rust, so the list cannot itself be a macro.
 /// Result of every ccalloc call. `CCALLOC_OK` is 0; the message for any other value is
 /// available from `ccalloc_last_error()` on the same thread.
 #[repr(u32)]
@@ -38,6 +45,8 @@ pub enum ccalloc_status {
     /// A bug in ccalloc (a caught panic); the message says where.
     CCALLOC_INTERNAL_ERROR = 14,
 }
+
+include!(concat!(env!("OUT_DIR"), "/status_table.rs"));
 
 /// One counter, as in `torch.cuda.memory_stats()`.
 #[repr(C)]
@@ -188,6 +197,44 @@ impl ccalloc_stats {
             num_device_alloc: s.num_device_alloc,
             num_device_free: s.num_device_free,
             max_split_size: i64::try_from(max_split_size).unwrap_or(-1),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ccalloc_status;
+    use crate::ffi::ccalloc_status_name;
+    use std::ffi::CStr;
+
+    fn c_name(status: u32) -> &'static CStr {
+        // SAFETY: ccalloc_status_name returns a static NUL-terminated string for any value.
+        unsafe { CStr::from_ptr(ccalloc_status_name(status)) }
+    }
+
+    /// The table build.rs generates agrees with the enum it was read from: values 0, 1, ...
+    /// in order, each name the variant's own, and `ccalloc_status_name` answers with it.
+    #[test]
+    fn generated_status_table_matches_the_enum() {
+        for (index, &status) in ccalloc_status::ALL.iter().enumerate() {
+            assert_eq!(status as u32 as usize, index);
+            assert_eq!(ccalloc_status::from_u32(index as u32), Some(status));
+            assert_eq!(status.name().to_str().unwrap(), format!("{status:?}"));
+            assert_eq!(c_name(index as u32), status.name());
+        }
+        for past in [ccalloc_status::ALL.len() as u32, u32::MAX] {
+            assert_eq!(ccalloc_status::from_u32(past), None);
+            assert_eq!(c_name(past), c"CCALLOC_UNKNOWN_STATUS");
+        }
+    }
+
+    #[test]
+    fn every_failure_status_has_its_own_error_kind() {
+        for status in ccalloc_status::ALL {
+            match status.error_kind() {
+                None => assert_eq!(status, ccalloc_status::CCALLOC_OK),
+                Some(kind) => assert_eq!(kind.status(), status, "{kind:?}"),
+            }
         }
     }
 }
