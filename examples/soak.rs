@@ -314,17 +314,7 @@ fn final_checks(shared: &Shared) {
     }
     // SAFETY: written by the successful call.
     let s = unsafe { out.assume_init() };
-    for (name, a) in [
-        ("allocation", &s.allocation),
-        ("segment", &s.segment),
-        ("active", &s.active),
-        ("allocated_bytes", &s.allocated_bytes),
-        ("reserved_bytes", &s.reserved_bytes),
-        ("active_bytes", &s.active_bytes),
-        ("requested_bytes", &s.requested_bytes),
-        ("inactive_split", &s.inactive_split),
-        ("inactive_split_bytes", &s.inactive_split_bytes),
-    ] {
+    for (name, a) in s.arrays() {
         check_array(t, name, a);
     }
     if s.allocation.all.current != 0 || s.allocated_bytes.all.current != 0 {

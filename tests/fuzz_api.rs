@@ -219,17 +219,7 @@ fn check_stats(model: &Model) -> Result<(), TestCaseError> {
         prop_assert_eq!(s.allocated_bytes.all.current, 0);
     }
     prop_assert!(s.reserved_bytes.all.current >= s.allocated_bytes.all.current);
-    for (name, a) in [
-        ("allocation", &s.allocation),
-        ("segment", &s.segment),
-        ("active", &s.active),
-        ("allocated_bytes", &s.allocated_bytes),
-        ("reserved_bytes", &s.reserved_bytes),
-        ("active_bytes", &s.active_bytes),
-        ("requested_bytes", &s.requested_bytes),
-        ("inactive_split", &s.inactive_split),
-        ("inactive_split_bytes", &s.inactive_split_bytes),
-    ] {
+    for (name, a) in s.arrays() {
         check_pools_add_up(name, a)?;
     }
     Ok(())

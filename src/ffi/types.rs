@@ -178,6 +178,21 @@ impl From<&StatArray> for ccalloc_stat_array {
 }
 
 impl ccalloc_stats {
+    /// Every per-pool counter with its PyTorch name, for checks that run over all of them.
+    pub fn arrays(&self) -> [(&'static str, &ccalloc_stat_array); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
     pub fn new(s: &DeviceStats, max_split_size: u64) -> Self {
         Self {
             allocation: (&s.allocation).into(),
