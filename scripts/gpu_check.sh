@@ -4,6 +4,9 @@
 #
 #   gpu/libccalloc.so    the library, built elsewhere (`cargo build --release`), CUDA backend
 #   include/ccalloc.h    its header
+#   gpu/ccalloc          optional: the replay command (`cargo build --release --features replay`),
+#                        which the PyTorch snapshot check runs on PyTorch's own snapshot
+#   gpu/soak             optional: examples/soak.rs (`cargo build --release --example soak`)
 #
 #   bash scripts/gpu_check.sh                 # every step
 #   bash scripts/gpu_check.sh gpu_test sim_c  # only these steps (names as in the table)

@@ -43,13 +43,13 @@ step "cargo fmt --check"
 cargo fmt --all -- --check
 
 step "cargo clippy -D warnings"
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --all-targets --locked --features replay -- -D warnings
 
 step "cargo build --lib --tests (target/debug/libccalloc.so for the C/C++ and Python tests)"
-cargo build --locked --lib --tests
+cargo build --locked --features replay --lib --tests
 
 step "cargo test"
-cargo test --locked
+cargo test --locked --features replay
 
 step "loom model of the device lock (profile loom: --cfg loom rebuilds every crate)"
 RUSTFLAGS="--cfg loom" cargo test --locked --profile loom --test loom_lock

@@ -11,6 +11,7 @@ pub mod error;
 pub mod ffi;
 pub mod history;
 pub mod logging;
+#[cfg(feature = "replay")]
 pub mod replay;
 pub mod runtime;
 pub mod snapshot;

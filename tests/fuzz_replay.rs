@@ -6,7 +6,7 @@
 //! trace holds no more events than the element bound allows.
 //!
 //! 256 cases per target by default; a long run:
-//!   CCALLOC_FUZZ_CASES=1000000 cargo test --release --test fuzz_replay
+//!   CCALLOC_FUZZ_CASES=1000000 cargo test --release --features replay --test fuzz_replay
 
 use ccalloc::replay::{replay, trace, ReplayOptions};
 use proptest::prelude::*;
