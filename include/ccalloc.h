@@ -463,9 +463,12 @@ ccalloc_status ccalloc_history_oldest_seq(uint64_t *out_seq);
 // ccalloc. Observers stay for the life of the process (PyTorch's trace trackers).
 ccalloc_status ccalloc_add_segment_observer(ccalloc_trace_observer observer, void *ctx);
 
-// Takes a snapshot of `device` (-1: every device): its segments with their blocks, and
-// the recorded history. Free it with `ccalloc_snapshot_free`.
-ccalloc_status ccalloc_snapshot_take(int32_t device, ccalloc_snapshot **out_snapshot);
+// Takes a snapshot of `device` (-1: every device): its segments with their blocks and,
+// with `include_trace`, the recorded history (the snapshot is then recorded in it too).
+// Free it with `ccalloc_snapshot_free`.
+ccalloc_status ccalloc_snapshot_take(int32_t device,
+                                     bool include_trace,
+                                     ccalloc_snapshot **out_snapshot);
 
 // Frees a snapshot from `ccalloc_snapshot_take`. NULL is a no-op.
 void ccalloc_snapshot_free(ccalloc_snapshot *snapshot);

@@ -93,8 +93,10 @@ pub struct Snapshot {
 }
 
 /// Takes a snapshot of `device` (every started device with `None`). Devices never used
-/// have no segments.
-pub fn take(rt: &Runtime, device: Option<usize>) -> Result<Snapshot> {
+/// have no segments. With `include_trace`, the history recorded so far comes with it and
+/// the snapshot is itself recorded; without, the history is left untouched (a pool check
+/// needs segments only, and copying a ring of up to 2^24 events would dwarf it).
+pub fn take(rt: &Runtime, device: Option<usize>, include_trace: bool) -> Result<Snapshot> {
     let device_count = rt.device_count();
     if let Some(d) = device {
         if d >= device_count {
@@ -113,14 +115,13 @@ pub fn take(rt: &Runtime, device: Option<usize>) -> Result<Snapshot> {
             segments.extend(split(allocator.device() as i32, &view));
         }
     }
-    history::record(
-        history::Action::Snapshot,
-        device.unwrap_or(0) as i32,
-        0,
-        0,
-        0,
-    );
-    let trace = history::entries(device.map(|d| d as i32));
+    let trace = if include_trace {
+        let snapshot = history::Action::Snapshot;
+        history::record(snapshot, device.unwrap_or(0) as i32, 0, 0, 0);
+        history::entries(device.map(|d| d as i32))
+    } else {
+        Vec::new()
+    };
     Ok(Snapshot {
         segments,
         trace,

@@ -26,8 +26,12 @@ struct Snap(*mut ccalloc_snapshot);
 
 impl Snap {
     fn take() -> Self {
+        Self::take_with(true)
+    }
+
+    fn take_with(include_trace: bool) -> Self {
         let mut s = std::ptr::null_mut();
-        assert_eq!(ccalloc_snapshot_take(0, &mut s), CCALLOC_OK);
+        assert_eq!(ccalloc_snapshot_take(0, include_trace, &mut s), CCALLOC_OK);
         Snap(s)
     }
 
@@ -174,5 +178,15 @@ fn history_and_snapshots_through_the_c_api() {
     check_snapshot_adds_up("all freed");
     assert_eq!(ccalloc_empty_cache(-1), CCALLOC_OK);
     check_snapshot_adds_up("emptied");
+
+    // Without the trace, a snapshot (a pool check's) neither copies the history nor adds to it.
+    let before = Snap::take().trace().len();
+    let bare = Snap::take_with(false);
+    assert_eq!(bare.counts().1, 0, "no trace asked for, none copied");
+    assert_eq!(
+        Snap::take().trace().len(),
+        before + 1,
+        "only the traced snapshot after it was recorded"
+    );
     assert_eq!(ccalloc_record_history(false, 0, true), CCALLOC_OK);
 }

@@ -465,7 +465,7 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_is_recording_history": ([], c_bool),
     "ccalloc_set_trace_context": ([c_uint64], None),
     "ccalloc_history_oldest_seq": ([POINTER(c_uint64)], _status),
-    "ccalloc_snapshot_take": ([c_int32, POINTER(c_void_p)], _status),
+    "ccalloc_snapshot_take": ([c_int32, c_bool, POINTER(c_void_p)], _status),
     "ccalloc_snapshot_free": ([c_void_p], None),
     "ccalloc_snapshot_counts": ([c_void_p, POINTER(c_size_t), POINTER(c_size_t)], _status),
     "ccalloc_snapshot_segment": ([c_void_p, c_size_t, POINTER(ccalloc_segment_info)], _status),

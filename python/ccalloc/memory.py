@@ -68,7 +68,8 @@ def _snapshot(device: Optional[int] = None) -> Dict[str, Any]:
     """The snapshot as a dict in ``torch.cuda.memory._snapshot()``'s format."""
     lib = _lib.load()
     handle = ctypes.c_void_p()
-    _call("ccalloc_snapshot_take", -1 if device is None else int(device), ctypes.byref(handle))
+    device_index = -1 if device is None else int(device)
+    _call("ccalloc_snapshot_take", device_index, True, ctypes.byref(handle))
     try:
         n_segments, n_trace = ctypes.c_size_t(), ctypes.c_size_t()
         _lib.check(lib.ccalloc_snapshot_counts(handle, ctypes.byref(n_segments), ctypes.byref(n_trace)))

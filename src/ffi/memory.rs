@@ -196,16 +196,19 @@ pub extern "C" fn ccalloc_add_segment_observer(
     })
 }
 
-/// Takes a snapshot of `device` (-1: every device): its segments with their blocks, and
-/// the recorded history. Free it with `ccalloc_snapshot_free`.
+/// Takes a snapshot of `device` (-1: every device): its segments with their blocks and,
+/// with `include_trace`, the recorded history (the snapshot is then recorded in it too).
+/// Free it with `ccalloc_snapshot_free`.
 #[no_mangle]
 pub extern "C" fn ccalloc_snapshot_take(
     device: i32,
+    include_trace: bool,
     out_snapshot: *mut *mut ccalloc_snapshot,
 ) -> ccalloc_status {
     guard(|| {
         require_out(out_snapshot, "out_snapshot")?;
-        let snapshot = snapshot::take(runtime::global()?, device_filter(device)?)?;
+        let rt = runtime::global()?;
+        let snapshot = snapshot::take(rt, device_filter(device)?, include_trace)?;
         let boxed = Box::into_raw(Box::new(ccalloc_snapshot(snapshot)));
         write_out(out_snapshot, "out_snapshot", boxed)
     })
@@ -355,7 +358,7 @@ pub unsafe extern "C" fn ccalloc_dump_snapshot(path: *const c_char) -> ccalloc_s
         let path = unsafe { CStr::from_ptr(path) }
             .to_str()
             .map_err(|_| invalid("path is not UTF-8"))?;
-        let bytes = snapshot::take(runtime::global()?, None)?.to_pickle()?;
+        let bytes = snapshot::take(runtime::global()?, None, true)?.to_pickle()?;
         std::fs::write(path, bytes).map_err(|e| {
             Error::new(
                 ErrorKind::InvalidArgument,

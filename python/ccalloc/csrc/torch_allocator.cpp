@@ -252,7 +252,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
 
   cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     ccalloc_snapshot* snap = nullptr;
-    check(ccalloc_snapshot_take(-1, &snap), "snapshot_take");
+    check(ccalloc_snapshot_take(-1, include_traces, &snap), "snapshot_take");
     std::unique_ptr<ccalloc_snapshot, void (*)(ccalloc_snapshot*)> owned(snap, ccalloc_snapshot_free);
     size_t segment_count = 0, trace_count = 0;
     check(ccalloc_snapshot_counts(snap, &segment_count, &trace_count), "snapshot_counts");
