@@ -179,23 +179,14 @@ class CcallocAllocator final : public cca::CUDAAllocator {
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
     uint64_t largest = 0;
     check(ccalloc_cache_info(device, &largest), "cache_info");
-    size_t device_free = 0, device_total = 0;
-    {
-      c10::cuda::CUDAGuard guard(device);
-      if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) {
-        (void)cudaGetLastError();
-        device_free = 0;
-      }
-    }
-    double fraction = 1.0;
+    DeviceMemory memory = device_memory(device);
+    size_t available = memory.free;
     ccalloc_stats stats{};
-    if (ccalloc_get_memory_fraction(device, &fraction) == CCALLOC_OK && fraction < 1.0 &&
-        ccalloc_get_stats(device, &stats) == CCALLOC_OK) {
-      double allowed = fraction * static_cast<double>(device_total);
-      double reserved = static_cast<double>(stats.reserved_bytes.all.current);
-      device_free = std::min(device_free, allowed > reserved ? static_cast<size_t>(allowed - reserved) : size_t{0});
+    if (memory.limit < memory.total && ccalloc_get_stats(device, &stats) == CCALLOC_OK) {
+      size_t reserved = static_cast<size_t>(stats.reserved_bytes.all.current);
+      available = std::min(available, memory.limit > reserved ? memory.limit - reserved : size_t{0});
     }
-    *largest_block = std::max(static_cast<size_t>(largest), device_free);
+    *largest_block = std::max(static_cast<size_t>(largest), available);
   }
 
   void* getBaseAllocation(void* ptr, size_t* size) override {
@@ -679,21 +670,35 @@ class CcallocAllocator final : public cca::CUDAAllocator {
     if (observers.empty()) {
       return;
     }
-    size_t device_free = 0, device_total = 0;
+    DeviceMemory memory = device_memory(device);
+    for (auto& observer : observers) {
+      observer(device, size, memory.limit, memory.free);
+    }
+  }
+
+  // The device's free and total bytes, and what ccalloc may reserve there: the memory
+  // fraction's limit, else the whole device.
+  struct DeviceMemory {
+    size_t free = 0;
+    size_t total = 0;
+    size_t limit = 0;
+  };
+
+  static DeviceMemory device_memory(c10::DeviceIndex device) {
+    DeviceMemory memory;
     {
       c10::cuda::CUDAGuard guard(device);
-      if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) {
+      if (cudaMemGetInfo(&memory.free, &memory.total) != cudaSuccess) {
         (void)cudaGetLastError();
+        memory.free = 0;
       }
     }
+    memory.limit = memory.total;
     double fraction = 1.0;
-    size_t limit = device_total;
     if (ccalloc_get_memory_fraction(device, &fraction) == CCALLOC_OK && fraction < 1.0) {
-      limit = static_cast<size_t>(fraction * static_cast<double>(device_total));
+      memory.limit = static_cast<size_t>(fraction * static_cast<double>(memory.total));
     }
-    for (auto& observer : observers) {
-      observer(device, size, limit, device_free);
-    }
+    return memory;
   }
 
   std::atomic<bool> initialized_{false};
