@@ -38,6 +38,10 @@ enum Command {
         /// One JSON object per trace (a JSON array) instead of the table.
         #[arg(long)]
         json: bool,
+        /// With --json: add each trace's sampled live/reserved timeline and the allocator's
+        /// final statistics (`memory_stats()` names), to compare builds.
+        #[arg(long, requires = "json")]
+        stats: bool,
         /// Write a live-vs-reserved timeline (SVG).
         #[arg(long)]
         plot: Option<PathBuf>,
@@ -56,6 +60,7 @@ fn main() -> ExitCode {
             capacity,
             conf,
             json,
+            stats,
             plot: plot_path,
             gpu_lag,
         } => {
@@ -94,7 +99,16 @@ fn main() -> ExitCode {
                 }
             }
             let printed = if json {
-                serde_json::to_string_pretty(&reports)
+                let shown: Vec<ReplayReport> = if stats {
+                    reports.clone()
+                } else {
+                    reports
+                        .iter()
+                        .cloned()
+                        .map(ReplayReport::without_stats)
+                        .collect()
+                };
+                serde_json::to_string_pretty(&shown)
                     .map_err(std::io::Error::other)
                     .and_then(|text| writeln!(std::io::stdout().lock(), "{text}"))
             } else {

@@ -83,9 +83,23 @@ pub struct ReplayReport {
     pub oom: Option<OomPoint>,
     /// Frees of addresses the trace never allocated (skipped).
     pub unmatched_frees: usize,
-    /// (event index, live bytes, reserved bytes), evenly sampled.
-    #[serde(skip)]
+    /// (event index, live bytes, reserved bytes), evenly sampled; in `--json` only with
+    /// `--stats`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub timeline: Vec<(usize, u64, u64)>,
+    /// The allocator's statistics after the last event, under `memory_stats()`'s names; in
+    /// `--json` only with `--stats`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub final_stats: Vec<(String, i64)>,
+}
+
+impl ReplayReport {
+    /// Drops what only `--stats` shows (the timeline and the final statistics).
+    pub fn without_stats(mut self) -> Self {
+        self.timeline = Vec::new();
+        self.final_stats = Vec::new();
+        self
+    }
 }
 
 /// What the counted driver calls would cost the host on an H100, in ms (the sim's own calls
@@ -253,5 +267,6 @@ pub fn replay(
         oom,
         unmatched_frees: unmatched,
         timeline,
+        final_stats: stats.flat(),
     })
 }
