@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shows that a change left the allocator's behaviour as it was: replays every trace under
-# several settings with the `ccalloc` command built at BASE (default: origin of the redesign,
-# REV below) and at the working tree, and compares every figure, the sampled live/reserved
+# several settings with the `ccalloc` command built at BASE (default: the last commit before
+# the redesign) and at the working tree, and compares every figure, the sampled live/reserved
 # timeline and the final statistics (`--json --stats`). Only the replay's own speed
 # (ns_per_event) may differ. Exit 0 when all are identical.
 #
@@ -11,7 +11,7 @@
 # kept between runs so a second run only rebuilds what changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-base=${1:-0b0c5ad}
+base=${1:-a96effc}
 shift || true
 traces=("$@")
 if [ ${#traces[@]} -eq 0 ]; then
