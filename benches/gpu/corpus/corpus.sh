@@ -112,7 +112,7 @@ run_one() {
 import json, os
 e = os.environ
 r = {"workload": e["W"], "allocator": e["A"], "round": int(e["R"]), "session": e["S"], "loop_seconds": [],
-     "error": e["WHY"] + ": " + " / ".join(e["TAIL"].splitlines())}
+     "error": " / ".join([e["WHY"]] + e["TAIL"].splitlines())}
 if e["T"]:
     r["traced"] = True
 print(json.dumps(r))' >>"$JSONL"

@@ -89,7 +89,7 @@ def table(paths, replay_path=None) -> int:
     def ok(r):
         return not r.get("error") and r.get("loop_seconds")
 
-    others = [a for a in allocs if a != "native"]
+    others = [a for a in allocs if a == "ccalloc"] + [a for a in allocs if a not in ("native", "ccalloc")]
     head = ["workload", "requested"] + [f"{a} res/req" for a in allocs] + [f"{a} / native time" for a in others]
     if replay:
         head += ["replay ccalloc (torch)"]
@@ -161,7 +161,7 @@ def table(paths, replay_path=None) -> int:
           "in the same round [min–max over rounds].")
     devices = sorted({r["device"] for r in records if r.get("device")})
     if devices:
-        print("Device: " + ", ".join(devices) + "; torch " + ", ".join(sorted({r.get("torch", "?") for r in records})))
+        print("Device: " + ", ".join(devices) + "; torch " + ", ".join(sorted({r["torch"] for r in records if r.get("torch")})))
     lora = sorted({r["info"]["lora"] for r in records if r.get("info", {}).get("lora")})
     if lora:
         print("llama_lora_finetune adapters: " + ", ".join(lora))

@@ -8,7 +8,7 @@ model construction is never on the clock. ``loop`` reseeds its own random stream
 call: every repetition asks the allocator for the same sequence of sizes, and so does every
 allocator.
 
-Sizes are for an H100 (80 GB): one ``loop()`` takes about 0.5-1.5 s and the model builds in a
+Sizes are for an H100 (80 GB): one ``loop()`` should take about 0.3-1 s and the model build a
 few seconds (it is created on the GPU, where random init is fast). ``CORPUS_DEVICE=cpu`` (or
 ``Ctx(tiny=True)``) shrinks every size so that the code paths run on a CPU in seconds: a smoke
 test of the code, not a measurement.
@@ -224,7 +224,10 @@ def small_llama_config(c: Ctx, **full):
 def llama_generate_static(c: Ctx):
     """A small Llama (8 layers, d=1024, GQA 16/4, bf16) through ``generate`` with
     ``cache_implementation="static"``: the cache is allocated once per (batch, length) bucket
-    at its full size and updated in place. Batches of 1-16 prompts, 32-64 new tokens."""
+    at its full size and updated in place. Batches of 1-16 prompts, 32-64 new tokens.
+    ``disable_compile``: on CUDA, transformers would otherwise compile the decode step with
+    inductor and CUDA graphs, tens of seconds for each new batch shape, far beyond a run's
+    budget; the eager decode keeps the static cache's allocations."""
     from transformers import LlamaForCausalLM
 
     cfg = small_llama_config(c, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
@@ -243,7 +246,8 @@ def llama_generate_static(c: Ctx):
             x = torch.randint(0, cfg.vocab_size, (b, prompt), device=c.dev)
             with torch.no_grad():
                 m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=0, cache_implementation="static")
+                           do_sample=False, pad_token_id=0, cache_implementation="static",
+                           disable_compile=True)
 
     return loop
 
@@ -660,25 +664,33 @@ def llama_lora_finetune(c: Ctx):
     cfg = small_llama_config(c, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                              num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
                              max_position_embeddings=2048)
-    with torch.device(c.dev):
-        m = LlamaForCausalLM(cfg)
-    m = m.to(c.bf16)
-    m.requires_grad_(False)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    peft = None
+
+    def frozen_base():
+        torch.manual_seed(0)
+        with torch.device(c.dev):
+            base = LlamaForCausalLM(cfg)
+        return base.to(c.bf16).requires_grad_(False)
+
+    m = None
     if os.environ.get("CORPUS_LORA", "") != "manual":
         try:
             import peft
+
+            m = peft.get_peft_model(frozen_base(), peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
+                                                                   target_modules=targets))
+            c.info["lora"] = "peft"
         except ImportError:
-            peft = None
-    if peft is not None:
-        m = peft.get_peft_model(m, peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets))
-        c.info["lora"] = "peft"
-    else:
+            pass
+        except Exception as e:  # a peft that does not fit this transformers: say so, go on by hand
+            c.info["lora"] = f"manual (peft failed: {type(e).__name__}: {str(e)[:120]})"
+            m = None
+    if m is None:
+        m = frozen_base()
         for layer in m.model.layers:
             for name in targets:
                 setattr(layer.self_attn, name, LoRALinear(getattr(layer.self_attn, name), 16, 32))
-        c.info["lora"] = "manual"
+        c.info.setdefault("lora", "manual")
     m.train()
     trainable = [p for p in m.parameters() if p.requires_grad]
     for p in trainable:  # adapters train in float32 (their optimizer state too), under autocast
