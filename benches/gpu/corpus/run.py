@@ -141,22 +141,30 @@ def main() -> int:
     cpu = os.environ.get("CORPUS_DEVICE", "cuda") == "cpu"
     if args.trace and (args.allocator != "native" or cpu):
         sys.exit("run.py: --trace records PyTorch's native allocator on the GPU only")
+    shared = args.name in SHARED
+    if not shared and args.name not in [name for name, *_ in corpus_registry()]:
+        sys.exit(f"run.py: no workload {args.name!r}; see run.py --list")
+    if cpu and shared:
+        sys.exit("run.py: the shared workloads need a GPU")
 
     record = {"workload": args.name, "allocator": args.allocator, "round": args.round,
               "session": os.environ.get("CORPUS_SESSION", ""), "reps": args.reps, "loop_seconds": []}
-    stats = set_allocator(args.allocator, cpu)
+    record["source"] = "shared" if shared else "corpus"
+    try:
+        stats = set_allocator(args.allocator, cpu)
+        import torch
+
+        if not cpu:
+            torch.zeros(1, device="cuda")
+            record["device"] = torch.cuda.get_device_name()
+    except Exception as e:  # the allocator or CUDA did not start: a record that says so
+        record["error"] = f"setup: {type(e).__name__}: {str(e).strip()[:300]}"
+        traceback.print_exc()
+        print("CORPUS " + json.dumps(record), flush=True)
+        return 1
     import random
 
-    import torch
-
-    shared = args.name in SHARED
-    record["source"] = "shared" if shared else "corpus"
     record["torch"] = torch.__version__
-    if cpu and shared:
-        sys.exit("run.py: the shared workloads need a GPU")
-    if not cpu:
-        torch.zeros(1, device="cuda")
-        record["device"] = torch.cuda.get_device_name()
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
         torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=10**8)
@@ -181,8 +189,6 @@ def main() -> int:
             sys.path.insert(0, HERE)
             import workloads as corpus
 
-            if args.name not in corpus.WORKLOADS:
-                sys.exit(f"run.py: no workload {args.name!r}; see run.py --list")
             ctx = corpus.Ctx("cpu" if cpu else "cuda", tiny=cpu)
             torch.manual_seed(0)
             random.seed(0)

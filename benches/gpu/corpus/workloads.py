@@ -807,7 +807,7 @@ def multistream_pipeline(c: Ctx):
         c.seed(23)
         results = []
         with torch.no_grad():
-            for i in range(c.pick(400, 8)):
+            for i in range(c.pick(800, 8)):
                 with c.on(a):
                     x = host[i % len(host)].to(c.dev, non_blocking=True)
                     h = stage1(x)
