@@ -1,0 +1,92 @@
+"""The corpus bench's planning and table (benches/gpu/corpus): no GPU and no torch needed."""
+
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(HERE, "..", "..", "benches", "gpu", "corpus")
+GIB = 1 << 30
+
+
+def run(*args, env=None):
+    full = dict(os.environ, PYTHON=sys.executable, **(env or {}))
+    return subprocess.run(list(args), capture_output=True, text=True, env=full, check=False)
+
+
+def record(workload, allocator, rnd, seconds, reserved, session="s", error=None):
+    r = {"workload": workload, "allocator": allocator, "round": rnd, "session": session, "reps": 2,
+         "loop_seconds": [seconds, seconds], "requested_bytes.all.peak": 10 * GIB,
+         "reserved_bytes.all.peak": int(reserved * 10 * GIB), "allocated_bytes.all.peak": 10 * GIB}
+    if error:
+        r.update(loop_seconds=[], error=error)
+        for k in ("requested_bytes.all.peak", "reserved_bytes.all.peak", "allocated_bytes.all.peak"):
+            del r[k]
+    return r
+
+
+def test_list_reads_the_registry_without_torch():
+    out = run(sys.executable, os.path.join(CORPUS, "run.py"), "--list")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("\t") for line in out.stdout.splitlines()]
+    corpus = [r for r in rows if r[1] == "corpus"]
+    assert len(corpus) >= 12
+    assert {r[0] for r in rows if r[1] == "shared"} == {
+        "gpt2_train_varlen", "resnet50_train", "bert_infer_varlen", "mlp_sidestream"}
+    assert all(float(r[2]) > 0 for r in rows)
+
+
+def test_rounds_rotate_the_allocators():
+    out = run("bash", os.path.join(CORPUS, "corpus.sh"), "dry-run",
+              env={"WORKLOADS": "moe_train", "ROUNDS": "4", "OUT": "/nonexistent-corpus-out"})
+    assert out.returncode == 0, out.stderr
+    orders = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if line.startswith("round ")]
+    assert orders == ["native expandable ccalloc", "expandable ccalloc native",
+                      "ccalloc native expandable", "native expandable ccalloc"]
+    assert sum(1 for line in out.stdout.splitlines() if "run.py moe_train" in line) == 12
+
+
+def test_unknown_workload_is_refused():
+    out = run("bash", os.path.join(CORPUS, "corpus.sh"), "dry-run", env={"WORKLOADS": "no_such_workload"})
+    assert out.returncode == 2
+    assert "no_such_workload" in out.stderr
+
+
+def test_table_pairs_rounds_and_keeps_failed_runs(tmp_path):
+    # Round 1 ran slow for every allocator, round 2 fast: paired ratios cancel that drift.
+    a = [record("moe_train", "native", 1, 2.0, 1.40), record("moe_train", "ccalloc", 1, 2.2, 1.02),
+         record("moe_train", "expandable", 1, 2.0, 1.08),
+         record("moe_train", "native", 2, 1.0, 1.40), record("moe_train", "ccalloc", 2, 0.9, 1.01),
+         record("moe_train", "expandable", 2, 1.0, 1.07)]
+    # A second call (another session) with the same round numbers, and one OOM.
+    b = [record("cuda_graph_infer", "native", 1, 1.0, 1.2, session="t"),
+         record("cuda_graph_infer", "ccalloc", 1, 1.0, 1.05, session="t"),
+         record("cuda_graph_infer", "expandable", 1, 0, 0, session="t", error="OOM: CUDA out of memory")]
+    fa, fb = tmp_path / "corpus-a.jsonl", tmp_path / "corpus-b.jsonl"
+    fa.write_text("\n".join(json.dumps(r) for r in a) + "\n")
+    fb.write_text("\n".join("CORPUS " + json.dumps(r) for r in b) + "\n")
+    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(fa), str(fb))
+    assert out.returncode == 0, out.stderr
+    rows = {line.split(" | ")[0].strip("| "): line for line in out.stdout.splitlines() if line.startswith("| ")}
+    moe = rows["moe_train"].split(" | ")
+    # ratios 1.1 and 0.9: median 1.000, spread 0.900-1.100; memory is the worst run's
+    assert moe[2:5] == ["1.400", "1.080", "1.020"]
+    assert moe[5] == "1.000 [0.900–1.100]"
+    assert "ok" in moe[-1]
+    graph = rows["cuda_graph_infer"].split(" | ")
+    assert graph[3] == "ERR"
+    assert "mem>1.03" in graph[-1]
+    assert "cuda_graph_infer / expandable / round 1: OOM" in out.stdout
+    assert "met on 1 of 2 workloads" in out.stdout
+
+
+def test_plan_splits_over_calls():
+    names = ["gpt2_train_varlen", "moe_train", "resnet50_train", "bert_infer_varlen"]
+    out = run(sys.executable, os.path.join(CORPUS, "table.py"), "plan", "300", "3", "2",
+              "native expandable ccalloc", *names)
+    assert out.returncode == 0, out.stderr
+    calls = [line.split('"')[1].split() for line in out.stdout.splitlines() if "WORKLOADS=" in line]
+    assert sorted(w for c in calls for w in c) == sorted(names)
+    seconds = [float(line.split("~")[1].split()[0]) for line in out.stdout.splitlines() if "WORKLOADS=" in line]
+    assert all(s <= 300 for s in seconds) and len(calls) >= 2
