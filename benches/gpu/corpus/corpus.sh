@@ -22,8 +22,10 @@
 #   OUT          results (default /tmp/corpus): corpus-SESSION.jsonl (one record a run),
 #                logs/ (one log a run), corpus.md (the table), traces/, replay.json
 #   TRACE=1      after the rounds, one more native run of each corpus workload in WORKLOADS with
-#                run.py --trace: $OUT/traces/NAME.trace.csv.gz (the shared traces' format)
-#   BUDGET_S     the dry-run's budget per call (default 540): above it, it suggests a split
+#                run.py --trace: $OUT/traces/NAME.trace.csv.gz (the shared traces' format);
+#                ROUNDS=0 TRACE=1 records the traces alone
+#   BUDGET_S     the dry-run's budget per call (default 540, less 30 s of ccalloc set-up):
+#                above it, it suggests a split (from measured seconds once $OUT has records)
 #   CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so), CCALLOC_BIN (replay_table; default
 #   <repo>/gpu/ccalloc), PYTHON (default python3). The python package is the checkout's
 #   python/ (run.py puts it first on sys.path); the shared harness is found as

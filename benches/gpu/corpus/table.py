@@ -31,6 +31,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 1 << 30
+# Seconds a call spends before its first run when ccalloc is among the allocators: on a fresh
+# machine ccalloc.torch compiles its PyTorch adapter (~20 s), then CUDA starts once more.
+PREP_S = 30
 
 
 def load(paths):
@@ -181,7 +184,10 @@ def plan(budget: float, rounds: int, reps: int, allocators: list, workloads: lis
     from run import SHARED_EST_S, corpus_registry
 
     est = {name: e for name, _, _, e in corpus_registry()}
+    corpus = set(est)
     est.update(SHARED_EST_S)
+    if any(a.startswith("ccalloc") for a in allocators):
+        budget -= PREP_S
     seen = {}
     for r in load(measured):
         if r.get("process_seconds") and not r.get("traced") and r.get("reps") == reps:
@@ -196,11 +202,14 @@ def plan(budget: float, rounds: int, reps: int, allocators: list, workloads: lis
         else:  # the registry's figure assumes 2 timed loops; each further loop adds about a sixth
             one = est[w] * (1 + (reps - 2) / 6)
         per[w] = one * rounds * len(allocators)
+        if os.environ.get("TRACE") == "1" and w in corpus:
+            per[w] += one  # TRACE=1: one more (native, traced) process
     if seen:
         print(f"measured process seconds (median of earlier runs) for: {' '.join(w for w in workloads if w in seen)}")
     total = sum(per.values())
     print(f"estimated: {total:.0f} s for {len(workloads)} workloads x {len(allocators)} allocators x {rounds} rounds "
-          f"(REPS={reps}); budget per call {budget:.0f} s")
+          f"(REPS={reps}{', TRACE=1' if os.environ.get('TRACE') == '1' else ''}); budget per call {budget:.0f} s "
+          f"of runs" + (f" (after {PREP_S} s of ccalloc set-up)" if any(a.startswith("ccalloc") for a in allocators) else ""))
     if total <= budget:
         return 0
     calls: list[list[str]] = []
