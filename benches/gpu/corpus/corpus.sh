@@ -184,6 +184,7 @@ list | --list) "$PYTHON" "$HERE/run.py" --list | column -t -s $'\t' ;;
 summarize)
     mapfile -t files < <(jsonl_files "$@") || exit 1
     [ ${#files[@]} -gt 0 ] || exit 1
+    mkdir -p "$OUT_DIR"
     "$PYTHON" "$HERE/table.py" "${files[@]}" | tee "$OUT_DIR/corpus.md"
     ;;
 replay_table)
