@@ -1,6 +1,6 @@
 //! Steady small-block churn on the sim device, as the GPU harness's `churn` (2000 live blocks
 //! of 256 B-1 MiB, log-uniform; each step frees a random one and allocates a new size), for
-//! profilers: `cargo build --release --example churn_loop && perf record
+//! profilers: `cargo build --release --features sim --example churn_loop && perf record
 //! target/release/examples/churn_loop [MAX_BYTES] [LIVE] [THREADS]` (settings from CCALLOC_CONF).
 //! With THREADS > 1, each thread churns its own LIVE blocks on its own stream, as the
 //! harness's `mt_churn`, and the figure is wall time per step over all threads. STEPS

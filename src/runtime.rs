@@ -6,6 +6,7 @@ use crate::alloc::DeviceAllocator;
 use crate::config::Config;
 use crate::driver::cuda::CudaDriver;
 use crate::driver::host::{HostDriver, ALLOCATION_STREAM};
+#[cfg(feature = "sim")]
 use crate::driver::sim::SimDriver;
 use crate::driver::{Advice, DevicePtr, Driver, HostKind, Location, StreamId};
 use crate::error::{Error, ErrorKind, Result};
@@ -17,6 +18,7 @@ use std::sync::{Arc, Mutex};
 pub struct Runtime {
     driver: Arc<dyn Driver>,
     /// The same driver when it is the simulated one, for the test controls.
+    #[cfg(feature = "sim")]
     sim: Option<Arc<SimDriver>>,
     /// Created on first use: retaining a CUDA context costs memory on devices never used.
     devices: Vec<OnceCell<DeviceAllocator>>,
@@ -109,6 +111,7 @@ impl Runtime {
             .collect();
         Self {
             driver: Arc::new(crate::driver::traced::Traced::new(driver)),
+            #[cfg(feature = "sim")]
             sim: None,
             devices,
             config: Mutex::new(config),
@@ -119,6 +122,7 @@ impl Runtime {
         }
     }
 
+    #[cfg(feature = "sim")]
     pub fn with_sim(sim: Arc<SimDriver>, config: Config) -> Self {
         let mut runtime = Self::new(sim.clone(), config);
         runtime.sim = Some(sim);
@@ -130,10 +134,13 @@ impl Runtime {
         let config = Config::from_env()?;
         let backend = std::env::var("CCALLOC_BACKEND").unwrap_or_else(|_| "cuda".into());
         match backend.trim() {
+            #[cfg(feature = "sim")]
             "sim" => {
                 let sim = SimDriver::from_env().map_err(|m| Error::new(ErrorKind::Config, m))?;
                 Ok(Self::with_sim(Arc::new(sim), config))
             }
+            #[cfg(not(feature = "sim"))]
+            "sim" => Err(Error::new(ErrorKind::Config, crate::driver::NO_SIM_BUILD)),
             "cuda" | "" => {
                 let driver = CudaDriver::new().map_err(crate::alloc::driver_error_of)?;
                 Ok(Self::new(Arc::new(driver), config))
@@ -153,6 +160,7 @@ impl Runtime {
         self.devices.len()
     }
 
+    #[cfg(feature = "sim")]
     pub fn sim(&self) -> Option<&SimDriver> {
         self.sim.as_deref()
     }

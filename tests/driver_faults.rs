@@ -4,6 +4,7 @@
 //! that only a failure leads to, after each such failure). After each fault: only the
 //! operation that hit it may fail, the statistics agree with the blocks, and once
 //! everything is freed and the cache emptied the device holds nothing of ccalloc's.
+#![cfg(feature = "sim")]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! Thread fronts under concurrency: short-lived threads allocating, freeing (also each
 //! other's blocks) and recording streams while settings, captures, resets, drains and
 //! snapshots run; at the end no overlap, exact totals, nothing left on the device.
+#![cfg(feature = "sim")]
 use ccalloc::driver::sim::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::collections::BTreeMap;

@@ -11,6 +11,7 @@
 //! The test command runs 500 cases; for a long run:
 //!     CCALLOC_FUZZ_CASES=20000 cargo test --release --test fuzz_api
 //! (any failure prints the minimal sequence proptest shrank it to).
+#![cfg(feature = "sim")]
 
 use ccalloc::ffi::types::ccalloc_status::{self, *};
 use ccalloc::ffi::types::{ccalloc_pool_id, ccalloc_stat_array, ccalloc_stats, cudaStream_t};

@@ -1,6 +1,7 @@
 //! Calls racing a shutdown/init cycle: once init has succeeded, every call either works or
 //! fails with `CCALLOC_SHUT_DOWN` (or is refused with `CCALLOC_BUSY`, for shutdown itself),
 //! never `CCALLOC_NOT_INITIALIZED`.
+#![cfg(feature = "sim")]
 
 use ccalloc::ffi::types::ccalloc_stats;
 use ccalloc::ffi::types::ccalloc_status::{self, *};

@@ -1,6 +1,7 @@
 //! Property test: random operation sequences against the simulated device, checked against an
 //! independent model. Live blocks never overlap, canaries survive, stats match the model, and
 //! after freeing everything and `empty_cache` nothing is reserved and the device holds nothing.
+#![cfg(feature = "sim")]
 
 use ccalloc::driver::sim::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};

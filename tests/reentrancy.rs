@@ -3,6 +3,7 @@
 //! statistics works; an allocation from inside the filter is refused with a clear error
 //! (it would be routed by the very filter that is running). Each scenario runs on its own
 //! thread, joined with a bound.
+#![cfg(feature = "sim")]
 
 use ccalloc::ffi::types::ccalloc_status::*;
 use ccalloc::ffi::types::{ccalloc_pool_id, ccalloc_stats, ccalloc_status, cudaStream_t};

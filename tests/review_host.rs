@@ -1,4 +1,5 @@
 //! Review of pinned host and managed memory on the sim: range checks at block boundaries.
+#![cfg(feature = "sim")]
 
 use ccalloc::driver::sim::SimDriver;
 use ccalloc::driver::{Advice, HostKind};

@@ -1,5 +1,6 @@
 //! Review of the memory C API on the sim: the history's frees, snapshots adding up to the
 //! reserved bytes. One test: the runtime and the recorder are process-wide.
+#![cfg(feature = "sim")]
 
 use ccalloc::ffi::memory::*;
 use ccalloc::ffi::types::ccalloc_status::*;

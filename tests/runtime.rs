@@ -1,5 +1,6 @@
 //! The process-wide runtime over several simulated devices: lazy device start, wrong-device
 //! frees, and shutdown that is all or nothing.
+#![cfg(feature = "sim")]
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! `per_stream_shards`: one allocator per stream under one device. What stays device-wide
 //! (the memory limit, the OOM retry, statistics, settings, private-pool windows, shutdown)
 //! and what each shard keeps to itself.
+#![cfg(feature = "sim")]
 
 mod common;
 

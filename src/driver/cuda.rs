@@ -111,8 +111,8 @@ fn check_library() -> Result<Symbols, String> {
         "libcuda.so.1"
     };
     Err(format!(
-        "the CUDA driver library ({library}) was not found: install the NVIDIA driver, \
-         or set CCALLOC_BACKEND=sim to run on the simulated device"
+        "the CUDA driver library ({library}) was not found: install the NVIDIA driver; {}",
+        super::NO_GPU_ADVICE
     ))
 }
 
@@ -238,8 +238,9 @@ impl CudaDriver {
         let symbols = check_library().map_err(DriverError::Unavailable)?;
         let vmm_symbols = symbols.vmm;
         // SAFETY: the library and its symbols were checked above.
-        check("cuInit", unsafe { sys::cuInit(0) })
-            .map_err(|e| DriverError::Unavailable(format!("cuInit failed: {e}")))?;
+        check("cuInit", unsafe { sys::cuInit(0) }).map_err(|e| {
+            DriverError::Unavailable(format!("cuInit failed: {e}; {}", super::NO_GPU_ADVICE))
+        })?;
         let mut count = 0;
         // SAFETY: writes the device count.
         check("cuDeviceGetCount", unsafe {

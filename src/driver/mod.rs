@@ -1,10 +1,27 @@
 //! The device interface the allocator drives, and its two implementations: the CUDA driver
-//! (`cuda`) and a simulated device (`sim`) for tests, replay and machines without a GPU.
+//! (`cuda`) and a simulated device (`sim`, only with the `sim` feature) for tests, replay and
+//! machines without a GPU.
 
 pub mod cuda;
 pub mod host;
+#[cfg(any(test, feature = "sim"))]
 pub mod sim;
 pub mod traced;
+
+/// What `CCALLOC_BACKEND=sim` gets from a build without the simulated device.
+#[cfg(not(feature = "sim"))]
+pub const NO_SIM_BUILD: &str = "CCALLOC_BACKEND=sim: this ccalloc was built without the \
+     simulated device; rebuild it with `cargo build --release --features sim`, or use the \
+     Python package (`pip install ./python`), whose library includes it";
+
+/// How to go on without a usable GPU: the simulated device where this build has it, else
+/// how to get a build that has it.
+#[cfg(feature = "sim")]
+pub const NO_GPU_ADVICE: &str =
+    "to run without a GPU, set CCALLOC_BACKEND=sim (the simulated device)";
+#[cfg(not(feature = "sim"))]
+pub const NO_GPU_ADVICE: &str = "to run without a GPU, rebuild ccalloc with `--features sim` \
+     (the Python package's library has it) and set CCALLOC_BACKEND=sim";
 
 use std::fmt;
 
