@@ -3,7 +3,7 @@
 //! sizes), and several threads each on its own stream.
 //! Run: `cargo bench --features sim --bench hotpath`.
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;

@@ -7,7 +7,7 @@
 //! (default 5,000,000 over all threads) sets the run's length; `CCALLOC_SIM_COSTS=h100`
 //! makes each driver call take as long as on an H100 (`CallCosts::h100`), as the GPU
 //! harness's churn mixed sees it: `churn_loop 268435456 500 1 50000`.
-use ccalloc::driver::sim::{CallCosts, SimDriver};
+use ccalloc::{CallCosts, SimDriver};
 use ccalloc::{Config, DeviceAllocator, PagingCounters, StreamId};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;

@@ -15,9 +15,9 @@
 //! (`CCALLOC_BACKEND=cuda`, e.g. under compute-sanitizer). On CUDA the streams are the valid
 //! special handles (NULL, the legacy stream 0x1, the per-thread stream 0x2)
 //! and no host writes touch device memory; on the sim, blocks get a canary checked at free.
-use ccalloc::ffi::types::ccalloc_status::{self, *};
-use ccalloc::ffi::types::{ccalloc_stat_array, ccalloc_stats, cudaStream_t};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::{self, *};
+use ccalloc::capi::*;
+use ccalloc::capi::{ccalloc_stat_array, ccalloc_stats, cudaStream_t};
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Barrier, Mutex};

@@ -24,7 +24,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// What happened, with PyTorch's action names (`TraceEntry::Action`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
-pub enum Action {
+pub(crate) enum Action {
     Alloc = 0,
     FreeRequested = 1,
     FreeCompleted = 2,
@@ -44,7 +44,7 @@ impl Action {
         )
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Action::Alloc => "alloc",
             Action::FreeRequested => "free_requested",
@@ -61,7 +61,7 @@ impl Action {
 
 /// One recorded event.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub seq: u64,
     pub action: Action,
     pub device: i32,
@@ -100,12 +100,12 @@ static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
 /// Called with every segment event, recording or not (PyTorch's trace trackers: NCCL
 /// registers segments as they come and go). It runs under the device's lock: it must not
 /// call back into ccalloc.
-pub type SegmentObserver = Box<dyn Fn(&Entry) + Send + Sync>;
+pub(crate) type SegmentObserver = Box<dyn Fn(&Entry) + Send + Sync>;
 static OBSERVED: AtomicBool = AtomicBool::new(false);
 static OBSERVERS: Mutex<Vec<SegmentObserver>> = Mutex::new(Vec::new());
 
 /// Adds an observer of segment events (they are never removed: PyTorch has no call for it).
-pub fn observe_segments(observer: SegmentObserver) {
+pub(crate) fn observe_segments(observer: SegmentObserver) {
     OBSERVERS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -118,7 +118,7 @@ thread_local! {
 }
 
 /// The most entries a recorder keeps, whatever is asked: each costs about 64 bytes.
-pub const MAX_ENTRIES_LIMIT: usize = 1 << 24;
+pub(crate) const MAX_ENTRIES_LIMIT: usize = 1 << 24;
 
 fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
     // The recorder's data stays consistent at every unlock point: a panic elsewhere while
@@ -128,7 +128,7 @@ fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
 
 /// Starts (or, with `enabled` false, stops) recording. `clear` drops what was recorded.
 /// `max_entries` bounds the ring (0 keeps none but the live-block table).
-pub fn set_recording(enabled: bool, max_entries: usize, clear: bool) {
+pub(crate) fn set_recording(enabled: bool, max_entries: usize, clear: bool) {
     let mut guard = recorder();
     let r = guard.get_or_insert_with(Recorder::default);
     r.max_entries = max_entries.min(MAX_ENTRIES_LIMIT);
@@ -145,13 +145,13 @@ pub fn set_recording(enabled: bool, max_entries: usize, clear: bool) {
     RECORDING.store(enabled, Ordering::Release);
 }
 
-pub fn is_recording() -> bool {
+pub(crate) fn is_recording() -> bool {
     RECORDING.load(Ordering::Relaxed)
 }
 
 /// Tags the calling thread's next recorded event (then cleared): how a host attaches its
 /// own data, such as stack frames, to the allocation it is about to make.
-pub fn set_thread_context(context: u64) {
+pub(crate) fn set_thread_context(context: u64) {
     let _ = CONTEXT.try_with(|c| c.set(context));
 }
 
@@ -193,7 +193,7 @@ fn push(r: &mut Recorder, action: Action, device: i32, addr: u64, size: u64, str
 
 /// Records an event that concerns no block (segments, OOMs, snapshots), and hands segment
 /// events to the observers.
-pub fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
+pub(crate) fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
     if OBSERVED.load(Ordering::Relaxed) && action.is_segment_event() {
         let entry = Entry {
             seq: 0,
@@ -218,7 +218,7 @@ pub fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
 }
 
 /// A block was handed out.
-pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
+pub(crate) fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
     if !is_recording() {
         return;
     }
@@ -235,7 +235,7 @@ pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
 
 /// The allocator is freeing block `addr`, and its reuse waits for other streams' work: its
 /// `free_completed` comes at `reusable`. Called before the caller's `freed`.
-pub fn free_delayed(device: i32, addr: u64) {
+pub(crate) fn free_delayed(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
@@ -249,7 +249,7 @@ pub fn free_delayed(device: i32, addr: u64) {
 
 /// A block was freed by its caller: `free_requested`, and `free_completed` too unless other
 /// streams still use it. A block allocated before recording began is recorded with size 0.
-pub fn freed(device: i32, addr: u64) {
+pub(crate) fn freed(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
@@ -285,7 +285,7 @@ pub fn freed(device: i32, addr: u64) {
 /// A block freed while other streams used it became reusable. This may come before the
 /// caller's `freed` (the allocator synchronized at once, or another thread saw the work
 /// done first): the free then completes with its request.
-pub fn reusable(device: i32, addr: u64) {
+pub(crate) fn reusable(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
@@ -306,7 +306,7 @@ pub fn reusable(device: i32, addr: u64) {
 }
 
 /// The recorded entries (of `device`, or all with `None`), oldest first.
-pub fn entries(device: Option<i32>) -> Vec<Entry> {
+pub(crate) fn entries(device: Option<i32>) -> Vec<Entry> {
     recorder()
         .as_ref()
         .map(|r| {
@@ -320,7 +320,7 @@ pub fn entries(device: Option<i32>) -> Vec<Entry> {
 }
 
 /// The sequence number of the oldest entry kept (the next one's when none is kept).
-pub fn oldest_seq() -> u64 {
+pub(crate) fn oldest_seq() -> u64 {
     recorder()
         .as_ref()
         .map(|r| r.entries.front().map_or(r.next_seq, |e| e.seq))

@@ -661,13 +661,14 @@ extern "C" fn after_fork_in_child() {
 }
 
 /// The error of every call made in a child process forked after ccalloc was initialized.
-pub const FORKED_MESSAGE: &str = "ccalloc cannot be used in a child process after fork(): the \
+pub(crate) const FORKED_MESSAGE: &str =
+    "ccalloc cannot be used in a child process after fork(): the \
      parent's allocator (and its CUDA context) is not valid here, as CUDA itself is unusable \
      after fork. Start child processes that allocate with exec/spawn (Python: \
      multiprocessing's \"spawn\" start method)";
 
 /// Fails at once, taking no lock, in a child process forked after ccalloc was initialized.
-pub fn check_not_forked() -> Result<()> {
+pub(crate) fn check_not_forked() -> Result<()> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(Error::new(ErrorKind::DriverUnavailable, FORKED_MESSAGE));
     }
@@ -675,7 +676,7 @@ pub fn check_not_forked() -> Result<()> {
 }
 
 /// Whether this process is a child forked after ccalloc was initialized.
-pub fn is_forked_child() -> bool {
+pub(crate) fn is_forked_child() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
@@ -686,10 +687,10 @@ thread_local! {
 }
 
 /// Counts the calling thread into a C API call until dropped (`ffi::boundary::guard`).
-pub struct CallScope(());
+pub(crate) struct CallScope(());
 
 impl CallScope {
-    pub fn enter() -> Self {
+    pub(crate) fn enter() -> Self {
         let _ = CALL_DEPTH.try_with(|d| d.set(d.get() + 1));
         Self(())
     }
@@ -824,7 +825,7 @@ fn watch_forks() {
 }
 
 /// Starts the global runtime from the environment; a no-op when it is running.
-pub fn init_global() -> Result<&'static Runtime> {
+pub(crate) fn init_global() -> Result<&'static Runtime> {
     check_not_forked()?;
     let mut lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
     if lifecycle.phase == Phase::Running {
@@ -859,7 +860,7 @@ pub fn init_global() -> Result<&'static Runtime> {
 
 /// Shuts the global runtime down; later calls fail with `ShutDown` until `init_global`.
 /// The runtime is freed once no thread is still inside a call that uses it.
-pub fn shutdown_global() -> Result<()> {
+pub(crate) fn shutdown_global() -> Result<()> {
     check_not_forked()?;
     let mut lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
     match lifecycle.phase {

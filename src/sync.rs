@@ -40,10 +40,10 @@ pub struct SpinThenBlock<T> {
 }
 
 /// The guard `lock` returns (std's, or loom's under `--cfg loom`).
-pub type Guard<'a, T> = MutexGuard<'a, T>;
+pub(crate) type Guard<'a, T> = MutexGuard<'a, T>;
 
 /// What `lock` returns when a panic poisoned the lock: the guard, as `std` gives it.
-pub type Poisoned<'a, T> = std::sync::PoisonError<MutexGuard<'a, T>>;
+pub(crate) type Poisoned<'a, T> = std::sync::PoisonError<MutexGuard<'a, T>>;
 
 impl<T> SpinThenBlock<T> {
     pub fn new(value: T) -> Self {

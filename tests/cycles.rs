@@ -2,8 +2,8 @@
 //! descriptors (the sim's memory file) and memory stay flat over 2,000 cycles.
 #![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

@@ -8,7 +8,7 @@
 
 mod common;
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DevicePtr, ErrorKind, StreamId};
 use common::{Call, FaultDriver, CALLS};
 use std::sync::Arc;

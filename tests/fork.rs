@@ -4,8 +4,8 @@
 //! memory with its parent. Children are bounded by `alarm` and waited on with a bound.
 #![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};

@@ -5,7 +5,7 @@
 //! `empty_cache` and by threads that exit.
 #![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DeviceStats, ErrorKind, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

@@ -1,7 +1,7 @@
 //! Thread fronts against a broader model of exact statistics: config toggles, captures, shutdown,
 //! several allocators on one thread, exiting threads, accumulated-stat resets.
 #![cfg(feature = "sim")]
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DeviceStats, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

@@ -2,7 +2,7 @@
 //! front evicts, is drained or is folded must see consistent figures (totals never going
 //! backwards, never negative, current never overcounted).
 #![cfg(feature = "sim")]
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -2,7 +2,7 @@
 //! other's blocks) and recording streams while settings, captures, resets, drains and
 //! snapshots run; at the end no overlap, exact totals, nothing left on the device.
 #![cfg(feature = "sim")]
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

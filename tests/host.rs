@@ -3,8 +3,8 @@
 //! managed memory's prefetch and advice.
 #![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
-use ccalloc::driver::{Advice, HostKind};
+use ccalloc::SimDriver;
+use ccalloc::{Advice, HostKind};
 use ccalloc::{Config, ErrorKind, Runtime, StreamId};
 use std::sync::Arc;
 

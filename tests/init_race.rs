@@ -3,9 +3,9 @@
 //! never `CCALLOC_NOT_INITIALIZED`.
 #![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_stats;
-use ccalloc::ffi::types::ccalloc_status::{self, *};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_stats;
+use ccalloc::capi::ccalloc_status::{self, *};
+use ccalloc::capi::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 

@@ -4,7 +4,7 @@
 //! counting allocator; nothing is timed.
 #![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};

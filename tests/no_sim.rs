@@ -2,7 +2,7 @@
 //! whose message says how to get a build with the simulated device.
 #![cfg(not(feature = "sim"))]
 
-use ccalloc::ffi::types::ccalloc_status;
+use ccalloc::capi::ccalloc_status;
 use ccalloc::{ErrorKind, Runtime};
 use std::ffi::CStr;
 
@@ -21,13 +21,13 @@ fn sim_backend_is_refused_with_how_to_get_it() {
     );
 
     assert_eq!(
-        ccalloc::ffi::ccalloc_init(),
+        ccalloc::capi::ccalloc_init(),
         ccalloc_status::CCALLOC_CONFIG_ERROR
     );
-    let message = unsafe { CStr::from_ptr(ccalloc::ffi::ccalloc_last_error()) };
+    let message = unsafe { CStr::from_ptr(ccalloc::capi::ccalloc_last_error()) };
     assert!(
         message.to_str().unwrap().contains("--features sim"),
         "{message:?}"
     );
-    assert!(!ccalloc::ffi::ccalloc_is_initialized());
+    assert!(!ccalloc::capi::ccalloc_is_initialized());
 }

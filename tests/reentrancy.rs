@@ -5,9 +5,9 @@
 //! thread, joined with a bound.
 #![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::types::{ccalloc_pool_id, ccalloc_stats, ccalloc_status, cudaStream_t};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
+use ccalloc::capi::{ccalloc_pool_id, ccalloc_stats, ccalloc_status, cudaStream_t};
 use std::ffi::{c_void, CStr};
 use std::sync::mpsc;
 use std::sync::Mutex;

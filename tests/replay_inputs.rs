@@ -1,7 +1,7 @@
 //! Damaged or hostile replay inputs: each gets a clear error or a correct report, never a
 //! panic, an abort, or a silently shortened trace. (Each of these failed before its fix.)
 
-use ccalloc::replay::{replay, trace, ReplayOptions};
+use ccalloc::{replay, trace, ReplayOptions};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::Command;
@@ -170,7 +170,7 @@ impl<R: std::io::Read> std::io::Read for Counted<R> {
 }
 
 /// Loads `input` with the default limits; returns the error and the bytes read.
-fn load_counted(name: &str, input: impl std::io::Read) -> (ccalloc::error::Error, u64) {
+fn load_counted(name: &str, input: impl std::io::Read) -> (ccalloc::Error, u64) {
     let read = std::rc::Rc::default();
     let input = Counted {
         inner: input,
@@ -344,7 +344,7 @@ impl Pickle {
     }
 }
 
-fn load_bytes(name: &str, body: &[u8]) -> ccalloc::error::Result<Vec<trace::Trace>> {
+fn load_bytes(name: &str, body: &[u8]) -> ccalloc::Result<Vec<trace::Trace>> {
     let path = tmp(name);
     std::fs::write(&path, body).unwrap();
     trace::load(&path)

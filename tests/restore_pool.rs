@@ -3,9 +3,9 @@
 //! fails leaves no block of the pool handed out and refuses layouts the pool could not have.
 #![cfg(feature = "sim")]
 
-use ccalloc::alloc::blocks::BlockState;
-use ccalloc::alloc::SavedBlock;
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::BlockState;
+use ccalloc::SavedBlock;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use std::sync::Arc;
 

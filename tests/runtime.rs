@@ -4,7 +4,7 @@
 
 mod common;
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, ErrorKind, Runtime, StreamId};
 use common::{Gate, GatedDriver};
 use std::sync::Arc;

@@ -5,7 +5,7 @@
 
 mod common;
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use common::{Gate, GatedDriver};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! thread pauses and resumes streams and empties the cache.
 #![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

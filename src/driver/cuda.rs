@@ -175,7 +175,7 @@ struct CudaDevice {
     rdma_capable: bool,
 }
 
-pub struct CudaDriver {
+pub(crate) struct CudaDriver {
     devices: Vec<CudaDevice>,
     /// Events recorded on another context's stream (a block of one device recorded on
     /// another device's stream), with that context: CUDA requires an event and the stream it
@@ -234,7 +234,7 @@ impl Drop for ContextGuard {
 }
 
 impl CudaDriver {
-    pub fn new() -> DriverResult<Self> {
+    pub(crate) fn new() -> DriverResult<Self> {
         let symbols = check_library().map_err(DriverError::Unavailable)?;
         let vmm_symbols = symbols.vmm;
         // SAFETY: the library and its symbols were checked above.

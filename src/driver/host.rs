@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// The stream every host-side block is allocated on: no real stream has this handle.
-pub const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
+pub(crate) const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
 
 #[derive(Default)]
 struct Tags {
@@ -26,7 +26,7 @@ struct Tags {
     pairs: Vec<(usize, StreamId)>,
 }
 
-pub struct HostDriver {
+pub(crate) struct HostDriver {
     inner: Arc<dyn Driver>,
     kind: HostKind,
     tags: Mutex<Tags>,
@@ -35,7 +35,7 @@ pub struct HostDriver {
 }
 
 impl HostDriver {
-    pub fn new(inner: Arc<dyn Driver>, kind: HostKind) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Driver>, kind: HostKind) -> Self {
         Self {
             inner,
             kind,
@@ -44,12 +44,12 @@ impl HostDriver {
         }
     }
 
-    pub fn kind(&self) -> HostKind {
+    pub(crate) fn kind(&self) -> HostKind {
         self.kind
     }
 
     /// The stream id the allocator core uses for `stream` of `device`.
-    pub fn tag(&self, device: usize, stream: StreamId) -> StreamId {
+    pub(crate) fn tag(&self, device: usize, stream: StreamId) -> StreamId {
         let mut tags = self.tags.lock().unwrap();
         if let Some(&tag) = tags.by_pair.get(&(device, stream)) {
             return tag;

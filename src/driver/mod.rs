@@ -2,11 +2,14 @@
 //! (`cuda`) and a simulated device (`sim`, only with the `sim` feature) for tests, replay and
 //! machines without a GPU.
 
-pub mod cuda;
-pub mod host;
+pub(crate) mod cuda;
+pub(crate) mod host;
+// The allocator's unit tests run on the simulated device in every build; without the `sim`
+// feature they are its only users, and use only part of it.
 #[cfg(any(test, feature = "sim"))]
-pub mod sim;
-pub mod traced;
+#[cfg_attr(not(feature = "sim"), allow(dead_code))]
+pub(crate) mod sim;
+pub(crate) mod traced;
 
 /// What `CCALLOC_BACKEND=sim` gets from a build without the simulated device.
 #[cfg(not(feature = "sim"))]
@@ -17,7 +20,7 @@ pub const NO_SIM_BUILD: &str = "CCALLOC_BACKEND=sim: this ccalloc was built with
 /// How to go on without a usable GPU: the simulated device where this build has it, else
 /// how to get a build that has it.
 #[cfg(feature = "sim")]
-pub const NO_GPU_ADVICE: &str =
+pub(crate) const NO_GPU_ADVICE: &str =
     "to run without a GPU, set CCALLOC_BACKEND=sim (the simulated device)";
 #[cfg(not(feature = "sim"))]
 pub const NO_GPU_ADVICE: &str = "to run without a GPU, rebuild ccalloc with `--features sim` \

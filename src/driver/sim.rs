@@ -13,14 +13,14 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// cudaMalloc hands out whole 2 MiB pages; capacity is charged the same way here.
-pub const SIM_GRANULARITY: u64 = 2 << 20;
-pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+pub(crate) const SIM_GRANULARITY: u64 = 2 << 20;
+pub(crate) const DEFAULT_CAPACITY: u64 = 80 << 30;
 /// Host memory of the simulated machine (`CCALLOC_SIM_HOST_CAPACITY`).
-pub const DEFAULT_HOST_CAPACITY: u64 = 64 << 30;
+pub(crate) const DEFAULT_HOST_CAPACITY: u64 = 64 << 30;
 /// Host allocations are charged in whole pages.
-pub const SIM_HOST_PAGE: u64 = 4 << 10;
+pub(crate) const SIM_HOST_PAGE: u64 = 4 << 10;
 /// Managed memory migrates in pages of this size (as CUDA's prefetches do, at least).
-pub const SIM_MIGRATION_PAGE: u64 = 64 << 10;
+pub(crate) const SIM_MIGRATION_PAGE: u64 = 64 << 10;
 
 /// Pinned host and managed memory of the simulated machine, as counted by the sim.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -1017,7 +1017,7 @@ mod host {
         unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
     }
 
-    pub fn map(size: u64) -> Option<u64> {
+    pub(super) fn map(size: u64) -> Option<u64> {
         let len = usize::try_from(size).ok()?;
         // SAFETY: a fresh anonymous private mapping; no existing memory is affected.
         let ptr = unsafe {
@@ -1037,7 +1037,7 @@ mod host {
         Some(ptr as u64)
     }
 
-    pub fn unmap(ptr: u64, size: u64) {
+    pub(super) fn unmap(ptr: u64, size: u64) {
         // SAFETY: `ptr`/`size` describe a mapping made by `map` and removed from the table first.
         unsafe {
             libc::munmap(ptr as *mut libc::c_void, size as usize);
@@ -1045,7 +1045,7 @@ mod host {
     }
 
     /// Address space with no access, standing in for a reserved device range.
-    pub fn reserve(size: u64) -> Option<u64> {
+    pub(super) fn reserve(size: u64) -> Option<u64> {
         let len = usize::try_from(size).ok()?;
         // SAFETY: a fresh inaccessible mapping; no existing memory is affected.
         let ptr = unsafe {
@@ -1062,7 +1062,7 @@ mod host {
     }
 
     /// Puts an inaccessible reservation back over `[ptr, ptr+size)` (an unmapped granule).
-    pub fn reserve_at(ptr: u64, size: u64) {
+    pub(super) fn reserve_at(ptr: u64, size: u64) {
         // SAFETY: the range lies inside a reservation of ours; MAP_FIXED replaces only it.
         unsafe {
             libc::mmap(
@@ -1078,12 +1078,12 @@ mod host {
 
     /// The device's physical memory: a sparse memory file; granules are offsets in it, so
     /// data follows a granule from one mapping to the next, as on a GPU.
-    pub struct PhysicalFile {
+    pub(super) struct PhysicalFile {
         fd: libc::c_int,
     }
 
     impl PhysicalFile {
-        pub fn new(capacity: u64) -> Option<Self> {
+        pub(super) fn new(capacity: u64) -> Option<Self> {
             // SAFETY: plain system calls on a fresh file descriptor.
             unsafe {
                 let fd = libc::memfd_create(c"ccalloc-sim-physical".as_ptr(), libc::MFD_CLOEXEC);
@@ -1100,7 +1100,7 @@ mod host {
 
         /// Grows the file to at least `len` bytes (freed runs that no new handle fits can
         /// leave the slots in use spread wider than the capacity).
-        pub fn ensure_len(&self, len: u64) -> bool {
+        pub(super) fn ensure_len(&self, len: u64) -> bool {
             // SAFETY: fstat/ftruncate on our own descriptor.
             unsafe {
                 let mut st: libc::stat = std::mem::zeroed();
@@ -1111,7 +1111,7 @@ mod host {
             }
         }
 
-        pub fn map_at(&self, va: u64, offset: u64, size: u64) -> bool {
+        pub(super) fn map_at(&self, va: u64, offset: u64, size: u64) -> bool {
             // SAFETY: `va` is a granule inside one of our reservations; MAP_FIXED replaces it.
             let ptr = unsafe {
                 libc::mmap(
@@ -1131,7 +1131,7 @@ mod host {
         }
 
         /// Gives a released granule's pages back to the host.
-        pub fn discard(&self, offset: u64, size: u64) {
+        pub(super) fn discard(&self, offset: u64, size: u64) {
             // SAFETY: punches a hole in our own file.
             unsafe {
                 libc::fallocate(

@@ -3,15 +3,12 @@
 //! message for `ccalloc_last_error()` on failure.
 #![allow(clippy::missing_safety_doc)]
 
-pub mod boundary;
-pub mod host;
-pub mod memory;
+pub(crate) mod boundary;
+pub(crate) mod host;
+pub(crate) mod memory;
 #[cfg(feature = "sim")]
-pub mod sim;
-pub mod types;
-
-#[cfg(feature = "sim")]
-pub use sim::{ccalloc_sim_device_bytes, ccalloc_sim_pause_stream, ccalloc_sim_prefetches};
+pub(crate) mod sim;
+pub(crate) mod types;
 
 use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, ErrorKind};
