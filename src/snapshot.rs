@@ -118,7 +118,7 @@ pub(crate) fn take(rt: &Runtime, device: Option<usize>, include_trace: bool) -> 
     let trace = if include_trace {
         let snapshot = history::Action::Snapshot;
         history::record(snapshot, device.unwrap_or(0) as i32, 0, 0, 0);
-        history::entries(device.map(|d| d as i32))
+        history::entries(device.map(|d| d as i32))?
     } else {
         Vec::new()
     };

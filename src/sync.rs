@@ -9,12 +9,23 @@
 //! threads stay in user space, and a waiter behind a long driver call still goes to sleep.
 //!
 //! `SpinThenBlock` has no unsafe code: the lock is std's, spun on with `try_lock`, so
-//! poisoning (a panic while the lock was held) is reported exactly as std reports it. Under `--cfg loom` the protocol
+//! poisoning (a panic while the lock was held) is reported exactly as std reports it.
+//!
+//! `lock` and `poisoned` are the one policy for a poisoned lock, everywhere in ccalloc: the
+//! call that meets it fails with `ErrorKind::Internal` (`CCALLOC_INTERNAL_ERROR`) naming
+//! what the lock guards, and so does every later call that needs it. A panic inside a
+//! critical section is a bug in ccalloc and may have left the guarded state half-changed
+//! (a block out of one list and not yet in another): going on with it could hand out
+//! memory twice, and panicking again would only poison more locks. Calls that have no way
+//! to report (a drop, a recording hook) leave the state alone instead.
+//!
+//! Under `--cfg loom` the protocol
 //! (try, then block) runs on loom's mutex for the model in `tests/loom_lock.rs`; the spin's
 //! timing (backoff, deadline) is compiled out there, as loom has no clock. `SpinCell` is the
 //! one unsafe piece (an `UnsafeCell` behind an acquire/release flag); under loom it runs on
 //! loom's cell and atomics, and the same file models it.
 
+use crate::error::{Error, ErrorKind};
 #[cfg(loom)]
 use loom::sync::{Mutex, MutexGuard};
 #[cfg(loom)]
@@ -34,6 +45,26 @@ const MAX_BACKOFF: u32 = 64;
 /// Spinning tries before the first look at the clock (the clock costs ~20 ns).
 #[cfg(not(loom))]
 const TRIES_BEFORE_CLOCK: u32 = 8;
+
+/// The error of a call that needs `what` after a panic poisoned its lock (see the module's
+/// documentation for why this is the one policy).
+pub(crate) fn poisoned(what: &str) -> Error {
+    Error::new(
+        ErrorKind::Internal,
+        format!(
+            "{what} is unusable: a panic in an earlier call left its lock poisoned \
+             (a bug in ccalloc)"
+        ),
+    )
+}
+
+/// Locks a std mutex; a poisoned one is the `poisoned(what)` error.
+pub(crate) fn lock<'a, T>(
+    mutex: &'a std::sync::Mutex<T>,
+    what: &str,
+) -> Result<std::sync::MutexGuard<'a, T>, Error> {
+    mutex.lock().map_err(|_| poisoned(what))
+}
 
 pub struct SpinThenBlock<T> {
     inner: Mutex<T>,

@@ -267,7 +267,7 @@ fn run(model: &mut Model, op: &Op) -> Result<(), TestCaseError> {
                 let p = p as usize;
                 prop_assert!(!model.live.contains_key(&p), "{p:#x} handed out twice");
                 model.freed.remove(&p);
-                let config = ccalloc::testing::global().unwrap().config();
+                let config = ccalloc::testing::global().unwrap().config().unwrap();
                 let rounded = ccalloc::testing::round_size(*size as u64, &config);
                 model.live.insert(p, (*size, rounded, *s));
                 model.recorded.remove(&p);

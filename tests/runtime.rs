@@ -135,7 +135,7 @@ fn a_refused_set_config_changes_no_device_even_racing_a_first_allocation() {
             if d0.check_config("per_stream_shards:False").is_err() {
                 changed_anyway += 1;
             }
-            assert!(!rt.config().per_stream_shards);
+            assert!(!rt.config().unwrap().per_stream_shards);
         }
     }
     assert_eq!(

@@ -28,6 +28,20 @@ pub const NO_GPU_ADVICE: &str = "to run without a GPU, rebuild ccalloc with `--f
 
 use std::fmt;
 
+/// Locks a driver's own table for `call`. Poisoned, the call fails with the poisoned-lock
+/// message (the one policy, `crate::sync`); the `Driver` interface reports it as a failed
+/// driver call, its only kind of error for a call that could not be made.
+pub(crate) fn lock<'a, T>(
+    mutex: &'a std::sync::Mutex<T>,
+    call: &'static str,
+    what: &str,
+) -> DriverResult<std::sync::MutexGuard<'a, T>> {
+    mutex.lock().map_err(|_| DriverError::Failed {
+        call,
+        detail: crate::sync::poisoned(what).message,
+    })
+}
+
 /// A device address as the driver hands it out.
 pub type DevicePtr = u64;
 
