@@ -4,7 +4,8 @@
 //! The allocator's critical sections are short (a few hundred ns) except for the slow path's
 //! driver calls. A plain `Mutex` puts a waiter to sleep after a brief spin, and every hand-off
 //! then costs a futex wake and a reschedule: several µs, far more than the section it waited
-//! for (8 threads ran 3.6× slower per step than one on the H100). Here a waiter retries with
+//! for, so busy threads would spend most of their time handing the lock over. Here a waiter
+//! retries with
 //! exponential backoff for up to `SPIN_BUDGET` before it blocks, so hand-offs between busy
 //! threads stay in user space, and a waiter behind a long driver call still goes to sleep.
 //!

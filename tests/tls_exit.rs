@@ -22,7 +22,8 @@ thread_local! {
 }
 
 /// `ours_first`: ccalloc's thread-local is made after ours, so it is destroyed before ours
-/// runs its destructor (the case that aborted); `theirs_first`: the other order.
+/// runs its destructor (the C call must then not touch the destroyed storage);
+/// `theirs_first`: the other order.
 fn scenario(order: &str) {
     let order = order.to_string();
     std::thread::spawn(move || {

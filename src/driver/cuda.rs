@@ -734,8 +734,8 @@ impl Driver for CudaDriver {
 
     fn min_free_fence_interval(&self) -> std::time::Duration {
         // A fence costs the host an event record and, later, a query: about 2 µs on an H100
-        // (`benches/gpu/vmm_cost.cu`). Every 50 µs that was up to 4% of a free-heavy loop;
-        // every ms it is 0.2%. A GPU runs ms behind a host that queues ahead, so a growth
+        // (`benches/gpu/vmm_cost.cu`), so at most one per ms keeps it near 0.2% of a
+        // free-heavy loop. A GPU runs ms behind a host that queues ahead, so a growth
         // that must wait for a free's fence waits little longer for it being coarser, and
         // such waits are rare (a few per run in steady state: `ccalloc_get_paging_stats`).
         std::time::Duration::from_millis(1)

@@ -941,14 +941,14 @@ impl Driver for SimDriver {
         }
         let mappings = mappings_in(&memory, va, size);
         drop(memory);
-        // On an H100 the call costs about as much per mapping in the range as for one alone
-        // (16 one-page mappings: 669 µs against 75 µs for one; `vmm_cost_h100.txt`).
+        // On a GPU the call costs about as much per mapping in the range as for one alone
+        // (`benches/gpu/vmm_cost.cu` measures it).
         self.spend(|c| c.set_access * mappings);
         Ok(())
     }
 
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
-        // Per mapping, as `set_access` (16 one-page mappings in one call: 470 µs against 28).
+        // Per mapping, as `set_access`.
         let mappings = {
             let d = self.device(device)?;
             let memory = held(&d.memory, "unmap")?;
