@@ -83,10 +83,6 @@ typedef uint32_t ccalloc_advice;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
-// An opaque stream handle: a `cudaStream_t` on CUDA, any caller-chosen value on sim.
-// 0 is the legacy default stream.
-typedef struct StreamId StreamId;
-
 // Segments, blocks and history at one moment (`ccalloc_snapshot_take`).
 typedef struct ccalloc_snapshot ccalloc_snapshot;
 
