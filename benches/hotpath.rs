@@ -1,8 +1,9 @@
 //! Hot-path benchmarks on the simulated device, the same patterns as the GPU harness
 //! (shared/bench/hotpath.cpp): same-size alloc+free pairs, steady churn (small and mixed
-//! sizes), and several threads each on its own stream. Run: `cargo bench --bench hotpath`.
+//! sizes), and several threads each on its own stream.
+//! Run: `cargo bench --features sim --bench hotpath`.
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::hint::black_box;

@@ -1,13 +1,13 @@
 //! Steady small-block churn on the sim device, as the GPU harness's `churn` (2000 live blocks
 //! of 256 B-1 MiB, log-uniform; each step frees a random one and allocates a new size), for
-//! profilers: `cargo build --release --example churn_loop && perf record
+//! profilers: `cargo build --release --features sim --example churn_loop && perf record
 //! target/release/examples/churn_loop [MAX_BYTES] [LIVE] [THREADS]` (settings from CCALLOC_CONF).
 //! With THREADS > 1, each thread churns its own LIVE blocks on its own stream, as the
 //! harness's `mt_churn`, and the figure is wall time per step over all threads. STEPS
 //! (default 5,000,000 over all threads) sets the run's length; `CCALLOC_SIM_COSTS=h100`
 //! makes each driver call take as long as on an H100 (`CallCosts::h100`), as the GPU
 //! harness's churn mixed sees it: `churn_loop 268435456 500 1 50000`.
-use ccalloc::driver::sim::{CallCosts, SimDriver};
+use ccalloc::{CallCosts, SimDriver};
 use ccalloc::{Config, DeviceAllocator, PagingCounters, StreamId};
 use std::sync::{Arc, Barrier};
 use std::time::Instant;

@@ -1,7 +1,7 @@
 //! The same-size loop through the PyTorch entry points (`ccalloc_torch_alloc`/`free`), as
 //! the GPU harness calls them, on the sim device: what the C boundary adds to `pair_loop`.
-//! `CCALLOC_BACKEND=sim cargo run --release --example ffi_pair_loop [SIZE]`.
-use ccalloc::ffi::{ccalloc_torch_alloc, ccalloc_torch_free};
+//! `CCALLOC_BACKEND=sim cargo run --release --features sim --example ffi_pair_loop [SIZE]`.
+use ccalloc::capi::{ccalloc_torch_alloc, ccalloc_torch_free};
 use std::time::Instant;
 
 fn main() {

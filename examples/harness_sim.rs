@@ -2,10 +2,10 @@
 //! device, through the PyTorch entry points, in the same order: pairs of 4 KiB, 1 MiB,
 //! 32 MiB and 512 MiB, small churn, mixed churn, then 1, 4 and 8 threads churning on their
 //! own streams. Each phase finds what the earlier ones left, as on the GPU. Prints ns per
-//! pair or step. `CCALLOC_BACKEND=sim CCALLOC_SIM_COSTS=h100 cargo run --release --example
-//! harness_sim` (settings from CCALLOC_CONF; the sim's driver calls cost what an H100's do).
-use ccalloc::ffi::types::cudaStream_t;
-use ccalloc::ffi::{ccalloc_torch_alloc, ccalloc_torch_free};
+//! pair or step. `CCALLOC_BACKEND=sim CCALLOC_SIM_COSTS=h100 cargo run --release --features
+//! sim --example harness_sim` (settings from CCALLOC_CONF; the sim's driver calls cost what an H100's do).
+use ccalloc::capi::cudaStream_t;
+use ccalloc::capi::{ccalloc_torch_alloc, ccalloc_torch_free};
 use std::ffi::c_void;
 use std::time::Instant;
 

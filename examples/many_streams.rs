@@ -1,8 +1,8 @@
 //! One 1-byte allocation on each of N streams (paged segments unless
 //! `CCALLOC_CONF=expandable_segments:False`): the time, the host's peak memory
 //! and the driver's work per stream.
-//! `cargo run --release --example many_streams -- 2000`
-use ccalloc::driver::sim::SimDriver;
+//! `cargo run --release --features sim --example many_streams -- 2000`
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::sync::Arc;
 use std::time::Instant;

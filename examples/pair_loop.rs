@@ -1,6 +1,7 @@
 //! A same-size alloc+free loop on the sim device, for profilers:
-//! `cargo build --release --example pair_loop && perf record target/release/examples/pair_loop`.
-use ccalloc::driver::sim::SimDriver;
+//! `cargo build --release --features sim --example pair_loop &&
+//! perf record target/release/examples/pair_loop`.
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::sync::Arc;
 use std::time::Instant;

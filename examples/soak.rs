@@ -10,13 +10,14 @@
 //!     forks N, cycles N, failures: 0
 //!
 //! and exits non-zero on any failure (the first ones are printed on stderr). Only the C API
-//! is used: run it on the sim (`CCALLOC_BACKEND=sim cargo run --release --example soak 1`)
-//! or on a GPU (`CCALLOC_BACKEND=cuda`, e.g. under compute-sanitizer). On CUDA the streams
-//! are the valid special handles (NULL, the legacy stream 0x1, the per-thread stream 0x2)
+//! is used: run it on the sim
+//! (`CCALLOC_BACKEND=sim cargo run --release --features sim --example soak 1`) or on a GPU
+//! (`CCALLOC_BACKEND=cuda`, e.g. under compute-sanitizer). On CUDA the streams are the valid
+//! special handles (NULL, the legacy stream 0x1, the per-thread stream 0x2)
 //! and no host writes touch device memory; on the sim, blocks get a canary checked at free.
-use ccalloc::ffi::types::ccalloc_status::{self, *};
-use ccalloc::ffi::types::{ccalloc_stat_array, ccalloc_stats, cudaStream_t};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::{self, *};
+use ccalloc::capi::*;
+use ccalloc::capi::{ccalloc_stat_array, ccalloc_stats, cudaStream_t};
 use std::ffi::{c_void, CStr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Barrier, Mutex};

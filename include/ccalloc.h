@@ -83,10 +83,6 @@ typedef uint32_t ccalloc_advice;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
 
-// An opaque stream handle: a `cudaStream_t` on CUDA, any caller-chosen value on sim.
-// 0 is the legacy default stream.
-typedef struct StreamId StreamId;
-
 // Segments, blocks and history at one moment (`ccalloc_snapshot_take`).
 typedef struct ccalloc_snapshot ccalloc_snapshot;
 
@@ -224,6 +220,8 @@ extern "C" {
 
 // Starts ccalloc: backend from `CCALLOC_BACKEND` (`cuda` default, or `sim`), settings from
 // `CCALLOC_CONF`. Calling it again while running does nothing and returns `CCALLOC_OK`.
+// `sim` needs a library built with the simulated device (cargo feature `sim`; the Python
+// package's has it): without it, `CCALLOC_CONFIG_ERROR`.
 ccalloc_status ccalloc_init(void);
 
 // Returns all cached memory to the driver and stops; refused with `CCALLOC_BUSY` (nothing
@@ -297,12 +295,6 @@ ccalloc_status ccalloc_reset_peak_stats(int32_t device);
 
 // Zeroes the accumulated (allocated/freed) totals and event counters of `device` (-1: all).
 ccalloc_status ccalloc_reset_accumulated_stats(int32_t device);
-
-// Sim backend only: a paused stream's recorded events stay incomplete until resumed.
-ccalloc_status ccalloc_sim_pause_stream(int32_t device, cudaStream_t stream, bool paused);
-
-// Sim backend only: bytes the simulated device has handed to ccalloc and not taken back.
-ccalloc_status ccalloc_sim_device_bytes(int32_t device, uint64_t *out_bytes);
 
 // `torch.cuda.memory.CUDAPluggableAllocator`'s allocation function. Starts ccalloc on first
 // use and returns NULL for size 0. On failure it throws a C++ `std::runtime_error` with the
@@ -425,10 +417,6 @@ ccalloc_status ccalloc_prefetch(void *ptr, size_t size, int32_t device, cudaStre
 // `ccalloc_advice` value, about `device` (-1: the host). The range is checked as for
 // `ccalloc_prefetch`; an unknown advice value fails with `CCALLOC_INVALID_ARGUMENT`.
 ccalloc_status ccalloc_advise(void *ptr, size_t size, uint32_t advice, int32_t device);
-
-// Sim backend only: prefetches queued to `device` (-1: the host) and the bytes they moved
-// (pages already there move nothing; managed memory starts on the host).
-ccalloc_status ccalloc_sim_prefetches(int32_t device, uint64_t *out_count, uint64_t *out_bytes);
 
 // The largest cached free block on `device`: what the biggest request served without
 // asking the driver could be (PyTorch's `cacheInfo`).

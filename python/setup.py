@@ -1,10 +1,12 @@
 """Builds libccalloc.so from the Rust crate and bundles it, with the C header, in the package
 (pyproject.toml holds the metadata).
 
-setuptools-rust runs ``cargo rustc --release`` on the crate: the repository root in a
-checkout (``pip install ./python``, ``pip wheel ./python``), or its copy under ``rust/`` in
-an sdist made by ``python setup.py sdist``. The library is installed as
-``ccalloc/libccalloc.so`` and the header as ``ccalloc/include/ccalloc.h``.
+setuptools-rust runs ``cargo rustc --release --features sim`` on the crate: the repository
+root in a checkout (``pip install ./python``, ``pip wheel ./python``), or its copy under
+``rust/`` in an sdist made by ``python setup.py sdist``. The library is installed as
+``ccalloc/libccalloc.so`` and the headers as ``ccalloc/include/ccalloc.h`` and
+``ccalloc_sim.h``. It is built with the simulated device (``CCALLOC_BACKEND=sim``), so that
+the package can be tried, and its tests run, on a machine without a GPU.
 
 The wheel is tagged ``py3-none-<platform>``: the library is loaded with ctypes, so it works
 with any Python 3 on that platform, and the wheel installs where no Rust toolchain is.
@@ -47,7 +49,7 @@ def crate_dir():
 
 
 CRATE = crate_dir()
-HEADER = os.path.join(CRATE, "include", "ccalloc.h")
+HEADERS = ("ccalloc.h", "ccalloc_sim.h")
 
 
 class BuildRust(build_rust):
@@ -60,20 +62,21 @@ class BuildRust(build_rust):
 
 
 class BuildPy(build_py):
-    """Adds the crate's C header as ``ccalloc/include/ccalloc.h`` (ccalloc.torch compiles the
-    C++ allocator shim against it). An editable install reads the checkout's include/."""
+    """Adds the crate's C headers under ``ccalloc/include/`` (ccalloc.torch compiles the C++
+    allocator shim against ccalloc.h). An editable install reads the checkout's include/."""
 
     def run(self):
         super().run()
         if not self.editable_mode:
-            target = os.path.join(self.build_lib, "ccalloc", "include", "ccalloc.h")
-            self.mkpath(os.path.dirname(target))
-            self.copy_file(HEADER, target)
+            for name in HEADERS:
+                target = os.path.join(self.build_lib, "ccalloc", "include", name)
+                self.mkpath(os.path.dirname(target))
+                self.copy_file(os.path.join(CRATE, "include", name), target)
 
     def get_outputs(self, include_bytecode=True):
         outputs = super().get_outputs(include_bytecode)
         if not self.editable_mode:
-            outputs.append(os.path.join(self.build_lib, "ccalloc", "include", "ccalloc.h"))
+            outputs += [os.path.join(self.build_lib, "ccalloc", "include", n) for n in HEADERS]
         return outputs
 
 
@@ -127,6 +130,8 @@ setup(
             # Release even for `pip install -e`: the library is a dependency, not the code
             # being edited here.
             debug=False,
+            # The simulated device: the package works, and is tested, without a GPU.
+            features=["sim"],
             args=["--locked"],
         )
     ],

@@ -6,7 +6,8 @@
 #   include/ccalloc.h    its header
 #   gpu/ccalloc          optional: the replay command (`cargo build --release --features replay`),
 #                        which the PyTorch snapshot check runs on PyTorch's own snapshot
-#   gpu/soak             optional: examples/soak.rs (`cargo build --release --example soak`)
+#   gpu/soak             optional: examples/soak.rs (`cargo build --release --features sim
+#                        --example soak`)
 #
 #   bash scripts/gpu_check.sh                 # every step
 #   bash scripts/gpu_check.sh gpu_test sim_c  # only these steps (names as in the table)
@@ -295,13 +296,13 @@ step_racecheck() {
     [ -n "$hazards" ] && [ "$hazards" -eq 0 ] && [ "$rc" -eq 0 ] && [[ "$counts" == *" passed, 0 failed" ]]
 }
 
-# gpu/soak: examples/soak.rs built elsewhere (cargo build --release --example soak), run
+# gpu/soak: examples/soak.rs built elsewhere (cargo build --release --features sim --example soak), run
 # SOAK_MINUTES (default 5) under compute-sanitizer memcheck on the CUDA backend.
 step_soak() {
     need_library || return 1
     need_tool "$SANITIZER" || return 2
     if [ ! -x "$LIB_DIR/soak" ]; then
-        echo "missing $LIB_DIR/soak: cargo build --release --example soak, copy it there"
+        echo "missing $LIB_DIR/soak: cargo build --release --features sim --example soak, copy it there"
         info "no gpu/soak"
         return 2
     fi

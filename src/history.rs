@@ -15,6 +15,8 @@
 //!   is done. `record_stream` alone decides nothing: on the block's own stream it adds no
 //!   wait.
 
+use crate::error::Result;
+use crate::sync::lock;
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,7 +26,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// What happened, with PyTorch's action names (`TraceEntry::Action`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
-pub enum Action {
+pub(crate) enum Action {
     Alloc = 0,
     FreeRequested = 1,
     FreeCompleted = 2,
@@ -44,7 +46,7 @@ impl Action {
         )
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Action::Alloc => "alloc",
             Action::FreeRequested => "free_requested",
@@ -61,7 +63,7 @@ impl Action {
 
 /// One recorded event.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Entry {
+pub(crate) struct Entry {
     pub seq: u64,
     pub action: Action,
     pub device: i32,
@@ -100,17 +102,15 @@ static RECORDER: Mutex<Option<Recorder>> = Mutex::new(None);
 /// Called with every segment event, recording or not (PyTorch's trace trackers: NCCL
 /// registers segments as they come and go). It runs under the device's lock: it must not
 /// call back into ccalloc.
-pub type SegmentObserver = Box<dyn Fn(&Entry) + Send + Sync>;
+pub(crate) type SegmentObserver = Box<dyn Fn(&Entry) + Send + Sync>;
 static OBSERVED: AtomicBool = AtomicBool::new(false);
 static OBSERVERS: Mutex<Vec<SegmentObserver>> = Mutex::new(Vec::new());
 
 /// Adds an observer of segment events (they are never removed: PyTorch has no call for it).
-pub fn observe_segments(observer: SegmentObserver) {
-    OBSERVERS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(observer);
+pub(crate) fn observe_segments(observer: SegmentObserver) -> Result<()> {
+    lock(&OBSERVERS, "the segment observers")?.push(observer);
     OBSERVED.store(true, Ordering::Release);
+    Ok(())
 }
 
 thread_local! {
@@ -118,18 +118,27 @@ thread_local! {
 }
 
 /// The most entries a recorder keeps, whatever is asked: each costs about 64 bytes.
-pub const MAX_ENTRIES_LIMIT: usize = 1 << 24;
+pub(crate) const MAX_ENTRIES_LIMIT: usize = 1 << 24;
 
-fn recorder() -> std::sync::MutexGuard<'static, Option<Recorder>> {
-    // The recorder's data stays consistent at every unlock point: a panic elsewhere while
-    // it was held leaves nothing half-done, so poisoning is ignored.
-    RECORDER.lock().unwrap_or_else(|e| e.into_inner())
+fn recorder() -> Result<std::sync::MutexGuard<'static, Option<Recorder>>> {
+    lock(&RECORDER, "the allocation history")
+}
+
+/// Runs a recording hook on the recorder, if there is one. The hooks sit on the allocator's
+/// paths and have no way to report: with the lock poisoned they record nothing, and the
+/// next call that reads or changes the history reports it.
+fn with_recorder(hook: impl FnOnce(&mut Recorder)) {
+    if let Ok(mut guard) = recorder() {
+        if let Some(r) = guard.as_mut() {
+            hook(r);
+        }
+    }
 }
 
 /// Starts (or, with `enabled` false, stops) recording. `clear` drops what was recorded.
 /// `max_entries` bounds the ring (0 keeps none but the live-block table).
-pub fn set_recording(enabled: bool, max_entries: usize, clear: bool) {
-    let mut guard = recorder();
+pub(crate) fn set_recording(enabled: bool, max_entries: usize, clear: bool) -> Result<()> {
+    let mut guard = recorder()?;
     let r = guard.get_or_insert_with(Recorder::default);
     r.max_entries = max_entries.min(MAX_ENTRIES_LIMIT);
     if clear {
@@ -143,15 +152,16 @@ pub fn set_recording(enabled: bool, max_entries: usize, clear: bool) {
         r.entries.pop_front();
     }
     RECORDING.store(enabled, Ordering::Release);
+    Ok(())
 }
 
-pub fn is_recording() -> bool {
+pub(crate) fn is_recording() -> bool {
     RECORDING.load(Ordering::Relaxed)
 }
 
 /// Tags the calling thread's next recorded event (then cleared): how a host attaches its
 /// own data, such as stack frames, to the allocation it is about to make.
-pub fn set_thread_context(context: u64) {
+pub(crate) fn set_thread_context(context: u64) {
     let _ = CONTEXT.try_with(|c| c.set(context));
 }
 
@@ -193,7 +203,7 @@ fn push(r: &mut Recorder, action: Action, device: i32, addr: u64, size: u64, str
 
 /// Records an event that concerns no block (segments, OOMs, snapshots), and hands segment
 /// events to the observers.
-pub fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
+pub(crate) fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
     if OBSERVED.load(Ordering::Relaxed) && action.is_segment_event() {
         let entry = Entry {
             seq: 0,
@@ -205,24 +215,25 @@ pub fn record(action: Action, device: i32, addr: u64, size: u64, stream: u64) {
             time_us: now_us(),
             context: 0,
         };
-        for observer in OBSERVERS.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            observer(&entry);
+        // Poisoned: no observer is called (see `with_recorder`).
+        if let Ok(observers) = lock(&OBSERVERS, "the segment observers") {
+            for observer in observers.iter() {
+                observer(&entry);
+            }
         }
     }
     if !is_recording() {
         return;
     }
-    if let Some(r) = recorder().as_mut() {
-        push(r, action, device, addr, size, stream);
-    }
+    with_recorder(|r| push(r, action, device, addr, size, stream));
 }
 
 /// A block was handed out.
-pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
+pub(crate) fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
     if !is_recording() {
         return;
     }
-    if let Some(r) = recorder().as_mut() {
+    with_recorder(|r| {
         let block = LiveBlock {
             size,
             stream,
@@ -230,30 +241,29 @@ pub fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
         };
         r.live.insert((device, addr), block);
         push(r, Action::Alloc, device, addr, size, stream);
-    }
+    });
 }
 
 /// The allocator is freeing block `addr`, and its reuse waits for other streams' work: its
 /// `free_completed` comes at `reusable`. Called before the caller's `freed`.
-pub fn free_delayed(device: i32, addr: u64) {
+pub(crate) fn free_delayed(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
-    if let Some(b) = recorder()
-        .as_mut()
-        .and_then(|r| r.live.get_mut(&(device, addr)))
-    {
-        b.delayed = true;
-    }
+    with_recorder(|r| {
+        if let Some(b) = r.live.get_mut(&(device, addr)) {
+            b.delayed = true;
+        }
+    });
 }
 
 /// A block was freed by its caller: `free_requested`, and `free_completed` too unless other
 /// streams still use it. A block allocated before recording began is recorded with size 0.
-pub fn freed(device: i32, addr: u64) {
+pub(crate) fn freed(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
-    if let Some(r) = recorder().as_mut() {
+    with_recorder(|r| {
         let block = r.live.remove(&(device, addr)).unwrap_or(LiveBlock {
             size: 0,
             stream: 0,
@@ -279,17 +289,17 @@ pub fn freed(device: i32, addr: u64) {
                 block.stream,
             );
         }
-    }
+    });
 }
 
 /// A block freed while other streams used it became reusable. This may come before the
 /// caller's `freed` (the allocator synchronized at once, or another thread saw the work
 /// done first): the free then completes with its request.
-pub fn reusable(device: i32, addr: u64) {
+pub(crate) fn reusable(device: i32, addr: u64) {
     if !is_recording() {
         return;
     }
-    if let Some(r) = recorder().as_mut() {
+    with_recorder(|r| {
         if let Some(b) = r.live.get_mut(&(device, addr)) {
             b.delayed = false;
         } else if let Some(block) = r.awaiting.remove(&(device, addr)) {
@@ -302,12 +312,12 @@ pub fn reusable(device: i32, addr: u64) {
                 block.stream,
             );
         }
-    }
+    });
 }
 
 /// The recorded entries (of `device`, or all with `None`), oldest first.
-pub fn entries(device: Option<i32>) -> Vec<Entry> {
-    recorder()
+pub(crate) fn entries(device: Option<i32>) -> Result<Vec<Entry>> {
+    Ok(recorder()?
         .as_ref()
         .map(|r| {
             r.entries
@@ -316,15 +326,15 @@ pub fn entries(device: Option<i32>) -> Vec<Entry> {
                 .cloned()
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default())
 }
 
 /// The sequence number of the oldest entry kept (the next one's when none is kept).
-pub fn oldest_seq() -> u64 {
-    recorder()
+pub(crate) fn oldest_seq() -> Result<u64> {
+    Ok(recorder()?
         .as_ref()
         .map(|r| r.entries.front().map_or(r.next_seq, |e| e.seq))
-        .unwrap_or(0)
+        .unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -334,14 +344,14 @@ mod tests {
     // One test: the recorder is process-wide.
     #[test]
     fn records_in_order_bounded_and_completes_shared_frees_later() {
-        set_recording(true, 6, true);
+        set_recording(true, 6, true).unwrap();
         set_thread_context(42);
         allocated(0, 0x1000, 100, 7);
         allocated(0, 0x2000, 200, 7);
         free_delayed(0, 0x2000);
         freed(0, 0x1000);
         freed(0, 0x2000);
-        let names: Vec<_> = entries(Some(0)).iter().map(|e| e.action).collect();
+        let names: Vec<_> = entries(Some(0)).unwrap().iter().map(|e| e.action).collect();
         assert_eq!(
             names,
             [
@@ -352,23 +362,31 @@ mod tests {
                 Action::FreeRequested
             ]
         );
-        assert_eq!(entries(Some(0))[0].context, 42);
-        assert_eq!(entries(Some(0))[1].context, 0, "a context tags one event");
-        assert_eq!(entries(Some(0))[4].size, 200);
+        assert_eq!(entries(Some(0)).unwrap()[0].context, 42);
+        assert_eq!(
+            entries(Some(0)).unwrap()[1].context,
+            0,
+            "a context tags one event"
+        );
+        assert_eq!(entries(Some(0)).unwrap()[4].size, 200);
         reusable(0, 0x2000);
         reusable(0, 0x2000);
-        let all = entries(None);
+        let all = entries(None).unwrap();
         assert_eq!(all.last().unwrap().action, Action::FreeCompleted);
         assert_eq!(all.len(), 6, "a second reusable() records nothing");
         record(Action::SegmentAlloc, 0, 0x9000, 4096, 0);
-        let all = entries(None);
+        let all = entries(None).unwrap();
         assert_eq!(all.len(), 6, "bounded: the oldest was dropped");
-        assert_eq!(oldest_seq(), all[0].seq);
+        assert_eq!(oldest_seq().unwrap(), all[0].seq);
         assert!(all.windows(2).all(|w| w[0].seq < w[1].seq));
-        set_recording(false, 6, false);
+        set_recording(false, 6, false).unwrap();
         allocated(0, 0x3000, 1, 0);
-        assert_eq!(entries(None).len(), 6, "nothing recorded while off");
-        set_recording(false, 0, true);
-        assert!(entries(None).is_empty());
+        assert_eq!(
+            entries(None).unwrap().len(),
+            6,
+            "nothing recorded while off"
+        );
+        set_recording(false, 0, true).unwrap();
+        assert!(entries(None).unwrap().is_empty());
     }
 }

@@ -10,7 +10,7 @@ use tracing_subscriber::EnvFilter;
 /// Installs the log subscriber once per process, as `CCALLOC_LOG` asks. A bad filter or an
 /// unwritable file is reported on stderr once and leaves logging off: logging never stops
 /// the allocator from starting.
-pub fn init_from_env() {
+pub(crate) fn init_from_env() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let filter = std::env::var("CCALLOC_LOG").unwrap_or_default();

@@ -6,17 +6,20 @@ use crate::alloc::DeviceAllocator;
 use crate::config::Config;
 use crate::driver::cuda::CudaDriver;
 use crate::driver::host::{HostDriver, ALLOCATION_STREAM};
+#[cfg(feature = "sim")]
 use crate::driver::sim::SimDriver;
 use crate::driver::{Advice, DevicePtr, Driver, HostKind, Location, StreamId};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::lock;
 use once_cell::sync::OnceCell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 pub struct Runtime {
     driver: Arc<dyn Driver>,
     /// The same driver when it is the simulated one, for the test controls.
+    #[cfg(feature = "sim")]
     sim: Option<Arc<SimDriver>>,
     /// Created on first use: retaining a CUDA context costs memory on devices never used.
     devices: Vec<OnceCell<DeviceAllocator>>,
@@ -25,7 +28,9 @@ pub struct Runtime {
     managed: OnceCell<HostAllocator>,
     config: Mutex<Config>,
     /// Set by `shutdown`: no device is started afterwards (a call racing a shutdown must
-    /// not bring up a fresh allocator in a runtime nobody will release).
+    /// not bring up a fresh allocator in a runtime nobody will release). The one record of
+    /// whether this runtime is shut down; the global lifecycle below only says which
+    /// runtime, if any, is published.
     shut_down: AtomicBool,
     /// Used as the global runtime by a thread that could not publish it in its hazard slot
     /// (a call from a thread-local destructor): never freed.
@@ -51,11 +56,16 @@ impl HostAllocator {
         &self.allocator
     }
 
+    fn live(&self) -> Result<MutexGuard<'_, BTreeMap<DevicePtr, u64>>> {
+        lock(&self.live, kind_table(self.kind()))
+    }
+
     /// The live block holding all of `[ptr, ptr+size)`, as (start, requested size).
-    fn live_block_holding(&self, ptr: DevicePtr, size: u64) -> Option<(DevicePtr, u64)> {
-        let live = self.live.lock().unwrap();
-        let (&start, &len) = live.range(..=ptr).next_back()?;
-        (ptr.checked_add(size)? <= start + len).then_some((start, len))
+    fn live_block_holding(&self, ptr: DevicePtr, size: u64) -> Result<Option<(DevicePtr, u64)>> {
+        let live = self.live()?;
+        Ok(live.range(..=ptr).next_back().and_then(|(&start, &len)| {
+            (ptr.checked_add(size)? <= start + len).then_some((start, len))
+        }))
     }
 
     /// The live block whose memory holds `ptr`, as (start, requested size): `ptr` may lie
@@ -63,7 +73,7 @@ impl HostAllocator {
     /// only (it walks the segments).
     fn live_block_around(&self, ptr: DevicePtr) -> Option<(DevicePtr, u64)> {
         let (start, len) = {
-            let live = self.live.lock().unwrap();
+            let live = self.live().ok()?;
             let (&start, &len) = live.range(..=ptr).next_back()?;
             (start, len)
         };
@@ -95,6 +105,14 @@ fn kind_label(kind: HostKind) -> &'static str {
     }
 }
 
+/// What the poisoned-lock error of a cache's live-block table names.
+fn kind_table(kind: HostKind) -> &'static str {
+    match kind {
+        HostKind::Pinned => "the table of live pinned host blocks",
+        HostKind::Managed => "the table of live managed blocks",
+    }
+}
+
 fn kind_block(kind: HostKind) -> (&'static str, &'static str) {
     match kind {
         HostKind::Pinned => ("a pinned host block", "ccalloc_host_free"),
@@ -109,6 +127,7 @@ impl Runtime {
             .collect();
         Self {
             driver: Arc::new(crate::driver::traced::Traced::new(driver)),
+            #[cfg(feature = "sim")]
             sim: None,
             devices,
             config: Mutex::new(config),
@@ -119,6 +138,7 @@ impl Runtime {
         }
     }
 
+    #[cfg(feature = "sim")]
     pub fn with_sim(sim: Arc<SimDriver>, config: Config) -> Self {
         let mut runtime = Self::new(sim.clone(), config);
         runtime.sim = Some(sim);
@@ -130,10 +150,13 @@ impl Runtime {
         let config = Config::from_env()?;
         let backend = std::env::var("CCALLOC_BACKEND").unwrap_or_else(|_| "cuda".into());
         match backend.trim() {
+            #[cfg(feature = "sim")]
             "sim" => {
                 let sim = SimDriver::from_env().map_err(|m| Error::new(ErrorKind::Config, m))?;
                 Ok(Self::with_sim(Arc::new(sim), config))
             }
+            #[cfg(not(feature = "sim"))]
+            "sim" => Err(Error::new(ErrorKind::Config, crate::driver::NO_SIM_BUILD)),
             "cuda" | "" => {
                 let driver = CudaDriver::new().map_err(crate::alloc::driver_error_of)?;
                 Ok(Self::new(Arc::new(driver), config))
@@ -153,6 +176,7 @@ impl Runtime {
         self.devices.len()
     }
 
+    #[cfg(feature = "sim")]
     pub fn sim(&self) -> Option<&SimDriver> {
         self.sim.as_deref()
     }
@@ -188,13 +212,10 @@ impl Runtime {
         if let Some(started) = cell.get() {
             return Ok(started);
         }
-        let config = self.config.lock().unwrap();
+        let config = self.settings()?;
         cell.get_or_try_init(|| {
             if self.shut_down.load(Ordering::Acquire) {
-                return Err(Error::new(
-                    ErrorKind::ShutDown,
-                    "ccalloc has been shut down",
-                ));
+                return Err(shut_down_error());
             }
             make(&config)
         })
@@ -306,7 +327,7 @@ impl Runtime {
             .allocator
             .malloc(size, ALLOCATION_STREAM)
             .map_err(|e| host.relabel(e))?;
-        host.live.lock().unwrap().insert(ptr, size);
+        host.live()?.insert(ptr, size);
         Ok(ptr)
     }
 
@@ -316,12 +337,12 @@ impl Runtime {
         let host = self.host_side(kind)?;
         // Out of the live table before the allocator frees it: once freed, another thread may
         // be handed the same address and insert it again.
-        let size = host.live.lock().unwrap().remove(&ptr);
+        let size = host.live()?.remove(&ptr);
         match host.allocator.free(ptr) {
             Ok(()) => Ok(()),
             Err(e) => {
                 if let Some(size) = size {
-                    host.live.lock().unwrap().insert(ptr, size);
+                    host.live()?.insert(ptr, size);
                 }
                 Err(match e.kind {
                     ErrorKind::UnknownPointer => self.not_host_block(kind, ptr),
@@ -368,7 +389,7 @@ impl Runtime {
     ) -> Result<()> {
         let device = self.check_device_index(device)?;
         let host = self.host_side(kind)?;
-        let tag = host.driver.tag(device, stream);
+        let tag = host.driver.tag(device, stream)?;
         match host.allocator.record_stream(ptr, tag) {
             Ok(()) => Ok(()),
             Err(e) if e.kind == ErrorKind::UnknownPointer => Err(self.not_host_block(kind, ptr)),
@@ -406,7 +427,7 @@ impl Runtime {
             ));
         }
         let managed = self.host_side(HostKind::Managed)?;
-        if managed.live_block_holding(ptr, size).is_some() {
+        if managed.live_block_holding(ptr, size)?.is_some() {
             return Ok(managed);
         }
         // A range starting in a live block (its requested bytes or its rounding) runs past
@@ -461,11 +482,11 @@ impl Runtime {
             .prefetch(ptr, size, to, stream_device, stream)
             .map_err(crate::alloc::driver_error_of)?;
         let (start, _) = managed
-            .live_block_holding(ptr, size)
+            .live_block_holding(ptr, size)?
             .ok_or_else(|| Error::new(ErrorKind::Internal, "managed block vanished"))?;
         managed
             .allocator
-            .record_stream(start, managed.driver.tag(stream_device, stream))
+            .record_stream(start, managed.driver.tag(stream_device, stream)?)
     }
 
     /// Advice on how managed `[ptr, ptr+size)` is used, about `device` (-1: the host).
@@ -479,7 +500,7 @@ impl Runtime {
 
     /// Applies `key:value,...` to the settings of every device, present and future.
     pub fn set_config(&self, text: &str) -> Result<()> {
-        let mut config = self.config.lock().unwrap();
+        let mut config = self.settings()?;
         let mut next = config.clone();
         next.apply(text)?;
         // Every device must accept it before any changes (per_stream_shards is fixed once a
@@ -503,7 +524,7 @@ impl Runtime {
     /// Defaults plus `CCALLOC_CONF`, on every device.
     pub fn reset_config(&self) -> Result<()> {
         let fresh = Config::from_env()?;
-        let mut config = self.config.lock().unwrap();
+        let mut config = self.settings()?;
         for device in self.started_devices() {
             device.set_config(fresh.clone())?;
         }
@@ -511,15 +532,20 @@ impl Runtime {
         Ok(())
     }
 
-    pub fn config(&self) -> Config {
-        self.config.lock().unwrap().clone()
+    pub fn config(&self) -> Result<Config> {
+        Ok(self.settings()?.clone())
+    }
+
+    /// The settings lock, which also orders device starts against `shutdown`.
+    fn settings(&self) -> Result<MutexGuard<'_, Config>> {
+        lock(&self.config, "the runtime's settings")
     }
 
     /// Releases everything; refused (nothing changed) while any device has live blocks.
     pub fn shutdown(&self) -> Result<()> {
         // No device starts meanwhile (`device` starts them under this lock): one started
         // after the list below is taken would be missed, left running with its memory.
-        let _settings = self.config.lock().unwrap();
+        let _settings = self.settings()?;
         // All or nothing: if a device refuses (an allocation raced in, or the driver
         // failed), the ones already shut down are reopened.
         let started: Vec<&DeviceAllocator> = self.started_devices().collect();
@@ -570,23 +596,28 @@ impl Runtime {
 /// retired runtime is freed only when no slot names it (`reclaim`). A slot keeps naming the
 /// runtime until the thread's next call replaces it (or the thread exits), so the fast path
 /// of a call that uses the same runtime as the last one is a plain load and compare.
+/// It changes only under `LIFECYCLE`: ccalloc is running exactly while it is non-null.
 static GLOBAL: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
 static LIFECYCLE: Mutex<Lifecycle> = Mutex::new(Lifecycle {
-    phase: Phase::Uninitialized,
+    started: false,
     retired: Vec::new(),
 });
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Phase {
-    Uninitialized,
-    Running,
-    ShutDown,
-}
-
 struct Lifecycle {
-    phase: Phase,
+    /// Whether a runtime was ever published: with `GLOBAL` null, it tells a shut down
+    /// ccalloc (`ShutDown`) from one never started (`NotInitialized`).
+    started: bool,
     /// Shut down runtimes that a thread may still be using (freed by `reclaim`).
     retired: Vec<Retired>,
+}
+
+fn lifecycle() -> Result<MutexGuard<'static, Lifecycle>> {
+    lock(&LIFECYCLE, "ccalloc's init/shutdown state")
+}
+
+/// What every call gets once the runtime it would use is shut down.
+fn shut_down_error() -> Error {
+    Error::new(ErrorKind::ShutDown, "ccalloc has been shut down")
 }
 
 /// A shut down runtime, from `Box::into_raw`.
@@ -610,8 +641,8 @@ static SLOTS: Mutex<Vec<&'static HazardSlot>> = Mutex::new(Vec::new());
 struct ThreadHazard(&'static HazardSlot);
 
 impl ThreadHazard {
-    fn register() -> Self {
-        let mut slots = SLOTS.lock().unwrap_or_else(|e| e.into_inner());
+    fn register() -> Result<Self> {
+        let mut slots = lock(&SLOTS, "the threads' hazard slots")?;
         let free = slots.iter().find(|s| {
             s.taken
                 .compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed)
@@ -628,7 +659,7 @@ impl ThreadHazard {
                 slot
             }
         };
-        Self(slot)
+        Ok(Self(slot))
     }
 }
 
@@ -640,7 +671,7 @@ impl Drop for ThreadHazard {
 }
 
 thread_local! {
-    static HAZARD: ThreadHazard = ThreadHazard::register();
+    static HAZARD: Result<ThreadHazard> = ThreadHazard::register();
 }
 
 /// Set in a child process by the `pthread_atfork` handler: the parent's allocator state
@@ -653,13 +684,14 @@ extern "C" fn after_fork_in_child() {
 }
 
 /// The error of every call made in a child process forked after ccalloc was initialized.
-pub const FORKED_MESSAGE: &str = "ccalloc cannot be used in a child process after fork(): the \
+pub(crate) const FORKED_MESSAGE: &str =
+    "ccalloc cannot be used in a child process after fork(): the \
      parent's allocator (and its CUDA context) is not valid here, as CUDA itself is unusable \
      after fork. Start child processes that allocate with exec/spawn (Python: \
      multiprocessing's \"spawn\" start method)";
 
 /// Fails at once, taking no lock, in a child process forked after ccalloc was initialized.
-pub fn check_not_forked() -> Result<()> {
+pub(crate) fn check_not_forked() -> Result<()> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(Error::new(ErrorKind::DriverUnavailable, FORKED_MESSAGE));
     }
@@ -667,7 +699,7 @@ pub fn check_not_forked() -> Result<()> {
 }
 
 /// Whether this process is a child forked after ccalloc was initialized.
-pub fn is_forked_child() -> bool {
+pub(crate) fn is_forked_child() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
@@ -678,10 +710,10 @@ thread_local! {
 }
 
 /// Counts the calling thread into a C API call until dropped (`ffi::boundary::guard`).
-pub struct CallScope(());
+pub(crate) struct CallScope(());
 
 impl CallScope {
-    pub fn enter() -> Self {
+    pub(crate) fn enter() -> Self {
         let _ = CALL_DEPTH.try_with(|d| d.set(d.get() + 1));
         Self(())
     }
@@ -706,6 +738,7 @@ fn protect() -> Result<Option<&'static Runtime>> {
             return Ok(None);
         }
         let published = HAZARD.try_with(|h| {
+            let h = h.as_ref().map_err(Error::clone)?;
             let mine = h.0.runtime.load(Ordering::Relaxed);
             if mine == ptr {
                 return Ok(());
@@ -724,7 +757,7 @@ fn protect() -> Result<Option<&'static Runtime>> {
             Ok(result) => result?,
             // This thread's storage is gone (a call from a thread-local destructor): the
             // runtime is pinned instead, under the lock that reclaiming takes.
-            Err(_) => return Ok(pin_running()),
+            Err(_) => return pin_running(),
         }
         // Published while still running: a shutdown retires it only after this point, and
         // `reclaim` then sees the slot.
@@ -737,13 +770,15 @@ fn protect() -> Result<Option<&'static Runtime>> {
 }
 
 /// The running runtime, never to be freed: for a thread without its hazard slot.
-fn pin_running() -> Option<&'static Runtime> {
-    let _lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
+fn pin_running() -> Result<Option<&'static Runtime>> {
+    let _lifecycle = lifecycle()?;
     let ptr = GLOBAL.load(Ordering::SeqCst);
     // SAFETY: under the lifecycle lock the running runtime is not retired or freed.
-    let runtime = unsafe { ptr.as_ref() }?;
+    let Some(runtime) = (unsafe { ptr.as_ref() }) else {
+        return Ok(None);
+    };
     runtime.pinned_forever.store(true, Ordering::SeqCst);
-    Some(runtime)
+    Ok(Some(runtime))
 }
 
 /// Frees the retired runtimes that no thread's hazard slot names (under the lifecycle
@@ -753,12 +788,16 @@ fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Runtime> {
     if lifecycle.retired.is_empty() {
         return Vec::new();
     }
-    let named: Vec<*mut Runtime> = SLOTS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    // With the slots' lock poisoned no thread's use can be ruled out: nothing is freed (the
+    // runtimes stay retired), and the next call that needs a slot reports the poisoning.
+    let Ok(slots) = lock(&SLOTS, "the threads' hazard slots") else {
+        return Vec::new();
+    };
+    let named: Vec<*mut Runtime> = slots
         .iter()
         .map(|s| s.runtime.load(Ordering::SeqCst))
         .collect();
+    drop(slots);
     let mut freed = Vec::new();
     lifecycle.retired.retain(|r| {
         // SAFETY: retired runtimes stay allocated until freed here.
@@ -777,7 +816,11 @@ fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Runtime> {
 /// Clears the calling thread's hazard slot, unless it is inside an outer call.
 fn release_own_hazard() {
     if !nested_call() {
-        let _ = HAZARD.try_with(|h| h.0.runtime.store(std::ptr::null_mut(), Ordering::SeqCst));
+        let _ = HAZARD.try_with(|h| {
+            if let Ok(h) = h {
+                h.0.runtime.store(std::ptr::null_mut(), Ordering::SeqCst);
+            }
+        });
     }
 }
 
@@ -789,20 +832,19 @@ pub fn global() -> Result<&'static Runtime> {
     if let Some(runtime) = protect()? {
         return Ok(runtime);
     }
-    let lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
-    match lifecycle.phase {
+    let lifecycle = lifecycle()?;
+    if !GLOBAL.load(Ordering::SeqCst).is_null() {
         // Started again since the load above.
-        Phase::Running => {
-            protect()?.ok_or_else(|| Error::new(ErrorKind::Internal, "running without a runtime"))
-        }
-        Phase::ShutDown => Err(Error::new(
-            ErrorKind::ShutDown,
-            "ccalloc has been shut down",
-        )),
-        Phase::Uninitialized => Err(Error::new(
+        return protect()?
+            .ok_or_else(|| Error::new(ErrorKind::Internal, "running without a runtime"));
+    }
+    if lifecycle.started {
+        Err(shut_down_error())
+    } else {
+        Err(Error::new(
             ErrorKind::NotInitialized,
             "ccalloc is not initialized: call ccalloc_init() first",
-        )),
+        ))
     }
 }
 
@@ -816,10 +858,10 @@ fn watch_forks() {
 }
 
 /// Starts the global runtime from the environment; a no-op when it is running.
-pub fn init_global() -> Result<&'static Runtime> {
+pub(crate) fn init_global() -> Result<&'static Runtime> {
     check_not_forked()?;
-    let mut lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
-    if lifecycle.phase == Phase::Running {
+    let mut lifecycle = lifecycle()?;
+    if !GLOBAL.load(Ordering::SeqCst).is_null() {
         drop(lifecycle);
         return global();
     }
@@ -830,7 +872,7 @@ pub fn init_global() -> Result<&'static Runtime> {
     let runtime = match started {
         Ok(ptr) => {
             GLOBAL.store(ptr, Ordering::SeqCst);
-            lifecycle.phase = Phase::Running;
+            lifecycle.started = true;
             // Published under the lock: it cannot be retired before this thread uses it.
             protect().and_then(|r| {
                 r.ok_or_else(|| Error::new(ErrorKind::Internal, "started runtime missing"))
@@ -851,30 +893,76 @@ pub fn init_global() -> Result<&'static Runtime> {
 
 /// Shuts the global runtime down; later calls fail with `ShutDown` until `init_global`.
 /// The runtime is freed once no thread is still inside a call that uses it.
-pub fn shutdown_global() -> Result<()> {
+pub(crate) fn shutdown_global() -> Result<()> {
     check_not_forked()?;
-    let mut lifecycle = LIFECYCLE.lock().unwrap_or_else(|e| e.into_inner());
-    match lifecycle.phase {
-        Phase::Uninitialized => Err(Error::new(
-            ErrorKind::NotInitialized,
-            "ccalloc is not initialized: nothing to shut down",
-        )),
-        Phase::ShutDown => Err(Error::new(
-            ErrorKind::ShutDown,
-            "ccalloc is already shut down",
-        )),
-        Phase::Running => {
-            let ptr = GLOBAL.load(Ordering::SeqCst);
-            // SAFETY: the running runtime is not freed while the lifecycle lock is held.
-            unsafe { &*ptr }.shutdown()?;
-            GLOBAL.store(std::ptr::null_mut(), Ordering::SeqCst);
-            lifecycle.phase = Phase::ShutDown;
-            lifecycle.retired.push(Retired(ptr));
-            release_own_hazard();
-            let freed = reclaim(&mut lifecycle);
-            drop(lifecycle);
-            drop(freed);
-            Ok(())
-        }
+    let mut lifecycle = lifecycle()?;
+    let ptr = GLOBAL.load(Ordering::SeqCst);
+    if ptr.is_null() {
+        return Err(if lifecycle.started {
+            Error::new(ErrorKind::ShutDown, "ccalloc is already shut down")
+        } else {
+            Error::new(
+                ErrorKind::NotInitialized,
+                "ccalloc is not initialized: nothing to shut down",
+            )
+        });
+    }
+    // SAFETY: the running runtime is not freed while the lifecycle lock is held.
+    unsafe { &*ptr }.shutdown()?;
+    GLOBAL.store(std::ptr::null_mut(), Ordering::SeqCst);
+    lifecycle.retired.push(Retired(ptr));
+    release_own_hazard();
+    let freed = reclaim(&mut lifecycle);
+    drop(lifecycle);
+    drop(freed);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::sim::SimDriver;
+
+    /// Holds `mutex` on another thread that panics: the lock is poisoned.
+    fn poison<T: Send>(mutex: &Mutex<T>) {
+        std::thread::scope(|s| {
+            let held = s.spawn(|| {
+                let _held = mutex.lock();
+                panic!("a bug while the lock is held");
+            });
+            assert!(held.join().is_err());
+        });
+        assert!(mutex.is_poisoned());
+    }
+
+    fn assert_poisoned<T: std::fmt::Debug>(result: Result<T>, what: &str) {
+        let error = result.expect_err("a call on a poisoned lock fails");
+        assert_eq!(error.kind, ErrorKind::Internal, "{}", error.message);
+        assert!(
+            error.message.contains(what) && error.message.contains("poisoned"),
+            "{}",
+            error.message
+        );
+    }
+
+    #[test]
+    fn poisoned_settings_are_an_internal_error_not_a_panic() {
+        let rt = Runtime::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default());
+        poison(&rt.config);
+        let settings = "the runtime's settings";
+        assert_poisoned(rt.device(0).map(|_| ()), settings);
+        assert_poisoned(rt.set_config("max_split_size_mb:64"), settings);
+        assert_poisoned(rt.config(), settings);
+        assert_poisoned(rt.shutdown(), settings);
+    }
+
+    #[test]
+    fn a_poisoned_host_block_table_is_an_internal_error_not_a_panic() {
+        let rt = Runtime::new(Arc::new(SimDriver::new(1, 1 << 30)), Config::default());
+        let ptr = rt.host_malloc(HostKind::Pinned, 4096).unwrap();
+        poison(&rt.host_side(HostKind::Pinned).unwrap().live);
+        let table = "the table of live pinned host blocks";
+        assert_poisoned(rt.host_free(HostKind::Pinned, ptr), table);
+        assert_poisoned(rt.host_malloc(HostKind::Pinned, 4096), table);
     }
 }

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 /// A block's state with PyTorch's names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
-pub enum BlockStatus {
+pub(crate) enum BlockStatus {
     /// Free (cached).
     Inactive = 0,
     /// Handed out.
@@ -37,7 +37,7 @@ impl BlockStatus {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             BlockStatus::Inactive => "inactive",
             BlockStatus::ActiveAllocated => "active_allocated",
@@ -47,7 +47,7 @@ impl BlockStatus {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Block {
+pub(crate) struct Block {
     pub address: DevicePtr,
     pub size: u64,
     pub requested_size: u64,
@@ -55,7 +55,7 @@ pub struct Block {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Segment {
+pub(crate) struct Segment {
     pub device: i32,
     pub address: DevicePtr,
     pub total_size: u64,
@@ -71,22 +71,22 @@ impl Segment {
         self.blocks.iter().filter(|b| keep(b)).map(size).sum()
     }
 
-    pub fn allocated_size(&self) -> u64 {
+    pub(crate) fn allocated_size(&self) -> u64 {
         self.sum(|b| b.status == BlockStatus::ActiveAllocated, |b| b.size)
     }
 
-    pub fn active_size(&self) -> u64 {
+    pub(crate) fn active_size(&self) -> u64 {
         self.sum(|b| b.status != BlockStatus::Inactive, |b| b.size)
     }
 
-    pub fn requested_size(&self) -> u64 {
+    pub(crate) fn requested_size(&self) -> u64 {
         self.sum(|_| true, |b| b.requested_size)
     }
 }
 
 /// One moment's segments, and the history recorded up to it.
 #[derive(Clone, Debug, Default)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     pub segments: Vec<Segment>,
     pub trace: Vec<Entry>,
     pub device_count: usize,
@@ -96,7 +96,7 @@ pub struct Snapshot {
 /// have no segments. With `include_trace`, the history recorded so far comes with it and
 /// the snapshot is itself recorded; without, the history is left untouched (a pool check
 /// needs segments only, and copying a ring of up to 2^24 events would dwarf it).
-pub fn take(rt: &Runtime, device: Option<usize>, include_trace: bool) -> Result<Snapshot> {
+pub(crate) fn take(rt: &Runtime, device: Option<usize>, include_trace: bool) -> Result<Snapshot> {
     let device_count = rt.device_count();
     if let Some(d) = device {
         if d >= device_count {
@@ -118,7 +118,7 @@ pub fn take(rt: &Runtime, device: Option<usize>, include_trace: bool) -> Result<
     let trace = if include_trace {
         let snapshot = history::Action::Snapshot;
         history::record(snapshot, device.unwrap_or(0) as i32, 0, 0, 0);
-        history::entries(device.map(|d| d as i32))
+        history::entries(device.map(|d| d as i32))?
     } else {
         Vec::new()
     };
@@ -188,7 +188,7 @@ impl Snapshot {
     /// The snapshot as PyTorch's pickled dict (`_dump_snapshot`): `segments`,
     /// `device_traces` (one list per device) and `allocator_settings`. Frames are empty:
     /// only a host that records them (PyTorch's adapter) has them.
-    pub fn to_pickle(&self) -> Result<Vec<u8>> {
+    pub(crate) fn to_pickle(&self) -> Result<Vec<u8>> {
         let segments = self
             .segments
             .iter()

@@ -4,17 +4,29 @@
 //! The allocator's critical sections are short (a few hundred ns) except for the slow path's
 //! driver calls. A plain `Mutex` puts a waiter to sleep after a brief spin, and every hand-off
 //! then costs a futex wake and a reschedule: several µs, far more than the section it waited
-//! for (8 threads ran 3.6× slower per step than one on the H100). Here a waiter retries with
+//! for, so busy threads would spend most of their time handing the lock over. Here a waiter
+//! retries with
 //! exponential backoff for up to `SPIN_BUDGET` before it blocks, so hand-offs between busy
 //! threads stay in user space, and a waiter behind a long driver call still goes to sleep.
 //!
 //! `SpinThenBlock` has no unsafe code: the lock is std's, spun on with `try_lock`, so
-//! poisoning (a panic while the lock was held) is reported exactly as std reports it. Under `--cfg loom` the protocol
+//! poisoning (a panic while the lock was held) is reported exactly as std reports it.
+//!
+//! `lock` and `poisoned` are the one policy for a poisoned lock, everywhere in ccalloc: the
+//! call that meets it fails with `ErrorKind::Internal` (`CCALLOC_INTERNAL_ERROR`) naming
+//! what the lock guards, and so does every later call that needs it. A panic inside a
+//! critical section is a bug in ccalloc and may have left the guarded state half-changed
+//! (a block out of one list and not yet in another): going on with it could hand out
+//! memory twice, and panicking again would only poison more locks. Calls that have no way
+//! to report (a drop, a recording hook) leave the state alone instead.
+//!
+//! Under `--cfg loom` the protocol
 //! (try, then block) runs on loom's mutex for the model in `tests/loom_lock.rs`; the spin's
 //! timing (backoff, deadline) is compiled out there, as loom has no clock. `SpinCell` is the
 //! one unsafe piece (an `UnsafeCell` behind an acquire/release flag); under loom it runs on
 //! loom's cell and atomics, and the same file models it.
 
+use crate::error::{Error, ErrorKind};
 #[cfg(loom)]
 use loom::sync::{Mutex, MutexGuard};
 #[cfg(loom)]
@@ -35,15 +47,35 @@ const MAX_BACKOFF: u32 = 64;
 #[cfg(not(loom))]
 const TRIES_BEFORE_CLOCK: u32 = 8;
 
+/// The error of a call that needs `what` after a panic poisoned its lock (see the module's
+/// documentation for why this is the one policy).
+pub(crate) fn poisoned(what: &str) -> Error {
+    Error::new(
+        ErrorKind::Internal,
+        format!(
+            "{what} is unusable: a panic in an earlier call left its lock poisoned \
+             (a bug in ccalloc)"
+        ),
+    )
+}
+
+/// Locks a std mutex; a poisoned one is the `poisoned(what)` error.
+pub(crate) fn lock<'a, T>(
+    mutex: &'a std::sync::Mutex<T>,
+    what: &str,
+) -> Result<std::sync::MutexGuard<'a, T>, Error> {
+    mutex.lock().map_err(|_| poisoned(what))
+}
+
 pub struct SpinThenBlock<T> {
     inner: Mutex<T>,
 }
 
 /// The guard `lock` returns (std's, or loom's under `--cfg loom`).
-pub type Guard<'a, T> = MutexGuard<'a, T>;
+pub(crate) type Guard<'a, T> = MutexGuard<'a, T>;
 
 /// What `lock` returns when a panic poisoned the lock: the guard, as `std` gives it.
-pub type Poisoned<'a, T> = std::sync::PoisonError<MutexGuard<'a, T>>;
+pub(crate) type Poisoned<'a, T> = std::sync::PoisonError<MutexGuard<'a, T>>;
 
 impl<T> SpinThenBlock<T> {
     pub fn new(value: T) -> Self {

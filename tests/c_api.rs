@@ -1,12 +1,15 @@
-//! The C API as C programs see it: builds tests/c/test_api.c against include/ccalloc.h and the
-//! cdylib (as C11, and once as C++ to prove the header is C++-clean), runs it on the simulated
-//! backend with paged segments (the default) and with plain ones
-//! (`CCALLOC_CONF=expandable_segments:False`), and requires its "N passed, 0 failed" summary.
+//! The C API as C programs see it: builds tests/c/test_api.c against include/ccalloc_sim.h
+//! (which includes ccalloc.h) and the cdylib (as C11, and once as C++ to prove the headers
+//! are C++-clean), runs it on the simulated backend with paged segments (the default) and
+//! with plain ones (`CCALLOC_CONF=expandable_segments:False`), and requires its
+//! "N passed, 0 failed" summary.
 //!
 //! Library lookup: `CCALLOC_LIB_DIR` if set; else the cdylib cargo built next to this test
-//! (target/<profile>/deps, same sources as the test); else target/<profile>; else `cargo build`.
+//! (target/<profile>/deps, same sources as the test); else target/<profile>; else
+//! `cargo build --features sim`.
 //! Compilers: `CC` (default `cc`) and `CXX` (default `g++`). Build outputs go to
 //! `CARGO_TARGET_TMPDIR/c_api`.
+#![cfg(feature = "sim")]
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
@@ -41,7 +44,7 @@ fn profile_dir() -> Option<PathBuf> {
 fn cargo_build(release: bool) -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
-    cmd.args(["build", "--lib", "--manifest-path"])
+    cmd.args(["build", "--lib", "--features", "sim", "--manifest-path"])
         .arg(root().join("Cargo.toml"));
     if release {
         cmd.arg("--release");

@@ -1,8 +1,9 @@
 //! init/shutdown cycles of the global runtime give back what each cycle took: file
 //! descriptors (the sim's memory file) and memory stay flat over 2,000 cycles.
+#![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()

@@ -4,10 +4,11 @@
 //! that only a failure leads to, after each such failure). After each fault: only the
 //! operation that hit it may fail, the statistics agree with the blocks, and once
 //! everything is freed and the cache emptied the device holds nothing of ccalloc's.
+#![cfg(feature = "sim")]
 
 mod common;
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DevicePtr, ErrorKind, StreamId};
 use common::{Call, FaultDriver, CALLS};
 use std::sync::Arc;

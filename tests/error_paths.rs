@@ -1,10 +1,11 @@
 //! Regression tests for error paths and corner cases found in review: driver failures in the
 //! middle of moving pages, private pools released while their window is open, captures, and
 //! configuration changes between an allocation and its free.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::{CallCosts, SimDriver};
-use ccalloc::driver::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle};
+use ccalloc::{CallCosts, SimDriver};
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+use ccalloc::{DevicePtr, Driver, DriverError, DriverResult, EventId, PhysHandle};
 use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,9 +2,10 @@
 //! `CCALLOC_DRIVER_UNAVAILABLE` (as CUDA refuses a forked child), never waiting on a lock
 //! that a parent thread held at the fork; and the child never shares the sim's device
 //! memory with its parent. Children are bounded by `alarm` and waited on with a bound.
+#![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};

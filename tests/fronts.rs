@@ -3,8 +3,9 @@
 //! no block handed out twice, double frees refused from any thread, cross-stream use still
 //! waited for, captures never served from a front, and held memory given back by
 //! `empty_cache` and by threads that exit.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DeviceStats, ErrorKind, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

@@ -1,6 +1,7 @@
 //! Thread fronts against a broader model of exact statistics: config toggles, captures, shutdown,
 //! several allocators on one thread, exiting threads, accumulated-stat resets.
-use ccalloc::driver::sim::SimDriver;
+#![cfg(feature = "sim")]
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DeviceStats, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

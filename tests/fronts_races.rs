@@ -1,7 +1,8 @@
 //! Thread fronts and statistics reads: a read (or a reset of the totals) while another thread's
 //! front evicts, is drained or is folded must see consistent figures (totals never going
 //! backwards, never negative, current never overcounted).
-use ccalloc::driver::sim::SimDriver;
+#![cfg(feature = "sim")]
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! Thread fronts under concurrency: short-lived threads allocating, freeing (also each
 //! other's blocks) and recording streams while settings, captures, resets, drains and
 //! snapshots run; at the end no overlap, exact totals, nothing left on the device.
-use ccalloc::driver::sim::SimDriver;
+#![cfg(feature = "sim")]
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -11,10 +11,11 @@
 //! The test command runs 500 cases; for a long run:
 //!     CCALLOC_FUZZ_CASES=20000 cargo test --release --test fuzz_api
 //! (any failure prints the minimal sequence proptest shrank it to).
+#![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::{self, *};
-use ccalloc::ffi::types::{ccalloc_pool_id, ccalloc_stat_array, ccalloc_stats, cudaStream_t};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::{self, *};
+use ccalloc::capi::*;
+use ccalloc::capi::{ccalloc_pool_id, ccalloc_stat_array, ccalloc_stats, cudaStream_t};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{c_void, CString};
@@ -266,8 +267,8 @@ fn run(model: &mut Model, op: &Op) -> Result<(), TestCaseError> {
                 let p = p as usize;
                 prop_assert!(!model.live.contains_key(&p), "{p:#x} handed out twice");
                 model.freed.remove(&p);
-                let config = ccalloc::runtime::global().unwrap().config();
-                let rounded = ccalloc::alloc::sizing::round_size(*size as u64, &config);
+                let config = ccalloc::testing::global().unwrap().config().unwrap();
+                let rounded = ccalloc::testing::round_size(*size as u64, &config);
                 model.live.insert(p, (*size, rounded, *s));
                 model.recorded.remove(&p);
             }

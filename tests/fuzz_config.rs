@@ -8,7 +8,7 @@
 //! length, the config unchanged); every accepted config must read back from its own
 //! display to the same config.
 
-use ccalloc::config::KEYS;
+use ccalloc::testing::KEYS;
 use ccalloc::{Config, ErrorKind};
 use proptest::prelude::*;
 

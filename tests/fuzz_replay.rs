@@ -8,7 +8,7 @@
 //! 256 cases per target by default; a long run:
 //!   CCALLOC_FUZZ_CASES=1000000 cargo test --release --features replay --test fuzz_replay
 
-use ccalloc::replay::{replay, trace, ReplayOptions};
+use ccalloc::{replay, trace, ReplayOptions};
 use proptest::prelude::*;
 use std::io::Write;
 use std::path::Path;

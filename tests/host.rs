@@ -1,9 +1,10 @@
 //! Pinned host and managed memory on the sim: the caching allocator core over a
 //! `HostDriver` (caching, split/merge waste, stream-aware reuse, statistics, errors), and
 //! managed memory's prefetch and advice.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
-use ccalloc::driver::{Advice, HostKind};
+use ccalloc::SimDriver;
+use ccalloc::{Advice, HostKind};
 use ccalloc::{Config, ErrorKind, Runtime, StreamId};
 use std::sync::Arc;
 

@@ -1,10 +1,11 @@
 //! Calls racing a shutdown/init cycle: once init has succeeded, every call either works or
 //! fails with `CCALLOC_SHUT_DOWN` (or is refused with `CCALLOC_BUSY`, for shutdown itself),
 //! never `CCALLOC_NOT_INITIALIZED`.
+#![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_stats;
-use ccalloc::ffi::types::ccalloc_status::{self, *};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_stats;
+use ccalloc::capi::ccalloc_status::{self, *};
+use ccalloc::capi::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 

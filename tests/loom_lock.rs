@@ -1,11 +1,11 @@
-//! Model check of the device lock (`ccalloc::sync::SpinThenBlock`) with loom, which runs
+//! Model check of the device lock (`ccalloc::testing::SpinThenBlock`) with loom, which runs
 //! every interleaving of the threads below. What it checks is the protocol (try the lock,
 //! then fall back to blocking): mutual exclusion and no lost wake-up across both paths. The
 //! spin's timing is not modelled (see `src/sync.rs`). Only under `--cfg loom`:
 //! `RUSTFLAGS="--cfg loom" cargo test --release --test loom_lock` (scripts/test.sh runs it).
 #![cfg(loom)]
 
-use ccalloc::sync::SpinThenBlock;
+use ccalloc::testing::SpinThenBlock;
 use loom::sync::Arc;
 use loom::thread;
 
@@ -38,14 +38,14 @@ fn two_threads_and_the_main_one_never_hold_it_at_once() {
     });
 }
 
-/// The front caches' cell (`ccalloc::sync::SpinCell`): its owner and another thread (as a
+/// The front caches' cell (`ccalloc::testing::SpinCell`): its owner and another thread (as a
 /// drain from a slow path) update its value; loom's `UnsafeCell` fails the model if two
 /// accesses are not ordered by the flag's acquire/release, whatever the interleaving, and a
 /// lost update fails the count. (Two threads, as in use: with two waiters yielding to each
 /// other loom's search of the spin does not end.)
 #[test]
 fn spin_cell_lets_one_thread_in_at_a_time() {
-    use ccalloc::sync::SpinCell;
+    use ccalloc::testing::SpinCell;
     loom::model(|| {
         let cell = Arc::new(SpinCell::new(0u32));
         let other = {

@@ -2,8 +2,9 @@
 //! work or memory per page of a segment grows with the number of streams times the device's
 //! size. Work is counted (reclaim steps, driver calls) and host memory measured with a
 //! counting allocator; nothing is timed.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};

@@ -1,8 +1,9 @@
 //! Property test: random operation sequences against the simulated device, checked against an
 //! independent model. Live blocks never overlap, canaries survive, stats match the model, and
 //! after freeing everything and `empty_cache` nothing is reserved and the device holds nothing.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -113,9 +114,7 @@ fn check_invariants(a: &DeviceAllocator, sim: &SimDriver, live: &[Live]) {
     }
     for seg in segments {
         for pair in seg.blocks.windows(2) {
-            let both_free = pair
-                .iter()
-                .all(|b| b.2 == ccalloc::alloc::blocks::BlockState::Free);
+            let both_free = pair.iter().all(|b| b.2 == ccalloc::BlockState::Free);
             assert!(!both_free, "free neighbours left unmerged in {seg:?}");
             assert_eq!(
                 pair[0].0 + pair[0].1,

@@ -3,10 +3,11 @@
 //! statistics works; an allocation from inside the filter is refused with a clear error
 //! (it would be routed by the very filter that is running). Each scenario runs on its own
 //! thread, joined with a bound.
+#![cfg(feature = "sim")]
 
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::types::{ccalloc_pool_id, ccalloc_stats, ccalloc_status, cudaStream_t};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
+use ccalloc::capi::{ccalloc_pool_id, ccalloc_stats, ccalloc_status, cudaStream_t};
 use std::ffi::{c_void, CStr};
 use std::sync::mpsc;
 use std::sync::Mutex;

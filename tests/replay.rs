@@ -1,7 +1,7 @@
 //! The replay tool's inputs: PyTorch snapshot pickles (several pickle protocols) and the CSV
 //! traces, replayed through ccalloc on the simulated device.
 
-use ccalloc::replay::{replay, trace, ReplayOptions};
+use ccalloc::{replay, trace, ReplayOptions};
 use std::path::Path;
 
 const MIB: u64 = 1 << 20;
@@ -155,7 +155,7 @@ fn the_table_fits_100_columns() {
 fn the_timeline_has_labelled_axes() {
     let traces = trace::load(&sample()).unwrap();
     let r = replay(&traces[0], &ReplayOptions::default(), |_, _| {}).unwrap();
-    let svg = ccalloc::replay::plot::svg(&[r]);
+    let svg = ccalloc::plot::svg(&[r]);
     let ticks: Vec<&str> = svg
         .split(r#"<g class="xtick">"#)
         .skip(1)

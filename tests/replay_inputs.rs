@@ -1,7 +1,7 @@
 //! Damaged or hostile replay inputs: each gets a clear error or a correct report, never a
 //! panic, an abort, or a silently shortened trace. (Each of these failed before its fix.)
 
-use ccalloc::replay::{replay, trace, ReplayOptions};
+use ccalloc::{replay, trace, ReplayOptions};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::Command;
@@ -170,7 +170,7 @@ impl<R: std::io::Read> std::io::Read for Counted<R> {
 }
 
 /// Loads `input` with the default limits; returns the error and the bytes read.
-fn load_counted(name: &str, input: impl std::io::Read) -> (ccalloc::error::Error, u64) {
+fn load_counted(name: &str, input: impl std::io::Read) -> (ccalloc::Error, u64) {
     let read = std::rc::Rc::default();
     let input = Counted {
         inner: input,
@@ -203,8 +203,8 @@ fn ccalloc_limited(args: &[&std::ffi::OsStr], stdout: std::process::Stdio) -> st
     command.output().unwrap()
 }
 
-/// /dev/zero (and a 200 MB run of NUL bytes) is refused at its first line: it was read whole
-/// (11 GB in 30 s), and its error echoed the whole 419 MB line.
+/// /dev/zero (and a 200 MB run of NUL bytes) is refused at its first line: reading stops
+/// within 64 KiB, and the error quotes only the start of the line.
 #[test]
 fn endless_or_huge_input_is_refused_at_its_first_line() {
     let (err, read) = load_counted("zeros.csv", std::io::repeat(0).take(200 << 20));
@@ -344,7 +344,7 @@ impl Pickle {
     }
 }
 
-fn load_bytes(name: &str, body: &[u8]) -> ccalloc::error::Result<Vec<trace::Trace>> {
+fn load_bytes(name: &str, body: &[u8]) -> ccalloc::Result<Vec<trace::Trace>> {
     let path = tmp(name);
     std::fs::write(&path, body).unwrap();
     trace::load(&path)
@@ -371,7 +371,7 @@ fn negative_size_in_a_pickle_is_a_bad_entry() {
 }
 
 /// A pickle that references one large list many times through its memo is refused before
-/// it is decoded (a 1 MB one peaked at 3.2 GB, a 5 MB one aborted), and so is one whose
+/// it is decoded (decoding would expand a few MB into GBs), and so is one whose
 /// lists each hold the previous one twice (2^40 elements from a few hundred bytes).
 #[test]
 fn memo_references_count_in_full() {

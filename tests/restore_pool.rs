@@ -1,10 +1,11 @@
 //! Restoring a private pool to a saved layout (PyTorch's `setCheckpointPoolState`, asked by
 //! CUDA graph trees when a recorded path diverges): the layout comes back, and a restore that
 //! fails leaves no block of the pool handed out and refuses layouts the pool could not have.
+#![cfg(feature = "sim")]
 
-use ccalloc::alloc::blocks::BlockState;
-use ccalloc::alloc::SavedBlock;
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::BlockState;
+use ccalloc::SavedBlock;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use std::sync::Arc;
 

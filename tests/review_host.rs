@@ -1,7 +1,8 @@
 //! Review of pinned host and managed memory on the sim: range checks at block boundaries.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
-use ccalloc::driver::{Advice, HostKind};
+use ccalloc::SimDriver;
+use ccalloc::{Advice, HostKind};
 use ccalloc::{Config, ErrorKind, Runtime, StreamId};
 use std::sync::Arc;
 

@@ -1,10 +1,10 @@
 //! Review of the memory C API on the sim: the history's frees, snapshots adding up to the
 //! reserved bytes. One test: the runtime and the recorder are process-wide.
+#![cfg(feature = "sim")]
 
-use ccalloc::ffi::memory::*;
-use ccalloc::ffi::types::ccalloc_status::*;
-use ccalloc::ffi::types::{ccalloc_stats, cudaStream_t};
-use ccalloc::ffi::*;
+use ccalloc::capi::ccalloc_status::*;
+use ccalloc::capi::*;
+use ccalloc::capi::{ccalloc_stats, cudaStream_t};
 use std::ffi::c_void;
 
 const MIB: usize = 1 << 20;

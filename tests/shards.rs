@@ -1,10 +1,11 @@
 //! `per_stream_shards`: one allocator per stream under one device. What stays device-wide
 //! (the memory limit, the OOM retry, statistics, settings, private-pool windows, shutdown)
 //! and what each shard keeps to itself.
+#![cfg(feature = "sim")]
 
 mod common;
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use common::{Gate, GatedDriver};
 use std::sync::Arc;

@@ -1,8 +1,9 @@
 //! Multi-threaded stress on the simulated device: threads on their own streams allocate,
 //! write canaries, hand blocks across streams with record_stream, and free, while another
 //! thread pauses and resumes streams and empties the cache.
+#![cfg(feature = "sim")]
 
-use ccalloc::driver::sim::SimDriver;
+use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -8,11 +8,11 @@ struct FreesAtExit;
 
 impl Drop for FreesAtExit {
     fn drop(&mut self) {
-        let status = ccalloc::ffi::ccalloc_free(0x1234 as *mut _, 0);
+        let status = ccalloc::capi::ccalloc_free(0x1234 as *mut _, 0);
         // Not initialized in this process: the call fails cleanly whatever the TLS state.
-        assert_ne!(status, ccalloc::ffi::types::ccalloc_status::CCALLOC_OK);
+        assert_ne!(status, ccalloc::capi::ccalloc_status::CCALLOC_OK);
         // The message pointer stays readable even once the thread's storage is gone.
-        let message = unsafe { std::ffi::CStr::from_ptr(ccalloc::ffi::ccalloc_last_error()) };
+        let message = unsafe { std::ffi::CStr::from_ptr(ccalloc::capi::ccalloc_last_error()) };
         assert!(!message.to_bytes().is_empty());
     }
 }
@@ -22,15 +22,16 @@ thread_local! {
 }
 
 /// `ours_first`: ccalloc's thread-local is made after ours, so it is destroyed before ours
-/// runs its destructor (the case that aborted); `theirs_first`: the other order.
+/// runs its destructor (the C call must then not touch the destroyed storage);
+/// `theirs_first`: the other order.
 fn scenario(order: &str) {
     let order = order.to_string();
     std::thread::spawn(move || {
         if order == "ours_first" {
             AT_EXIT.with(|_| {});
-            let _ = ccalloc::ffi::ccalloc_free(0x1234 as *mut _, 0);
+            let _ = ccalloc::capi::ccalloc_free(0x1234 as *mut _, 0);
         } else {
-            let _ = ccalloc::ffi::ccalloc_free(0x1234 as *mut _, 0);
+            let _ = ccalloc::capi::ccalloc_free(0x1234 as *mut _, 0);
             AT_EXIT.with(|_| {});
         }
     })

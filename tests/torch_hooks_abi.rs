@@ -1,5 +1,6 @@
 //! Builds tests/cpp/torch_hooks.cpp against the cdylib and runs it on the sim backend: the
 //! graph-pool hooks must work when called through PyTorch's C++ function types.
+#![cfg(feature = "sim")]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,7 +11,7 @@ fn cdylib(root: &Path) -> PathBuf {
     if !lib.exists() {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let ok = Command::new(cargo)
-            .arg("build")
+            .args(["build", "--lib", "--features", "sim"])
             .current_dir(root)
             .status()
             .unwrap();

@@ -404,7 +404,7 @@ ccalloc_restore_fn = _nullable_function_pointer(None, c_void_p, c_void_p, c_bool
 
 
 # --------------------------------------------------------------------------------------------
-# Function table: every function declared in ccalloc.h, (argtypes, restype)
+# Function table: every function declared in ccalloc.h and ccalloc_sim.h, (argtypes, restype)
 # --------------------------------------------------------------------------------------------
 
 _status = c_uint32  # ccalloc_status is uint32_t in C (before C23) and repr(u32) in Rust
@@ -559,6 +559,10 @@ def _bind(lib: ctypes.CDLL, path: str) -> None:
         try:
             fn = getattr(lib, name)
         except AttributeError:
+            if name.startswith("ccalloc_sim_"):
+                # A library built without the simulated device (no `sim` feature): it works
+                # on CUDA, and only the sim_* controls are missing.
+                continue
             raise LibraryNotFoundError(
                 f"ccalloc: {path} has no symbol {name}: it was built from another ccalloc "
                 f"version than this Python package. Rebuild it (`cargo build --release`)."

@@ -18,6 +18,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 PYTHON_DIR = os.path.dirname(TESTS_DIR)
 REPO_DIR = os.path.dirname(PYTHON_DIR)
 HEADER = os.path.join(REPO_DIR, "include", "ccalloc.h")
+SIM_HEADER = os.path.join(REPO_DIR, "include", "ccalloc_sim.h")
 
 # Before anything loads or starts the library: ccalloc_init() reads these.
 SIM_ENV = {

@@ -132,6 +132,6 @@ def test_cuda_backend_without_a_driver_is_a_clear_error():
         message = result.stdout.strip()
         assert message == (
             "unavailable: the CUDA driver library (libcuda.so.1) was not found: install the "
-            "NVIDIA driver, or set CCALLOC_BACKEND=sim to run on the simulated device"
+            "NVIDIA driver; to run without a GPU, set CCALLOC_BACKEND=sim (the simulated device)"
         )
 

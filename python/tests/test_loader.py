@@ -11,10 +11,13 @@ import pytest
 
 import ccalloc
 from ccalloc import _lib
-from conftest import HEADER, PYTHON_DIR, REPO_DIR, run_python
+from conftest import HEADER, PYTHON_DIR, REPO_DIR, SIM_HEADER, run_python
 
 with open(HEADER) as _f:
     HEADER_TEXT = _f.read()
+# The simulated device's controls (a library built with the `sim` feature, as the package's is).
+with open(SIM_HEADER) as _f:
+    SIM_HEADER_TEXT = _f.read()
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,11 +172,11 @@ def _normalize(c_type):
 
 
 def header_functions():
-    """name -> (return type, [parameter types]) for every function declared in ccalloc.h
-    (declarations spanning several lines included). `extern` declarations are left out:
-    they are functions the library imports, not exports (see HEADER_INTERNAL)."""
+    """name -> (return type, [parameter types]) for every function declared in ccalloc.h and
+    ccalloc_sim.h (declarations spanning several lines included). `extern` declarations are
+    left out: they are functions the library imports, not exports (see HEADER_INTERNAL)."""
     functions = {}
-    for ret, name, params in _DECL.findall(HEADER_TEXT):
+    for ret, name, params in _DECL.findall(HEADER_TEXT + SIM_HEADER_TEXT):
         if ret.split()[0] == "extern":
             continue
         params = " ".join(params.split())

@@ -24,7 +24,7 @@ import zipfile
 
 import pytest
 
-from conftest import HEADER, PYTHON_DIR, REPO_DIR
+from conftest import HEADER, PYTHON_DIR, REPO_DIR, SIM_HEADER
 
 pytest.importorskip("setuptools_rust", reason="setup.py needs setuptools-rust")
 
@@ -36,6 +36,7 @@ PACKAGE_FILES = {
     "ccalloc/py.typed",
     "ccalloc/csrc/torch_allocator.cpp",
     "ccalloc/include/ccalloc.h",
+    "ccalloc/include/ccalloc_sim.h",
 }
 
 
@@ -70,6 +71,7 @@ def test_build_py_ships_the_shim_and_the_header(tmp_path):
     files = _files_under(tmp_path)
     assert PACKAGE_FILES <= files, sorted(PACKAGE_FILES - files)
     assert _read(tmp_path / "ccalloc" / "include" / "ccalloc.h") == _read(HEADER)
+    assert _read(tmp_path / "ccalloc" / "include" / "ccalloc_sim.h") == _read(SIM_HEADER)
     assert _read(tmp_path / "ccalloc" / "csrc" / "torch_allocator.cpp") == _read(
         os.path.join(PYTHON_DIR, "ccalloc", "csrc", "torch_allocator.cpp")
     )
@@ -93,6 +95,7 @@ def test_cargo_step_and_wheel_tag():
                 build.ensure_finalized()
                 print(build.get_dylib_ext_path(ext, ext.name))
                 print(os.path.abspath(ext.path))
+                print(",".join(ext.features))
                 print(build._is_debug_build(ext))
                 wheel = dist.get_command_obj("bdist_wheel")
                 wheel.ensure_finalized()
@@ -106,9 +109,11 @@ def test_cargo_step_and_wheel_tag():
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    library, manifest, debug, tag = out.stdout.strip().splitlines()[-4:]
+    library, manifest, features, debug, tag = out.stdout.strip().splitlines()[-5:]
     assert library.replace(os.sep, "/").endswith("/ccalloc/libccalloc.so"), library
     assert manifest == os.path.join(REPO_DIR, "Cargo.toml")
+    # The simulated device is in the wheel: the package can be tried without a GPU.
+    assert features == "sim"
     assert debug == "False"
     python, abi, plat = tag.split("-")
     assert (python, abi) == ("py3", "none") and plat != "any", tag
@@ -150,6 +155,7 @@ def test_wheel_installs_and_runs_without_the_checkout(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
         assert _read(HEADER) == z.read("ccalloc/include/ccalloc.h")
+        assert _read(SIM_HEADER) == z.read("ccalloc/include/ccalloc_sim.h")
     assert PACKAGE_FILES | {"ccalloc/libccalloc.so"} <= names, sorted(names)
 
     env_dir = tmp_path / "venv"

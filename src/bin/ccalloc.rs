@@ -1,8 +1,8 @@
 //! `ccalloc replay FILE…`: replays allocator traces through ccalloc on the simulated device
 //! and reports what it reserved against what the trace kept live.
 
-use ccalloc::error::{human_bytes, parse_bytes};
-use ccalloc::replay::{self, plot, trace, ReplayOptions, ReplayReport};
+use ccalloc::{driver_ms_note, plot, replay, trace, ReplayOptions, ReplayReport};
+use ccalloc::{human_bytes, parse_bytes};
 use clap::{Parser, Subcommand};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -89,7 +89,7 @@ fn main() -> ExitCode {
                     }
                 };
                 for t in traces {
-                    match replay::replay(&t, &options, progress(&t.name)) {
+                    match replay(&t, &options, progress(&t.name)) {
                         Ok(r) => reports.push(r),
                         Err(e) => {
                             eprintln!("error: {}: {e}", t.name);
@@ -201,5 +201,5 @@ fn print_table(out: &mut impl Write, reports: &[ReplayReport]) -> std::io::Resul
             )?;
         }
     }
-    writeln!(out, "* {}", replay::driver_ms_note())
+    writeln!(out, "* {}", driver_ms_note())
 }

@@ -5,8 +5,8 @@
 //! Allocations go to each device's *primary context*, the one the CUDA runtime and PyTorch use.
 
 use super::{
-    Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location, PhysHandle,
-    StreamId,
+    lock, Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location,
+    PhysHandle, StreamId,
 };
 use cudarc::driver::sys;
 use std::ffi::CStr;
@@ -111,8 +111,8 @@ fn check_library() -> Result<Symbols, String> {
         "libcuda.so.1"
     };
     Err(format!(
-        "the CUDA driver library ({library}) was not found: install the NVIDIA driver, \
-         or set CCALLOC_BACKEND=sim to run on the simulated device"
+        "the CUDA driver library ({library}) was not found: install the NVIDIA driver; {}",
+        super::NO_GPU_ADVICE
     ))
 }
 
@@ -175,7 +175,21 @@ struct CudaDevice {
     rdma_capable: bool,
 }
 
-pub struct CudaDriver {
+impl CudaDevice {
+    /// Pools an event for the next `record_event`; with the pool's lock poisoned it is
+    /// left alone (leaked): destroy_event has no way to report.
+    fn give_back_event(&self, event: sys::CUevent) {
+        if let Ok(mut spare) = self.spare_events.lock() {
+            spare.push(Handle(event));
+        }
+    }
+}
+
+/// What the poisoned-lock errors of the event tables name.
+const SPARE_EVENTS: &str = "the device's pool of spare events";
+const FOREIGN_EVENTS: &str = "the table of events recorded in other contexts";
+
+pub(crate) struct CudaDriver {
     devices: Vec<CudaDevice>,
     /// Events recorded on another context's stream (a block of one device recorded on
     /// another device's stream), with that context: CUDA requires an event and the stream it
@@ -234,12 +248,13 @@ impl Drop for ContextGuard {
 }
 
 impl CudaDriver {
-    pub fn new() -> DriverResult<Self> {
+    pub(crate) fn new() -> DriverResult<Self> {
         let symbols = check_library().map_err(DriverError::Unavailable)?;
         let vmm_symbols = symbols.vmm;
         // SAFETY: the library and its symbols were checked above.
-        check("cuInit", unsafe { sys::cuInit(0) })
-            .map_err(|e| DriverError::Unavailable(format!("cuInit failed: {e}")))?;
+        check("cuInit", unsafe { sys::cuInit(0) }).map_err(|e| {
+            DriverError::Unavailable(format!("cuInit failed: {e}; {}", super::NO_GPU_ADVICE))
+        })?;
         let mut count = 0;
         // SAFETY: writes the device count.
         check("cuDeviceGetCount", unsafe {
@@ -325,7 +340,9 @@ impl CudaDriver {
 
     /// Enters the context of `event` when it was recorded on another context's stream.
     fn enter_event_context(&self, event: EventId) -> DriverResult<Option<ContextGuard>> {
-        let context = self.foreign_events.lock().unwrap().get(&event.0).copied();
+        let context = lock(&self.foreign_events, "cuEventQuery", FOREIGN_EVENTS)?
+            .get(&event.0)
+            .copied();
         context.map(|c| ContextGuard::enter(c.0)).transpose()
     }
 
@@ -510,19 +527,23 @@ impl Driver for CudaDriver {
                 unsafe { sys::cuEventDestroy_v2(event) };
                 return Err(e);
             }
-            self.foreign_events
-                .lock()
-                .unwrap()
-                .insert(event as u64, Handle(context));
+            match lock(&self.foreign_events, "cuEventRecord", FOREIGN_EVENTS) {
+                Ok(mut foreign) => foreign.insert(event as u64, Handle(context)),
+                Err(e) => {
+                    // SAFETY: the event was created above and is used nowhere.
+                    unsafe { sys::cuEventDestroy_v2(event) };
+                    return Err(e);
+                }
+            };
             return Ok(EventId(event as u64));
         }
-        let spare = d.spare_events.lock().unwrap().pop();
+        let spare = lock(&d.spare_events, "cuEventCreate", SPARE_EVENTS)?.pop();
         let event = match spare {
             Some(e) => e.0,
             None => create_event()?,
         };
         if let Err(e) = record(event, stream) {
-            d.spare_events.lock().unwrap().push(Handle(event));
+            d.give_back_event(event);
             return Err(e);
         }
         Ok(EventId(event as u64))
@@ -547,7 +568,11 @@ impl Driver for CudaDriver {
     }
 
     fn destroy_event(&self, device: usize, event: EventId) {
-        let foreign = self.foreign_events.lock().unwrap().remove(&event.0);
+        // Poisoned, whether the event is foreign is unknown: it is left alone (leaked).
+        let Ok(mut foreign) = self.foreign_events.lock() else {
+            return;
+        };
+        let foreign = foreign.remove(&event.0);
         if let Some(context) = foreign {
             if let Ok(_there) = ContextGuard::enter(context.0) {
                 // SAFETY: made by `record_event` in that context; nothing waits on it now.
@@ -556,10 +581,7 @@ impl Driver for CudaDriver {
             return;
         }
         if let Ok(d) = self.dev(device) {
-            d.spare_events
-                .lock()
-                .unwrap()
-                .push(Handle(event.0 as sys::CUevent));
+            d.give_back_event(event.0 as sys::CUevent);
         }
     }
 
@@ -712,8 +734,8 @@ impl Driver for CudaDriver {
 
     fn min_free_fence_interval(&self) -> std::time::Duration {
         // A fence costs the host an event record and, later, a query: about 2 µs on an H100
-        // (`benches/gpu/vmm_cost.cu`). Every 50 µs that was up to 4% of a free-heavy loop;
-        // every ms it is 0.2%. A GPU runs ms behind a host that queues ahead, so a growth
+        // (`benches/gpu/vmm_cost.cu`), so at most one per ms keeps it near 0.2% of a
+        // free-heavy loop. A GPU runs ms behind a host that queues ahead, so a growth
         // that must wait for a free's fence waits little longer for it being coarser, and
         // such waits are rare (a few per run in steady state: `ccalloc_get_paging_stats`).
         std::time::Duration::from_millis(1)

@@ -12,12 +12,16 @@
 //! `record_stream` is then "another stream" to the core, whose work must finish before the
 //! block is reused (the host's own accesses are not stream-ordered, unlike a device's).
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, StreamId};
+use super::{lock, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, StreamId};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// What the poisoned-lock errors of the two tables name.
+const TAGS: &str = "the host memory's table of recorded streams";
+const EVENTS: &str = "the host memory's table of events";
+
 /// The stream every host-side block is allocated on: no real stream has this handle.
-pub const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
+pub(crate) const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
 
 #[derive(Default)]
 struct Tags {
@@ -26,7 +30,7 @@ struct Tags {
     pairs: Vec<(usize, StreamId)>,
 }
 
-pub struct HostDriver {
+pub(crate) struct HostDriver {
     inner: Arc<dyn Driver>,
     kind: HostKind,
     tags: Mutex<Tags>,
@@ -35,7 +39,7 @@ pub struct HostDriver {
 }
 
 impl HostDriver {
-    pub fn new(inner: Arc<dyn Driver>, kind: HostKind) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Driver>, kind: HostKind) -> Self {
         Self {
             inner,
             kind,
@@ -44,30 +48,31 @@ impl HostDriver {
         }
     }
 
-    pub fn kind(&self) -> HostKind {
+    pub(crate) fn kind(&self) -> HostKind {
         self.kind
     }
 
     /// The stream id the allocator core uses for `stream` of `device`.
-    pub fn tag(&self, device: usize, stream: StreamId) -> StreamId {
-        let mut tags = self.tags.lock().unwrap();
+    pub(crate) fn tag(&self, device: usize, stream: StreamId) -> crate::error::Result<StreamId> {
+        let mut tags = crate::sync::lock(&self.tags, TAGS)?;
         if let Some(&tag) = tags.by_pair.get(&(device, stream)) {
-            return tag;
+            return Ok(tag);
         }
         tags.pairs.push((device, stream));
         let tag = StreamId(tags.pairs.len() as u64);
         tags.by_pair.insert((device, stream), tag);
-        tag
+        Ok(tag)
     }
 
     /// The (device, stream) a tag stands for.
-    fn untag(&self, tag: StreamId) -> Option<(usize, StreamId)> {
-        let index = usize::try_from(tag.0).ok()?.checked_sub(1)?;
-        self.tags.lock().unwrap().pairs.get(index).copied()
+    fn untag(&self, call: &'static str, tag: StreamId) -> DriverResult<Option<(usize, StreamId)>> {
+        let tags = lock(&self.tags, call, TAGS)?;
+        let index = usize::try_from(tag.0).ok().and_then(|i| i.checked_sub(1));
+        Ok(index.and_then(|i| tags.pairs.get(i).copied()))
     }
 
     fn untag_or_fail(&self, call: &'static str, tag: StreamId) -> DriverResult<(usize, StreamId)> {
-        self.untag(tag).ok_or_else(|| DriverError::Failed {
+        self.untag(call, tag)?.ok_or_else(|| DriverError::Failed {
             call,
             detail: format!(
                 "stream {:#x} is not a recorded stream of host memory",
@@ -76,22 +81,18 @@ impl HostDriver {
         })
     }
 
-    fn event_device(&self, event: EventId) -> usize {
-        self.events
-            .lock()
-            .unwrap()
-            .get(&event.0)
-            .copied()
-            .unwrap_or(0)
+    fn event_device(&self, call: &'static str, event: EventId) -> DriverResult<usize> {
+        let events = lock(&self.events, call, EVENTS)?;
+        Ok(events.get(&event.0).copied().unwrap_or(0))
     }
 
     /// Devices with a recorded stream: the only ones whose work may use these blocks.
-    fn used_devices(&self) -> Vec<usize> {
-        let tags = self.tags.lock().unwrap();
+    fn used_devices(&self, call: &'static str) -> DriverResult<Vec<usize>> {
+        let tags = lock(&self.tags, call, TAGS)?;
         let mut devices: Vec<usize> = tags.pairs.iter().map(|&(d, _)| d).collect();
         devices.sort_unstable();
         devices.dedup();
-        devices
+        Ok(devices)
     }
 }
 
@@ -119,32 +120,40 @@ impl Driver for HostDriver {
     fn record_event(&self, _device: usize, stream: StreamId) -> DriverResult<EventId> {
         let (device, stream) = self.untag_or_fail("record_event", stream)?;
         let event = self.inner.record_event(device, stream)?;
-        self.events.lock().unwrap().insert(event.0, device);
+        lock(&self.events, "record_event", EVENTS)?.insert(event.0, device);
         Ok(event)
     }
 
     fn event_done(&self, _device: usize, event: EventId) -> DriverResult<bool> {
-        self.inner.event_done(self.event_device(event), event)
+        self.inner
+            .event_done(self.event_device("event_done", event)?, event)
     }
 
     fn wait_event(&self, _device: usize, event: EventId) -> DriverResult<()> {
-        self.inner.wait_event(self.event_device(event), event)
+        self.inner
+            .wait_event(self.event_device("wait_event", event)?, event)
     }
 
     fn destroy_event(&self, _device: usize, event: EventId) {
-        let device = self.events.lock().unwrap().remove(&event.0).unwrap_or(0);
+        // Poisoned, the device is unknown: the event is left alone (leaked), never given to
+        // the wrong device.
+        let Ok(mut events) = self.events.lock() else {
+            return;
+        };
+        let device = events.remove(&event.0).unwrap_or(0);
+        drop(events);
         self.inner.destroy_event(device, event)
     }
 
     fn synchronize(&self, _device: usize) -> DriverResult<()> {
-        for device in self.used_devices() {
+        for device in self.used_devices("synchronize")? {
             self.inner.synchronize(device)?;
         }
         Ok(())
     }
 
     fn synchronize_stream(&self, _device: usize, stream: StreamId) -> DriverResult<()> {
-        match self.untag(stream) {
+        match self.untag("synchronize_stream", stream)? {
             Some((device, stream)) => self.inner.synchronize_stream(device, stream),
             // The allocation stream has no work of its own.
             None => Ok(()),

@@ -1,12 +1,46 @@
 //! The device interface the allocator drives, and its two implementations: the CUDA driver
-//! (`cuda`) and a simulated device (`sim`) for tests, replay and machines without a GPU.
+//! (`cuda`) and a simulated device (`sim`, only with the `sim` feature) for tests, replay and
+//! machines without a GPU.
 
-pub mod cuda;
-pub mod host;
-pub mod sim;
-pub mod traced;
+pub(crate) mod cuda;
+pub(crate) mod host;
+// The allocator's unit tests run on the simulated device in every build; without the `sim`
+// feature they are its only users, and use only part of it.
+#[cfg(any(test, feature = "sim"))]
+#[cfg_attr(not(feature = "sim"), allow(dead_code))]
+pub(crate) mod sim;
+pub(crate) mod traced;
+
+/// What `CCALLOC_BACKEND=sim` gets from a build without the simulated device.
+#[cfg(not(feature = "sim"))]
+pub const NO_SIM_BUILD: &str = "CCALLOC_BACKEND=sim: this ccalloc was built without the \
+     simulated device; rebuild it with `cargo build --release --features sim`, or use the \
+     Python package (`pip install ./python`), whose library includes it";
+
+/// How to go on without a usable GPU: the simulated device where this build has it, else
+/// how to get a build that has it.
+#[cfg(feature = "sim")]
+pub(crate) const NO_GPU_ADVICE: &str =
+    "to run without a GPU, set CCALLOC_BACKEND=sim (the simulated device)";
+#[cfg(not(feature = "sim"))]
+pub const NO_GPU_ADVICE: &str = "to run without a GPU, rebuild ccalloc with `--features sim` \
+     (the Python package's library has it) and set CCALLOC_BACKEND=sim";
 
 use std::fmt;
+
+/// Locks a driver's own table for `call`. Poisoned, the call fails with the poisoned-lock
+/// message (the one policy, `crate::sync`); the `Driver` interface reports it as a failed
+/// driver call, its only kind of error for a call that could not be made.
+pub(crate) fn lock<'a, T>(
+    mutex: &'a std::sync::Mutex<T>,
+    call: &'static str,
+    what: &str,
+) -> DriverResult<std::sync::MutexGuard<'a, T>> {
+    mutex.lock().map_err(|_| DriverError::Failed {
+        call,
+        detail: crate::sync::poisoned(what).message,
+    })
+}
 
 /// A device address as the driver hands it out.
 pub type DevicePtr = u64;

@@ -1,6 +1,11 @@
 //! A simulated device: real host memory behind every segment (so tests can write canaries and
 //! catch overlapping blocks), a capacity and allocation granularity, and streams whose
 //! completion tests control (a paused stream leaves its events pending until resumed or waited on).
+//!
+//! A poisoned lock: the `Driver` calls fail as every lock in ccalloc does (`super::lock`,
+//! the policy in `crate::sync`). The test controls (`counters`, `set_stream_paused`, ...)
+//! have no error channel and panic instead: only tests call them, and a test whose device
+//! state a panic poisoned has failed already.
 
 use super::{
     Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location, PhysHandle,
@@ -9,18 +14,30 @@ use super::{
 use dashmap::DashMap;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+/// A simulated device's state for a `Driver` call (`call` names it in the error).
+fn held<'a, T>(state: &'a Mutex<T>, call: &'static str) -> DriverResult<MutexGuard<'a, T>> {
+    super::lock(state, call, "the simulated device's state")
+}
+
+/// A simulated device's state for a test control.
+fn control<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
+    state
+        .lock()
+        .expect("the simulated device's state: poisoned by a panic in an earlier call")
+}
+
 /// cudaMalloc hands out whole 2 MiB pages; capacity is charged the same way here.
-pub const SIM_GRANULARITY: u64 = 2 << 20;
-pub const DEFAULT_CAPACITY: u64 = 80 << 30;
+pub(crate) const SIM_GRANULARITY: u64 = 2 << 20;
+pub(crate) const DEFAULT_CAPACITY: u64 = 80 << 30;
 /// Host memory of the simulated machine (`CCALLOC_SIM_HOST_CAPACITY`).
-pub const DEFAULT_HOST_CAPACITY: u64 = 64 << 30;
+pub(crate) const DEFAULT_HOST_CAPACITY: u64 = 64 << 30;
 /// Host allocations are charged in whole pages.
-pub const SIM_HOST_PAGE: u64 = 4 << 10;
+pub(crate) const SIM_HOST_PAGE: u64 = 4 << 10;
 /// Managed memory migrates in pages of this size (as CUDA's prefetches do, at least).
-pub const SIM_MIGRATION_PAGE: u64 = 64 << 10;
+pub(crate) const SIM_MIGRATION_PAGE: u64 = 64 << 10;
 
 /// Pinned host and managed memory of the simulated machine, as counted by the sim.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -134,7 +151,9 @@ struct SimDeviceState {
 impl SimDeviceState {
     /// Counts and refuses a call on a destroyed stream.
     fn destroyed_stream_call(&self, call: &'static str, stream: StreamId) -> DriverError {
-        self.memory.lock().unwrap().counters.destroyed_stream_calls += 1;
+        if let Ok(mut memory) = self.memory.lock() {
+            memory.counters.destroyed_stream_calls += 1;
+        }
         sim_error(call, format!("stream {:#x} was destroyed", stream.0))
     }
 }
@@ -237,12 +256,12 @@ impl SimDriver {
     }
 
     pub fn host_counters(&self) -> SimHostCounters {
-        self.host.lock().unwrap().counters.clone()
+        control(&self.host).counters.clone()
     }
 
     /// Where the managed page holding `ptr` is now.
     pub fn residence(&self, ptr: DevicePtr) -> Location {
-        let host = self.host.lock().unwrap();
+        let host = control(&self.host);
         host.away
             .get(&(ptr / SIM_MIGRATION_PAGE))
             .copied()
@@ -277,8 +296,8 @@ impl SimDriver {
     /// the check that the allocator never unmaps pages the device may still be using.
     pub fn note_use(&self, device: usize, va: DevicePtr, len: u64, stream: StreamId) {
         let Ok(d) = self.device(device) else { return };
-        let queued = d.streams.lock().unwrap().entry(stream).or_default().queued;
-        let mut memory = d.memory.lock().unwrap();
+        let queued = control(&d.streams).entry(stream).or_default().queued;
+        let mut memory = control(&d.memory);
         for g in granules(va, va + len.max(1)) {
             memory.uses.entry(g).or_default().push((stream, queued));
         }
@@ -371,7 +390,7 @@ impl SimDriver {
     pub fn counters(&self, device: usize) -> SimCounters {
         self.devices
             .get(device)
-            .map(|d| d.memory.lock().unwrap().counters)
+            .map(|d| control(&d.memory).counters)
             .unwrap_or_default()
     }
 
@@ -379,7 +398,7 @@ impl SimDriver {
     /// work. Later calls on it are refused and counted (`destroyed_stream_calls`).
     pub fn destroy_stream(&self, device: usize, stream: StreamId) {
         let Ok(d) = self.device(device) else { return };
-        let mut streams = d.streams.lock().unwrap();
+        let mut streams = control(&d.streams);
         let state = streams.entry(stream).or_default();
         state.finished = state.queued;
         state.destroyed = true;
@@ -388,7 +407,7 @@ impl SimDriver {
     /// A paused stream's events stay pending until it is resumed (or someone waits on them).
     pub fn set_stream_paused(&self, device: usize, stream: StreamId, paused: bool) {
         if let Some(d) = self.devices.get(device) {
-            let mut streams = d.streams.lock().unwrap();
+            let mut streams = control(&d.streams);
             let state = streams.entry(stream).or_default();
             state.paused = paused;
             if !paused {
@@ -402,7 +421,7 @@ impl SimDriver {
         let Some(d) = self.devices.get(device) else {
             return false;
         };
-        let memory = d.memory.lock().unwrap();
+        let memory = control(&d.memory);
         let end = ptr.saturating_add(len);
         let in_segment = memory
             .mappings
@@ -469,7 +488,7 @@ impl Driver for SimDriver {
         self.spend(|c| c.allocate);
         let d = self.device(device)?;
         let charged = round_up(size.max(1), SIM_GRANULARITY);
-        let mut memory = d.memory.lock().unwrap();
+        let mut memory = held(&d.memory, "allocate")?;
         if memory.counters.bytes_in_use + charged > d.capacity {
             memory.counters.failed_allocations += 1;
             return Err(DriverError::OutOfMemory);
@@ -487,8 +506,8 @@ impl Driver for SimDriver {
     fn release(&self, device: usize, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
         self.spend(|c| c.release);
         let d = self.device(device)?;
-        let streams = d.streams.lock().unwrap();
-        let mut memory = d.memory.lock().unwrap();
+        let streams = held(&d.streams, "release")?;
+        let mut memory = held(&d.memory, "release")?;
         let Some(&charged) = memory.mappings.get(&ptr) else {
             return Err(DriverError::Failed {
                 call: "sim release",
@@ -514,7 +533,7 @@ impl Driver for SimDriver {
     fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
         self.spend(|c| c.record_event);
         let d = self.device(device)?;
-        let mut streams = d.streams.lock().unwrap();
+        let mut streams = held(&d.streams, "record_event")?;
         let state = streams.entry(stream).or_default();
         if state.destroyed {
             drop(streams);
@@ -550,7 +569,7 @@ impl Driver for SimDriver {
                 })
             }
         };
-        let streams = d.streams.lock().unwrap();
+        let streams = held(&d.streams, "event_done")?;
         Ok(streams.get(&stream).is_some_and(|s| s.finished >= sequence))
     }
 
@@ -564,10 +583,10 @@ impl Driver for SimDriver {
                 detail: format!("unknown event {}", event.0),
             });
         };
-        let mut streams = d.streams.lock().unwrap();
+        let mut streams = held(&d.streams, "wait_event")?;
         let state = streams.entry(stream).or_default();
         state.finished = state.finished.max(sequence);
-        d.memory.lock().unwrap().counters.event_waits += 1;
+        held(&d.memory, "wait_event")?.counters.event_waits += 1;
         Ok(())
     }
 
@@ -577,23 +596,25 @@ impl Driver for SimDriver {
 
     fn synchronize(&self, device: usize) -> DriverResult<()> {
         let d = self.device(device)?;
-        for state in d.streams.lock().unwrap().values_mut() {
+        for state in held(&d.streams, "synchronize")?.values_mut() {
             state.finished = state.queued;
         }
-        d.memory.lock().unwrap().counters.synchronize_calls += 1;
+        held(&d.memory, "synchronize")?.counters.synchronize_calls += 1;
         Ok(())
     }
 
     fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
         let d = self.device(device)?;
-        let mut streams = d.streams.lock().unwrap();
+        let mut streams = held(&d.streams, "synchronize_stream")?;
         let state = streams.entry(stream).or_default();
         if state.destroyed {
             drop(streams);
             return Err(d.destroyed_stream_call("synchronize_stream", stream));
         }
         state.finished = state.queued;
-        d.memory.lock().unwrap().counters.stream_synchronize_calls += 1;
+        held(&d.memory, "synchronize_stream")?
+            .counters
+            .stream_synchronize_calls += 1;
         Ok(())
     }
 
@@ -622,7 +643,7 @@ impl Driver for SimDriver {
     fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
         let charged = round_up(size.max(1), SIM_HOST_PAGE);
         let limit = self.host_memory(kind)?;
-        let mut host = self.host.lock().unwrap();
+        let mut host = held(&self.host, "host_allocate")?;
         let c = &mut host.counters;
         // Pinned memory cannot be paged out: what is pinned is gone for managed memory.
         let (used, limit) = match kind {
@@ -654,7 +675,7 @@ impl Driver for SimDriver {
     }
 
     fn host_release(&self, kind: HostKind, ptr: DevicePtr, _size: u64) -> DriverResult<()> {
-        let mut host = self.host.lock().unwrap();
+        let mut host = held(&self.host, "host_release")?;
         let charged = match host.mappings.get(&ptr) {
             Some(&(k, charged)) if k == kind => charged,
             _ => {
@@ -703,7 +724,7 @@ impl Driver for SimDriver {
         {
             return Err(d.destroyed_stream_call("prefetch", stream));
         }
-        let mut host = self.host.lock().unwrap();
+        let mut host = held(&self.host, "prefetch")?;
         if size == 0 || !Self::managed_range_ok(&host, ptr, size) {
             return Err(sim_error(
                 "prefetch",
@@ -735,7 +756,7 @@ impl Driver for SimDriver {
         location: Location,
     ) -> DriverResult<()> {
         self.check_location("advise", location)?;
-        let mut host = self.host.lock().unwrap();
+        let mut host = held(&self.host, "advise")?;
         if size == 0 || !Self::managed_range_ok(&host, ptr, size) {
             return Err(sim_error(
                 "advise",
@@ -756,7 +777,7 @@ impl Driver for SimDriver {
             return Err(sim_error("reserve_address", format!("bad size {size}")));
         }
         let ptr = host::reserve(size).ok_or_else(|| sim_error("reserve_address", "mmap failed"))?;
-        let mut memory = d.memory.lock().unwrap();
+        let mut memory = held(&d.memory, "reserve_address")?;
         memory.reservations.insert(ptr, size);
         memory.counters.reserve_calls += 1;
         memory.counters.live_reservations += 1;
@@ -765,7 +786,7 @@ impl Driver for SimDriver {
 
     fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
         let d = self.device(device)?;
-        let mut memory = d.memory.lock().unwrap();
+        let mut memory = held(&d.memory, "free_address")?;
         if memory.reservations.get(&ptr) != Some(&size) {
             return Err(sim_error(
                 "free_address",
@@ -793,7 +814,7 @@ impl Driver for SimDriver {
                 format!("{size} bytes is not a whole number of granules"),
             ));
         }
-        let mut memory = d.memory.lock().unwrap();
+        let mut memory = held(&d.memory, "create_physical")?;
         if memory.counters.bytes_in_use + size > d.capacity {
             memory.counters.failed_allocations += 1;
             return Err(DriverError::OutOfMemory);
@@ -838,7 +859,7 @@ impl Driver for SimDriver {
     fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
         self.spend(|c| c.release_physical);
         let d = self.device(device)?;
-        let mut memory = d.memory.lock().unwrap();
+        let mut memory = held(&d.memory, "release_physical")?;
         match memory.live_slots.get(&handle.0) {
             None => {
                 return Err(sim_error(
@@ -875,7 +896,7 @@ impl Driver for SimDriver {
     fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         self.spend(|c| c.map);
         let d = self.device(device)?;
-        let mut memory = d.memory.lock().unwrap();
+        let mut memory = held(&d.memory, "map")?;
         let inside = memory
             .reservations
             .iter()
@@ -908,7 +929,7 @@ impl Driver for SimDriver {
     fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         // Mappings are read/write already; check the range is wholly mapped, as CUDA requires.
         let d = self.device(device)?;
-        let memory = d.memory.lock().unwrap();
+        let memory = held(&d.memory, "set_access")?;
         let all_mapped = (va..va + size)
             .step_by(SIM_GRANULARITY as usize)
             .all(|g| memory.mapped.contains_key(&g));
@@ -920,23 +941,23 @@ impl Driver for SimDriver {
         }
         let mappings = mappings_in(&memory, va, size);
         drop(memory);
-        // On an H100 the call costs about as much per mapping in the range as for one alone
-        // (16 one-page mappings: 669 µs against 75 µs for one; `vmm_cost_h100.txt`).
+        // On a GPU the call costs about as much per mapping in the range as for one alone
+        // (`benches/gpu/vmm_cost.cu` measures it).
         self.spend(|c| c.set_access * mappings);
         Ok(())
     }
 
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
-        // Per mapping, as `set_access` (16 one-page mappings in one call: 470 µs against 28).
+        // Per mapping, as `set_access`.
         let mappings = {
             let d = self.device(device)?;
-            let memory = d.memory.lock().unwrap();
+            let memory = held(&d.memory, "unmap")?;
             mappings_in(&memory, va, size).max(1)
         };
         self.spend(|c| c.unmap * mappings);
         let d = self.device(device)?;
-        let streams = d.streams.lock().unwrap();
-        let mut memory = d.memory.lock().unwrap();
+        let streams = held(&d.streams, "unmap")?;
+        let mut memory = held(&d.memory, "unmap")?;
         for g in granules(va, va + size.max(1)) {
             check_unused(&streams, &memory, g, "unmap")?;
         }
@@ -978,11 +999,16 @@ impl Driver for SimDriver {
 
 impl Drop for SimDriver {
     fn drop(&mut self) {
-        for (&ptr, &(_, size)) in &self.host.lock().unwrap().mappings {
-            host::unmap(ptr, size);
+        // A poisoned table is left alone (its mappings leak): a drop cannot report.
+        if let Ok(table) = self.host.lock() {
+            for (&ptr, &(_, size)) in &table.mappings {
+                host::unmap(ptr, size);
+            }
         }
         for d in &self.devices {
-            let memory = d.memory.lock().unwrap();
+            let Ok(memory) = d.memory.lock() else {
+                continue;
+            };
             for (&ptr, &size) in memory.mappings.iter().chain(memory.reservations.iter()) {
                 host::unmap(ptr, size);
             }
@@ -1017,7 +1043,7 @@ mod host {
         unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
     }
 
-    pub fn map(size: u64) -> Option<u64> {
+    pub(super) fn map(size: u64) -> Option<u64> {
         let len = usize::try_from(size).ok()?;
         // SAFETY: a fresh anonymous private mapping; no existing memory is affected.
         let ptr = unsafe {
@@ -1037,7 +1063,7 @@ mod host {
         Some(ptr as u64)
     }
 
-    pub fn unmap(ptr: u64, size: u64) {
+    pub(super) fn unmap(ptr: u64, size: u64) {
         // SAFETY: `ptr`/`size` describe a mapping made by `map` and removed from the table first.
         unsafe {
             libc::munmap(ptr as *mut libc::c_void, size as usize);
@@ -1045,7 +1071,7 @@ mod host {
     }
 
     /// Address space with no access, standing in for a reserved device range.
-    pub fn reserve(size: u64) -> Option<u64> {
+    pub(super) fn reserve(size: u64) -> Option<u64> {
         let len = usize::try_from(size).ok()?;
         // SAFETY: a fresh inaccessible mapping; no existing memory is affected.
         let ptr = unsafe {
@@ -1062,7 +1088,7 @@ mod host {
     }
 
     /// Puts an inaccessible reservation back over `[ptr, ptr+size)` (an unmapped granule).
-    pub fn reserve_at(ptr: u64, size: u64) {
+    pub(super) fn reserve_at(ptr: u64, size: u64) {
         // SAFETY: the range lies inside a reservation of ours; MAP_FIXED replaces only it.
         unsafe {
             libc::mmap(
@@ -1078,12 +1104,12 @@ mod host {
 
     /// The device's physical memory: a sparse memory file; granules are offsets in it, so
     /// data follows a granule from one mapping to the next, as on a GPU.
-    pub struct PhysicalFile {
+    pub(super) struct PhysicalFile {
         fd: libc::c_int,
     }
 
     impl PhysicalFile {
-        pub fn new(capacity: u64) -> Option<Self> {
+        pub(super) fn new(capacity: u64) -> Option<Self> {
             // SAFETY: plain system calls on a fresh file descriptor.
             unsafe {
                 let fd = libc::memfd_create(c"ccalloc-sim-physical".as_ptr(), libc::MFD_CLOEXEC);
@@ -1100,7 +1126,7 @@ mod host {
 
         /// Grows the file to at least `len` bytes (freed runs that no new handle fits can
         /// leave the slots in use spread wider than the capacity).
-        pub fn ensure_len(&self, len: u64) -> bool {
+        pub(super) fn ensure_len(&self, len: u64) -> bool {
             // SAFETY: fstat/ftruncate on our own descriptor.
             unsafe {
                 let mut st: libc::stat = std::mem::zeroed();
@@ -1111,7 +1137,7 @@ mod host {
             }
         }
 
-        pub fn map_at(&self, va: u64, offset: u64, size: u64) -> bool {
+        pub(super) fn map_at(&self, va: u64, offset: u64, size: u64) -> bool {
             // SAFETY: `va` is a granule inside one of our reservations; MAP_FIXED replaces it.
             let ptr = unsafe {
                 libc::mmap(
@@ -1131,7 +1157,7 @@ mod host {
         }
 
         /// Gives a released granule's pages back to the host.
-        pub fn discard(&self, offset: u64, size: u64) {
+        pub(super) fn discard(&self, offset: u64, size: u64) {
             // SAFETY: punches a hole in our own file.
             unsafe {
                 libc::fallocate(

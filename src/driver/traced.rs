@@ -11,12 +11,12 @@ use crate::history::{self, Action};
 use std::sync::Arc;
 use std::time::Duration;
 
-pub struct Traced {
+pub(crate) struct Traced {
     inner: Arc<dyn Driver>,
 }
 
 impl Traced {
-    pub fn new(inner: Arc<dyn Driver>) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Driver>) -> Self {
         Self { inner }
     }
 }

@@ -18,7 +18,7 @@ const MESSAGE_GONE: &std::ffi::CStr =
 /// Stores this thread's last error message. During thread exit, once the thread-local is
 /// destroyed, the message is dropped (the status code still says what failed): a panic here
 /// would abort the host.
-pub fn set_last_error(message: &str) {
+pub(crate) fn set_last_error(message: &str) {
     let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|slot| {
         if let Ok(mut slot) = slot.try_borrow_mut() {
@@ -28,7 +28,7 @@ pub fn set_last_error(message: &str) {
 }
 
 /// The current thread's last error message; valid until its next failing ccalloc call.
-pub fn last_error_ptr() -> *const c_char {
+pub(crate) fn last_error_ptr() -> *const c_char {
     LAST_ERROR
         .try_with(|slot| slot.borrow().as_ptr())
         .unwrap_or(MESSAGE_GONE.as_ptr())
@@ -50,7 +50,7 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// `CCALLOC_DRIVER_UNAVAILABLE` (`runtime::FORKED_MESSAGE`), before any lock is taken or
 /// anything is logged: a parent thread that held a lock at the fork does not exist in the
 /// child, and would never release it.
-pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
+pub(crate) fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
     if crate::runtime::is_forked_child() {
         set_last_error(crate::runtime::FORKED_MESSAGE);
         return ccalloc_status::CCALLOC_DRIVER_UNAVAILABLE;
@@ -80,7 +80,7 @@ pub fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
 }
 
 /// An error for a null or out-of-range argument.
-pub fn invalid(message: impl Into<String>) -> Error {
+pub(crate) fn invalid(message: impl Into<String>) -> Error {
     Error::new(ErrorKind::InvalidArgument, message)
 }
 

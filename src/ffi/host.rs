@@ -221,29 +221,3 @@ pub extern "C" fn ccalloc_advise(
         runtime::global()?.advise(ptr as DevicePtr, size as u64, advice, device as i64)
     })
 }
-
-/// Sim backend only: prefetches queued to `device` (-1: the host) and the bytes they moved
-/// (pages already there move nothing; managed memory starts on the host).
-#[no_mangle]
-pub extern "C" fn ccalloc_sim_prefetches(
-    device: i32,
-    out_count: *mut u64,
-    out_bytes: *mut u64,
-) -> ccalloc_status {
-    guard(|| {
-        require_out(out_count, "out_count")?;
-        require_out(out_bytes, "out_bytes")?;
-        let sim = runtime::global()?.sim().ok_or_else(|| {
-            Error::new(
-                ErrorKind::InvalidArgument,
-                "this call needs the sim backend (CCALLOC_BACKEND=sim)",
-            )
-        })?;
-        let c = sim.host_counters();
-        let key = i64::from(device);
-        let count = c.prefetches.get(&key).copied().unwrap_or(0);
-        let bytes = c.migrated_bytes.get(&key).copied().unwrap_or(0);
-        write_out(out_count, "out_count", count)?;
-        write_out(out_bytes, "out_bytes", bytes)
-    })
-}

@@ -119,10 +119,7 @@ pub extern "C" fn ccalloc_record_history(
     max_entries: usize,
     clear: bool,
 ) -> ccalloc_status {
-    guard(|| {
-        history::set_recording(enabled, max_entries, clear);
-        Ok(())
-    })
+    guard(|| history::set_recording(enabled, max_entries, clear))
 }
 
 /// Whether the allocation history is being recorded. Never fails.
@@ -142,7 +139,7 @@ pub extern "C" fn ccalloc_set_trace_context(context: u64) {
 /// keeps for events before it.
 #[no_mangle]
 pub extern "C" fn ccalloc_history_oldest_seq(out_seq: *mut u64) -> ccalloc_status {
-    guard(|| write_out(out_seq, "out_seq", history::oldest_seq()))
+    guard(|| write_out(out_seq, "out_seq", history::oldest_seq()?))
 }
 
 /// Called with each segment event (`ccalloc_set_segment_observer`); `ctx` is the caller's.
@@ -191,8 +188,7 @@ pub extern "C" fn ccalloc_add_segment_observer(
     guard(|| {
         let call = observer.ok_or_else(|| invalid("observer is NULL"))?;
         let foreign = ForeignObserver { call, ctx };
-        history::observe_segments(Box::new(move |e| foreign.notify(e)));
-        Ok(())
+        history::observe_segments(Box::new(move |e| foreign.notify(e)))
     })
 }
 

@@ -3,10 +3,12 @@
 //! message for `ccalloc_last_error()` on failure.
 #![allow(clippy::missing_safety_doc)]
 
-pub mod boundary;
-pub mod host;
-pub mod memory;
-pub mod types;
+pub(crate) mod boundary;
+pub(crate) mod host;
+pub(crate) mod memory;
+#[cfg(feature = "sim")]
+pub(crate) mod sim;
+pub(crate) mod types;
 
 use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, ErrorKind};
@@ -38,6 +40,8 @@ fn for_devices(
 
 /// Starts ccalloc: backend from `CCALLOC_BACKEND` (`cuda` default, or `sim`), settings from
 /// `CCALLOC_CONF`. Calling it again while running does nothing and returns `CCALLOC_OK`.
+/// `sim` needs a library built with the simulated device (cargo feature `sim`; the Python
+/// package's has it): without it, `CCALLOC_CONFIG_ERROR`.
 #[no_mangle]
 pub extern "C" fn ccalloc_init() -> ccalloc_status {
     guard(|| runtime::init_global().map(|_| ()))
@@ -279,42 +283,6 @@ pub extern "C" fn ccalloc_reset_peak_stats(device: i32) -> ccalloc_status {
 #[no_mangle]
 pub extern "C" fn ccalloc_reset_accumulated_stats(device: i32) -> ccalloc_status {
     guard(|| for_devices(device, |d| d.reset_accumulated_stats()))
-}
-
-/// Sim backend only: a paused stream's recorded events stay incomplete until resumed.
-#[no_mangle]
-pub extern "C" fn ccalloc_sim_pause_stream(
-    device: i32,
-    stream: cudaStream_t,
-    paused: bool,
-) -> ccalloc_status {
-    guard(|| {
-        let rt = runtime::global()?;
-        rt.device(device as i64)?;
-        sim_of(rt)?.set_stream_paused(device as usize, stream_of(stream), paused);
-        Ok(())
-    })
-}
-
-/// Sim backend only: bytes the simulated device has handed to ccalloc and not taken back.
-#[no_mangle]
-pub extern "C" fn ccalloc_sim_device_bytes(device: i32, out_bytes: *mut u64) -> ccalloc_status {
-    guard(|| {
-        require_out(out_bytes, "out_bytes")?;
-        let rt = runtime::global()?;
-        rt.device(device as i64)?;
-        let bytes = sim_of(rt)?.counters(device as usize).bytes_in_use;
-        write_out(out_bytes, "out_bytes", bytes)
-    })
-}
-
-fn sim_of(rt: &Runtime) -> Result<&crate::driver::sim::SimDriver, Error> {
-    rt.sim().ok_or_else(|| {
-        Error::new(
-            ErrorKind::InvalidArgument,
-            "this call needs the sim backend (CCALLOC_BACKEND=sim)",
-        )
-    })
 }
 
 /// `torch.cuda.memory.CUDAPluggableAllocator`'s allocation function. Starts ccalloc on first

@@ -105,8 +105,7 @@ impl ReplayReport {
 /// What the counted driver calls would cost the host on an H100, in ms (the sim's own calls
 /// are host mmaps). Per call, measured by `benches/gpu/vmm_cost.cu` (handles of 1 to 4
 /// pages: cuMemMap 1–2 µs plus cuMemSetAccess 45 µs, cuMemUnmap 22–29 µs, cuMemCreate
-/// 20–25 µs, cuMemRelease 17–29 µs) and in shared/README.md (a cudaMalloc+cudaFree pair,
-/// 64 µs).
+/// 20–25 µs, cuMemRelease 17–29 µs), and a cudaMalloc+cudaFree pair at 64 µs.
 fn h100_driver_ms(c: &SimCounters) -> f64 {
     let us = c.maps as f64 * MAP_AND_GRANT_US
         + c.unmaps as f64 * UNMAP_US

@@ -15,11 +15,11 @@ use std::collections::HashMap;
 /// Longest integer argument read, in digits (INT, LONG) or bytes (LONG1, LONG4); also the
 /// longest FLOAT. The decoder parses a LONG's digits in quadratic time; a snapshot's
 /// integers (addresses, sizes, times) have at most 20 digits.
-pub const MAX_NUMBER_LEN: usize = 64;
+pub(super) const MAX_NUMBER_LEN: usize = 64;
 
 /// Most MARKs open at once: the decoder gives each a stack of 128 slots. A pickler opens
 /// one per container being written, so this is far deeper than a snapshot nests.
-pub const MAX_OPEN_MARKS: usize = 1024;
+pub(super) const MAX_OPEN_MARKS: usize = 1024;
 
 /// What a pickle stack slot holds: a mark, a scalar (with what it weighs: see
 /// `scalar_weight`), or container `id`.
@@ -49,7 +49,7 @@ struct Graph {
 
 /// The shape of a decoded pickle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Shape {
+pub(super) struct Shape {
     /// The deepest nesting of containers (lists, dicts, tuples, sets, objects).
     pub depth: usize,
     /// The elements (containers and scalars, memo references counted in full) of the value
@@ -163,7 +163,7 @@ impl<'a> Reader<'a> {
 /// The shape of the value the pickle decodes to, or why it is not read (the decoder would
 /// refuse it too, or it holds a number longer than `MAX_NUMBER_LEN` or more than
 /// `MAX_OPEN_MARKS` marks open at once).
-pub fn scan(raw: &[u8]) -> Result<Shape, String> {
+pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
     let mut r = Reader { raw, at: 0 };
     let mut graph = Graph::default();
     let mut stack: Vec<Slot> = Vec::new();

@@ -8,14 +8,14 @@ use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAcces
 use std::fmt;
 
 /// The snapshot's top level: a dict (with its device traces, if any) or something else.
-pub enum Top {
+pub(super) enum Top {
     NotDict,
     Snapshot(Option<Vec<Option<Vec<Entry>>>>),
 }
 
 /// One trace entry's fields; those missing, or of another type, are None.
 #[derive(Default)]
-pub struct Entry {
+pub(super) struct Entry {
     pub action: Option<String>,
     pub addr: Option<i64>,
     pub size: Option<i64>,

@@ -22,14 +22,14 @@
  * Output: one line per check ("PASS  ..." or "FAIL  ... [test_api.c:LINE]"), section headers
  * starting with "==", and a last line "N passed, M failed". Exit status 1 when any check failed.
  *
- * This file is also compiled as C++ (g++ -x c++) to prove the header is C++-clean, so it
+ * This file is also compiled as C++ (g++ -x c++) to prove the headers are C++-clean, so it
  * avoids C-only constructs (implicit void* conversions, designated initializers, VLAs). */
 
 #ifndef _POSIX_C_SOURCE
 #define _POSIX_C_SOURCE 200809L
 #endif
 
-#include "ccalloc.h"
+#include "ccalloc_sim.h"
 
 #include <inttypes.h>
 #include <math.h>

@@ -1,9 +1,9 @@
 //! Shared by the integration tests that include it (`mod common;`); each uses only part.
 #![allow(dead_code)]
 
-use ccalloc::driver::sim::SimDriver;
-use ccalloc::driver::{DevicePtr, Driver, DriverResult, EventId, PhysHandle};
+use ccalloc::SimDriver;
 use ccalloc::StreamId;
+use ccalloc::{DevicePtr, Driver, DriverResult, EventId, PhysHandle};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -175,7 +175,7 @@ impl FaultDriver {
         if let Some(i) = faults.iter().position(|&f| f == (kind, n)) {
             faults.remove(i);
             self.hits.lock().unwrap().push((kind, n));
-            return Err(ccalloc::driver::DriverError::Failed {
+            return Err(ccalloc::DriverError::Failed {
                 call: name,
                 detail: format!("injected failure of call {n}"),
             });
