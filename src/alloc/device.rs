@@ -17,7 +17,7 @@
 //! lookup reads the filled ones. A process with more streams than slots shares the last
 //! slots' shards among the extra streams (a shard serves any number of streams).
 
-use super::caches::{PoolId, RouteFilter};
+use super::core::free_lists::{PoolId, RouteFilter};
 use super::front::{self, Fronts, GiveBack};
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;

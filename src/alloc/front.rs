@@ -29,7 +29,7 @@
 //! it frees or records on a stream. Fronts serve devices with one shard (the default); with
 //! `per_stream_shards` each stream's shard already has its own lock.
 
-use super::blocks::BlockId;
+use super::core::blocks::BlockId;
 use super::sizing::PoolKind;
 use super::stats::DeviceStats;
 use crate::driver::{DevicePtr, StreamId};

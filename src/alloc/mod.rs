@@ -7,25 +7,23 @@
 //! there), `release` the slow path that gives memory back, `pools` the private pools.
 #![forbid(unsafe_code)]
 
-pub mod blocks;
-pub mod caches;
+mod core;
 mod device;
 mod front;
 mod paged;
 pub mod pools;
 mod release;
 mod restore;
-mod size_index;
 pub mod sizing;
 mod state;
 pub mod stats;
 
+pub use self::core::{blocks, free_lists as caches};
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
 use crate::sync::{Guard, SpinThenBlock};
-use blocks::{BlockId, BlockState};
-use caches::PoolId;
+use blocks::{BlockId, BlockState, PoolId};
 pub use device::DeviceAllocator;
 pub use restore::{Restored, SavedBlock};
 use sizing::PoolKind;
@@ -599,7 +597,7 @@ impl Shard {
 
     /// Whether `pool` is known here (a window was opened for it while this shard existed).
     fn knows_pool(&self, pool: PoolId) -> Result<bool> {
-        Ok(self.lock()?.caches.private.contains_key(&pool))
+        Ok(self.lock()?.caches.knows_pool(pool))
     }
 
     /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).

@@ -16,7 +16,7 @@
 //! (`State::take_cached`) prefers places whose pages are mapped, since each move costs tens
 //! of microseconds of driver calls (see `benches/gpu/vmm_cost.cu`).
 
-use super::blocks::{Block, BlockState};
+use super::core::blocks::{Block, BlockState};
 use super::sizing::PoolKind;
 use super::state::{Fence, Segment, State};
 use super::{driver_error, Shard};
@@ -432,7 +432,7 @@ impl Shard {
                 return Ok(false);
             }
         };
-        let cached_at = st.caches.list(None, pool).lookups;
+        let cached_at = st.caches.list(None, pool).lookups();
         let id = st.blocks.insert(Block {
             addr: base,
             size,
@@ -1131,7 +1131,7 @@ fn reclaim_candidates(
     let mut steps = 0u64;
     let mut clean = Vec::new();
     for pool in [PoolKind::Large, PoolKind::Small] {
-        let list = &st.caches.general[pool as usize];
+        let list = st.caches.general(pool);
         let start = ranges.len();
         for &(stream, _) in dirty.iter().filter(|(_, p)| *p == pool) {
             ranges.extend(

@@ -1,8 +1,8 @@
 //! The slow path's other half: giving memory back to the driver (cache flushes, garbage
 //! collection, the OOM retries) and turning completed cross-stream events into cached blocks.
 
-use super::blocks::BlockId;
-use super::caches::PoolId;
+use super::core::blocks::BlockId;
+use super::core::free_lists::PoolId;
 use super::sizing::PoolKind;
 use super::state::{AwaitingEvents, State};
 use super::{driver_error, Shard};
@@ -42,7 +42,7 @@ impl Shard {
             return Ok(false);
         }
         let wanted = rounded.max(max_split);
-        let large = &st.caches.general[PoolKind::Large as usize];
+        let large = st.caches.general(PoolKind::Large);
         let one = large
             .best_fit(stream, wanted)
             .map(|(_, id)| id)
@@ -284,8 +284,8 @@ impl Shard {
             return Ok(());
         }
         let target = reserved - threshold;
-        let large = &st.caches.general[PoolKind::Large as usize];
-        let now = large.lookups;
+        let large = st.caches.general(PoolKind::Large);
+        let now = large.lookups();
         let mut candidates: Vec<(u64, BlockId)> = large
             .ids()
             .filter(|&id| st.blocks.get(id).is_whole_plain_segment())

@@ -9,8 +9,8 @@
 //! then gives back the saved addresses. A pool with a block still awaiting another
 //! stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
 
-use super::blocks::{BlockId, BlockState};
-use super::caches::PoolId;
+use super::core::blocks::{BlockId, BlockState};
+use super::core::free_lists::PoolId;
 use super::state::State;
 use super::Shard;
 use crate::driver::DevicePtr;

@@ -1,8 +1,9 @@
 //! The bookkeeping behind one device's allocator, mutated only under its lock: blocks,
 //! segments, caches and stats. Nothing here talks to the driver.
 
-use super::blocks::{Block, BlockArena, BlockId, BlockState};
-use super::caches::{Caches, PoolId};
+use super::core::blocks::PoolId;
+use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
+use super::core::free_lists::Caches;
 use super::front::Fronts;
 use super::paged::PagedSegment;
 use super::sizing::{self, PoolKind};
@@ -264,7 +265,7 @@ impl State {
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
         let list = self.caches.list(owner, pool);
-        list.lookups += 1;
+        list.count_lookup();
         let (found, mut id) = if self.config.expandable_segments {
             list.best_fit(stream, rounded)?
         } else {
@@ -433,8 +434,8 @@ impl State {
                 oversize,
             },
         );
-        if let Some(p) = owner.and_then(|o| self.caches.private.get_mut(&o)) {
-            p.segments += 1;
+        if let Some(owner) = owner {
+            self.caches.add_pool_segment(owner);
         }
         self.add_reserved(pool, size);
         let s = &mut self.stats;
@@ -456,15 +457,7 @@ impl State {
             .expect("a whole block is its segment");
         self.forget_used(block.addr, block.end());
         if let Some(owner) = block.owner {
-            let pool = self
-                .caches
-                .private
-                .get_mut(&owner)
-                .expect("owner pool exists");
-            pool.segments -= 1;
-            if self.caches.pool_removable(owner) {
-                self.caches.private.remove(&owner);
-            }
+            self.caches.remove_pool_segment(owner);
         }
         self.sub_reserved(block.pool, block.size);
         let s = &mut self.stats;
@@ -502,7 +495,7 @@ impl State {
         } else if paged {
             block.size - rounded >= sizing::MIN_BLOCK_SIZE
         } else {
-            sizing::should_split(pool, block.size, rounded, &self.config)
+            sizing::should_split(pool, block.size, rounded, self.config.max_split_size)
         };
         if split {
             let rest = block.free_piece(
@@ -510,7 +503,7 @@ impl State {
                 block.size - rounded,
                 Some(id),
                 block.next,
-                self.caches.list_ref(owner, pool).lookups,
+                self.caches.list_ref(owner, pool).lookups(),
             );
             let rest_size = rest.size;
             let rest_id = self.blocks.insert(rest);
@@ -772,7 +765,7 @@ impl State {
         let block = self.blocks.get_mut(id);
         block.state = BlockState::Free;
         block.requested = 0;
-        block.cached_at = list.lookups;
+        block.cached_at = list.lookups();
         list.insert(block, id);
         if block.is_split() {
             net_blocks += 1;
@@ -823,11 +816,8 @@ impl State {
 
     /// Total cached free bytes and the largest cached block.
     pub fn cached_free(&self) -> (u64, u64) {
-        let private = self.caches.private.values().flat_map(|p| p.lists.iter());
         self.caches
-            .general
-            .iter()
-            .chain(private)
+            .all_lists()
             .flat_map(|l| l.ids())
             .map(|id| self.held_bytes(id))
             .fold((0, 0), |(sum, max), s| (sum + s, max.max(s)))

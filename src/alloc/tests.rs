@@ -1,6 +1,6 @@
 //! Unit tests of the allocator's behaviour on the simulated device.
 
-use super::blocks::BlockState;
+use super::core::blocks::BlockState;
 use super::sizing::{LARGE_BUFFER, SMALL_BUFFER};
 use super::*;
 use crate::driver::sim::SimDriver;
@@ -1060,10 +1060,9 @@ fn empty_cache_forgets_the_free_lists_of_streams_with_nothing_cached() {
     }
     let indexed = |a: &DeviceAllocator| {
         a.sum_over_states(|st| {
-            st.caches
-                .general
+            [PoolKind::Small, PoolKind::Large]
                 .iter()
-                .map(|l| l.indexed_streams())
+                .map(|&p| st.caches.general(p).indexed_streams())
                 .sum::<usize>()
         })
     };

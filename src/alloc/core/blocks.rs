@@ -1,12 +1,12 @@
-//! Blocks (pieces of a device segment), the arena that owns them, and the free lists that
-//! find the best cached fit per (stream, size).
+//! Blocks (pieces of a device segment) and the arena that owns them, addressed by `BlockId`.
 
-use super::caches::PoolId;
-use super::size_index::SizeIndex;
 use super::sizing::PoolKind;
 use crate::driver::{DevicePtr, StreamId};
 
 pub type BlockId = u32;
+
+/// PyTorch's `MempoolId_t`: a pair of integers naming a private pool.
+pub type PoolId = (u64, u64);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockState {
@@ -125,88 +125,5 @@ impl BlockArena {
 
     pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id as usize].as_mut().expect("block id is live")
-    }
-}
-
-/// The cached free blocks of one pool: per stream, a `SizeIndex` ordered by (size, address)
-/// for best fit.
-#[derive(Default)]
-pub struct FreeList {
-    streams: rustc_hash::FxHashMap<StreamId, SizeIndex>,
-    /// Counts lookups; a cached block's age is `lookups - block.cached_at`.
-    pub lookups: u64,
-}
-
-impl FreeList {
-    pub fn insert(&mut self, block: &Block, id: BlockId) {
-        let fresh = self
-            .streams
-            .entry(block.stream)
-            .or_default()
-            .insert(block.size, block.addr, id);
-        debug_assert!(fresh, "block cached twice");
-    }
-
-    pub fn remove(&mut self, block: &Block) {
-        let removed = self
-            .streams
-            .get_mut(&block.stream)
-            .and_then(|index| index.remove(block.size, block.addr));
-        debug_assert!(removed.is_some(), "removed a block that was not cached");
-    }
-
-    /// The smallest cached block on `stream` of at least `size` bytes.
-    pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
-        self.fits(stream, size).next()
-    }
-
-    /// Cached blocks on `stream` of at least `size` bytes, smallest first.
-    pub fn fits(&self, stream: StreamId, size: u64) -> impl Iterator<Item = (u64, BlockId)> + '_ {
-        self.streams
-            .get(&stream)
-            .into_iter()
-            .flat_map(move |index| index.fits(size))
-    }
-
-    /// The largest cached block on `stream`, if it holds at least `size` bytes.
-    pub fn largest_fit(&self, stream: StreamId, size: u64) -> Option<BlockId> {
-        self.streams.get(&stream)?.largest_fit(size)
-    }
-
-    /// Cached blocks on `stream` of at least `min_size`, largest first.
-    pub fn largest_first(&self, stream: StreamId, min_size: u64) -> Vec<BlockId> {
-        self.streams
-            .get(&stream)
-            .map(|index| index.largest_first(min_size))
-            .unwrap_or_default()
-    }
-
-    /// Drops the indexes of streams with no block cached.
-    pub fn prune(&mut self) {
-        self.streams.retain(|_, index| !index.is_empty());
-    }
-
-    /// Streams with an index (tests).
-    pub fn indexed_streams(&self) -> usize {
-        self.streams.len()
-    }
-
-    /// The cached blocks of `stream`, by size, then address.
-    pub fn ids_of(&self, stream: StreamId) -> impl Iterator<Item = BlockId> + '_ {
-        self.streams
-            .get(&stream)
-            .into_iter()
-            .flat_map(|index| index.ids())
-    }
-
-    /// Every cached block, by stream, then size, then address.
-    pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
-        let mut streams: Vec<_> = self
-            .streams
-            .iter()
-            .filter(|(_, index)| !index.is_empty())
-            .collect();
-        streams.sort_unstable_by_key(|(stream, _)| **stream);
-        streams.into_iter().flat_map(|(_, index)| index.ids())
     }
 }
