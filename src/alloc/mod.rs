@@ -10,10 +10,11 @@
 mod core;
 mod device;
 mod front;
-mod paged;
+mod paging;
 pub mod pools;
 mod release;
 mod restore;
+mod shard;
 pub mod sizing;
 mod state;
 pub mod stats;
@@ -554,16 +555,7 @@ impl Shard {
     /// Whether a fence due at a free on `stream` may be recorded now: at most one per
     /// `free_fence_interval` and stream (the clock is read only when one is due).
     fn free_fence_allowed(&self, st: &mut State, stream: StreamId) -> bool {
-        if self.free_fence_interval.is_zero() {
-            return true;
-        }
-        let now = std::time::Instant::now();
-        let last = st.last_free_fence.entry(stream).or_insert(now);
-        if *last != now && now.duration_since(*last) < self.free_fence_interval {
-            return false;
-        }
-        *last = now;
-        true
+        st.fences.allow_free_fence(stream, self.free_fence_interval)
     }
 
     /// Marks a live block as used on `stream` too: on free it is reused only after the work

@@ -148,8 +148,7 @@ impl Shard {
         self.driver
             .synchronize(self.device)
             .map_err(|e| driver_error(self.device, e))?;
-        st.synced_seq = st.free_seq;
-        self.retire_all_fences(st);
+        self.fences_synced(st);
         Ok(())
     }
 

@@ -5,27 +5,21 @@ use super::core::blocks::PoolId;
 use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
 use super::front::Fronts;
-use super::paged::PagedSegment;
+use super::paging::budget::MoveClock;
+use super::paging::fences::Fences;
+use super::paging::table::{segment_at, PagedSegment, Spare};
 use super::sizing::{self, PoolKind};
 use super::stats::{DeviceReserved, DeviceStats};
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use crate::error::{Error, ErrorKind};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 /// A block freed while other streams may still use it; reusable once every event completes.
 pub struct AwaitingEvents {
     pub block: BlockId,
     pub events: Vec<EventId>,
-}
-
-/// An event recorded on `stream` after `seq` frees: once it completes, pages of that
-/// stream's segments last used by blocks freed up to then can be unmapped without waiting.
-pub struct Fence {
-    pub stream: StreamId,
-    pub seq: u64,
-    pub event: EventId,
 }
 
 /// A device allocation (or a paged segment's address range) and the first block of its chain.
@@ -54,21 +48,6 @@ const SMALL_PARKED_SIZE: u64 = 1 << 20;
 /// pattern is not same-size reuse (random sizes): parking pauses for `PARKING_PAUSE` frees.
 const PARKS_PER_REUSE: usize = 4;
 const PARKING_PAUSE: u32 = 1024;
-
-/// Time spent moving pages over a window of wall time, and the extra slack it bought.
-#[derive(Default)]
-pub struct MoveClock {
-    pub window_start: Option<std::time::Instant>,
-    pub moving: std::time::Duration,
-    /// Set when a reclaim moves chunks: only growth that moved counts as moving time.
-    pub reclaimed: bool,
-    /// Added to `page_slack` while moves take more than `page_move_budget` of the time.
-    pub extra_slack: f64,
-    /// Windows in a row with moves well under the budget (see `next_extra_slack`).
-    pub quiet_windows: u32,
-    /// The last window closed with moves over the budget.
-    pub over_budget: bool,
-}
 
 /// Freed paged blocks by (stream, size), each list newest last.
 #[derive(Default)]
@@ -121,7 +100,7 @@ pub struct State {
     /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
     pub reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
     /// Unmapped physical chunks kept for growth (counted as reserved, large pool).
-    pub idle_chunks: Vec<super::paged::Spare>,
+    pub idle_chunks: Vec<Spare>,
     /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
     /// may cache pages up to this plus the slack before it moves pages under free blocks.
     pub live_high_water: u64,
@@ -131,12 +110,8 @@ pub struct State {
     pub parked: Parked,
     /// The time page moves take (see `Shard::account_growth`).
     pub moves: MoveClock,
-    /// Fences not yet seen complete, oldest first (in order per stream).
-    pub fences: VecDeque<Fence>,
-    /// Per stream, when a free last recorded a fence (`Shard::free_fence_allowed`).
-    pub last_free_fence: rustc_hash::FxHashMap<StreamId, std::time::Instant>,
-    /// Per stream, the newest free whose work is known to be done on the device.
-    pub done_seq: HashMap<StreamId, u64>,
+    /// Pending fences, and which frees are known done on the device.
+    pub fences: Fences,
     /// Reserved bytes on the whole device, every shard's (`add_reserved`): the memory
     /// limit is the device's.
     device_reserved: Arc<DeviceReserved>,
@@ -144,8 +119,6 @@ pub struct State {
     /// with their figures); `None` when the device may still avoid it by emptying their
     /// caches (`DeviceAllocator::malloc` retries then).
     pub oom_final: Option<Elsewhere>,
-    /// Every free up to this one is done on the device (it was synchronized after it).
-    pub synced_seq: u64,
     /// The device's thread fronts (`front`), and how many handed-out blocks they hold.
     pub fronts: Arc<Fronts>,
     pub front_blocks: usize,
@@ -174,14 +147,11 @@ impl State {
             paged_for: HashSet::new(),
             reclaim_dirty: Default::default(),
             idle_chunks: Vec::new(),
-            last_free_fence: Default::default(),
             live_high_water: 0,
             free_seq: 0,
-            fences: VecDeque::new(),
+            fences: Fences::default(),
             parked: Parked::default(),
             moves: MoveClock::default(),
-            done_seq: HashMap::new(),
-            synced_seq: 0,
             device_reserved,
             oom_final: Some(Elsewhere::default()),
             fronts,
@@ -838,7 +808,7 @@ impl State {
     /// to 0 at run time since the extra was last adjusted).
     pub fn page_slack(&self) -> f64 {
         let extra = if self.config.page_move_budget > 0.0 {
-            self.moves.extra_slack
+            self.moves.extra_slack()
         } else {
             0.0
         };
@@ -858,12 +828,7 @@ impl State {
 
     /// The paged segment holding `addr` (which must lie in one), with its base address.
     pub fn paged_segment(&self, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
-        let (&base, seg) = self
-            .paged
-            .range(..=addr)
-            .next_back()
-            .expect("a paged block has a segment");
-        (base, seg)
+        segment_at(&self.paged, addr)
     }
 
     pub fn paged_segment_mut(&mut self, addr: DevicePtr) -> &mut PagedSegment {
@@ -872,11 +837,6 @@ impl State {
             .next_back()
             .expect("a paged block has a segment")
             .1
-    }
-
-    /// Whether the device is known to be done with page work of `stream` freed at `seq`.
-    pub fn free_is_done(&self, stream: StreamId, seq: u64) -> bool {
-        seq <= self.synced_seq || seq <= self.done_seq.get(&stream).copied().unwrap_or(0)
     }
 
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {

@@ -1,0 +1,4 @@
+//! The shard's driver I/O: paged segments' memory and fences.
+
+mod fences;
+mod paging;
