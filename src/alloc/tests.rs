@@ -2,8 +2,10 @@
 
 use super::core::blocks::BlockState;
 use super::sizing::{LARGE_BUFFER, SMALL_BUFFER};
+use super::stats::DeviceStats;
 use super::*;
 use crate::driver::sim::SimDriver;
+use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);

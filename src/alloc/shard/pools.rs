@@ -3,9 +3,9 @@
 //! to) the pool alone, so a captured graph's memory is never handed to anyone else. The pool's
 //! cache is released once every holder has called `release_pool`.
 
-use super::core::blocks::PoolId;
-use super::core::free_lists::{RouteFilter, Unheld};
-use super::sizing::PoolKind;
+use super::super::core::blocks::PoolId;
+use super::super::core::free_lists::{RouteFilter, Unheld};
+use super::super::sizing::PoolKind;
 use super::Shard;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -19,7 +19,7 @@ impl Shard {
 
     /// Holds `pool` `users` times, as the device does (for a shard made after the pool's
     /// windows opened: `DeviceAllocator::make_shard`).
-    pub(super) fn set_pool_users(&self, pool: PoolId, users: u32) -> Result<()> {
+    pub(in crate::alloc) fn set_pool_users(&self, pool: PoolId, users: u32) -> Result<()> {
         self.lock()?.caches.set_pool_users(pool, users);
         Ok(())
     }

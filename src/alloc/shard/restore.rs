@@ -9,9 +9,9 @@
 //! then gives back the saved addresses. A pool with a block still awaiting another
 //! stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
 
-use super::core::blocks::{BlockId, BlockState};
-use super::core::free_lists::PoolId;
-use super::state::State;
+use super::super::core::blocks::{BlockId, BlockState};
+use super::super::core::free_lists::PoolId;
+use super::super::state::State;
 use super::Shard;
 use crate::driver::DevicePtr;
 use crate::error::{Error, ErrorKind, Result};
@@ -43,7 +43,11 @@ fn refused(message: String) -> Error {
 impl Shard {
     /// Restores `pool`'s blocks in the segments of this shard to `saved` (every block of
     /// those segments, in address order; blocks of other shards' segments are skipped).
-    pub(super) fn restore_pool(&self, pool: PoolId, saved: &[SavedBlock]) -> Result<Restored> {
+    pub(in crate::alloc) fn restore_pool(
+        &self,
+        pool: PoolId,
+        saved: &[SavedBlock],
+    ) -> Result<Restored> {
         let mut st = self.lock()?;
         self.drain_fronts(&mut st);
         let mut done = Restored::default();

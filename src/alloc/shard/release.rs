@@ -1,17 +1,18 @@
 //! The slow path's other half: giving memory back to the driver (cache flushes, garbage
 //! collection, the OOM retries) and turning completed cross-stream events into cached blocks.
 
-use super::core::blocks::BlockId;
-use super::core::free_lists::PoolId;
-use super::sizing::PoolKind;
-use super::state::{AwaitingEvents, State};
-use super::{driver_error, Shard};
+use super::super::core::blocks::BlockId;
+use super::super::core::free_lists::PoolId;
+use super::super::driver_error;
+use super::super::sizing::PoolKind;
+use super::super::state::{AwaitingEvents, State};
+use super::Shard;
 use crate::driver::StreamId;
 use crate::error::Result;
 
 impl Shard {
     /// Returns a cached whole-segment block to the driver.
-    pub(super) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
+    pub(in crate::alloc) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
         let block = st.blocks.get(id);
         let (addr, size, pool, owner) = (block.addr, block.size, block.pool, block.owner);
         st.caches.list(owner, pool).remove(block);
@@ -30,7 +31,7 @@ impl Shard {
     /// bytes could fit. As PyTorch's `release_available_cached_blocks`, only the request's
     /// own pool is searched: the small pool has no oversize blocks, so a small request goes
     /// straight to releasing everything (one retry, one synchronize counted).
-    pub(super) fn release_oversize_cached(
+    pub(in crate::alloc) fn release_oversize_cached(
         &self,
         st: &mut State,
         pool: PoolKind,
@@ -77,7 +78,7 @@ impl Shard {
 
     /// Waits for every pending cross-stream event, then returns every unused segment (of the
     /// general cache and of private pools nobody holds).
-    pub(super) fn release_all_cached(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn release_all_cached(&self, st: &mut State) -> Result<()> {
         self.merge_set_aside(st);
         st.stats.num_sync_all_streams += 1;
         self.drain_awaiting(st)?;
@@ -91,7 +92,7 @@ impl Shard {
 
     /// Releases the cached whole segments of a free list that are smaller than `size`, the
     /// segment about to be made (`Driver::releases_outgrown_segments`).
-    pub(super) fn release_outgrown(
+    pub(in crate::alloc) fn release_outgrown(
         &self,
         st: &mut State,
         owner: Option<PoolId>,
@@ -120,7 +121,7 @@ impl Shard {
     }
 
     /// Releases every cached block that spans a whole segment in the given free lists.
-    pub(super) fn release_whole_segments(
+    pub(in crate::alloc) fn release_whole_segments(
         &self,
         st: &mut State,
         lists: &[(Option<PoolId>, PoolKind)],
@@ -144,7 +145,7 @@ impl Shard {
     /// Cached blocks may still be read by kernels queued before they were freed (frees are
     /// stream-ordered), so the device finishes its work before segments go back. Afterwards
     /// every free so far is done, and so is every fence.
-    pub(super) fn sync_device(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn sync_device(&self, st: &mut State) -> Result<()> {
         self.driver
             .synchronize(self.device)
             .map_err(|e| driver_error(self.device, e))?;
@@ -176,7 +177,7 @@ impl Shard {
     }
 
     /// Caches blocks whose cross-stream events have all completed.
-    pub(super) fn poll_events(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn poll_events(&self, st: &mut State) -> Result<()> {
         let mut i = 0;
         while i < st.awaiting.len() {
             let mut done = true;
@@ -210,7 +211,7 @@ impl Shard {
     /// Should neither events nor the synchronize fallback work, the block is deferred
     /// (`State::deferred`, its streams kept): unusable, not lost; `retry_deferred` tries
     /// again at the next empty_cache or OOM.
-    pub(super) fn await_streams(
+    pub(in crate::alloc) fn await_streams(
         &self,
         st: &mut State,
         id: BlockId,
@@ -226,7 +227,7 @@ impl Shard {
 
     /// Blocks whose events could not be recorded (or that were freed during a capture) get
     /// their events now; on a failure, the rest stay deferred.
-    pub(super) fn retry_deferred(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn retry_deferred(&self, st: &mut State) -> Result<()> {
         if st.caches.capturing() {
             return Ok(());
         }
@@ -257,7 +258,7 @@ impl Shard {
                     for &other in uses {
                         self.driver
                             .synchronize_stream(self.device, other)
-                            .map_err(|e| super::driver_error(self.device, e))?;
+                            .map_err(|e| super::super::driver_error(self.device, e))?;
                     }
                     break;
                 }
@@ -275,7 +276,7 @@ impl Shard {
     /// Above `garbage_collection_threshold` × limit (the fraction's, else the device's;
     /// PyTorch collects only under a fraction), releases the oldest cached whole segments of
     /// the large pool (at least average age) until back under it.
-    pub(super) fn collect_garbage(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn collect_garbage(&self, st: &mut State) -> Result<()> {
         let threshold =
             (st.config.garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
         let reserved = st.device_reserved();
