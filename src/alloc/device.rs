@@ -783,12 +783,12 @@ impl DeviceAllocator {
         }
         let count: i64 = locked
             .iter()
-            .map(|st| st.stats.allocation.all().current)
+            .map(|st| st.stats().allocation.all().current)
             .sum();
         if count > 0 {
             let bytes: i64 = locked
                 .iter()
-                .map(|st| st.stats.allocated_bytes.all().current)
+                .map(|st| st.stats().allocated_bytes.all().current)
                 .sum();
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -804,7 +804,7 @@ impl DeviceAllocator {
             shard.release_all_cached(st)?;
         }
         for st in &mut locked {
-            st.shut_down = true;
+            st.set_shut_down(true);
         }
         self.shut_down.store(true, Ordering::Release);
         self.set_fronts_open(&setup);

@@ -1,5 +1,6 @@
-//! The bookkeeping behind one device's allocator, mutated only under its lock: blocks,
-//! segments, caches and stats. Nothing here talks to the driver.
+//! The bookkeeping of one shard, changed only under its lock and only through methods: its
+//! settings, the core bookkeeping (`Book`), paging state, parked blocks, events and stats.
+//! Nothing here talks to the driver.
 
 use super::core::blocks::PoolId;
 use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
@@ -7,13 +8,16 @@ use super::core::free_lists::Caches;
 use super::front::Fronts;
 use super::paging::budget::MoveClock;
 use super::paging::fences::Fences;
-use super::paging::table::{segment_at, PagedSegment, Spare};
+use super::paging::plan::{reclaim_candidates, Victim};
+use super::paging::table::{pages_of, segment_at, PagedSegment, Spare};
 use super::sizing::{self, PoolKind};
 use super::stats::{DeviceReserved, DeviceStats};
+use super::SegmentView;
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use crate::error::{Error, ErrorKind};
 use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// A block freed while other streams may still use it; reusable once every event completes.
@@ -51,16 +55,16 @@ const PARKING_PAUSE: u32 = 1024;
 
 /// Freed paged blocks by (stream, size), each list newest last.
 #[derive(Default)]
-pub struct Parked {
-    pub by_size: rustc_hash::FxHashMap<(StreamId, u64), Vec<BlockId>>,
+struct Parked {
+    by_size: rustc_hash::FxHashMap<(StreamId, u64), Vec<BlockId>>,
     /// Bytes in parked blocks of at most `SMALL_PARKED_SIZE`.
-    pub small_bytes: u64,
-    pub count: usize,
+    small_bytes: u64,
+    count: usize,
     /// Parks and reuses since the parked blocks last filled up.
-    pub parks: usize,
-    pub reuses: usize,
+    parks: usize,
+    reuses: usize,
     /// Frees left before parking resumes.
-    pub paused: u32,
+    paused: u32,
 }
 
 /// Memory held by a device's other shards, for OOM messages.
@@ -73,55 +77,74 @@ pub struct Elsewhere {
     pub second_try: bool,
 }
 
-pub struct State {
-    pub config: Config,
-    /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
-    pub limit: u64,
-    pub blocks: BlockArena,
-    pub caches: Caches,
+/// The core bookkeeping: every block, the free lists, and what is handed out.
+struct Book {
+    blocks: BlockArena,
+    caches: Caches,
     /// Blocks handed out, by address (FxHash: every alloc and free looks up here, and the
     /// keys are the allocator's own addresses, not attacker-chosen).
-    pub live: rustc_hash::FxHashMap<DevicePtr, BlockId>,
-    pub segments: BTreeMap<DevicePtr, Segment>,
+    live: rustc_hash::FxHashMap<DevicePtr, BlockId>,
+    segments: BTreeMap<DevicePtr, Segment>,
     /// The memory blocks handed out have covered, as disjoint ranges start → end (adjacent
     /// ones joined; a segment's part is dropped when it goes back to the device): tells a
     /// double free from a pointer ccalloc never handed out (`diagnose_not_live`).
-    pub used: BTreeMap<DevicePtr, DevicePtr>,
-    pub awaiting: Vec<AwaitingEvents>,
-    /// Blocks freed during a capture with other streams recorded: their events are recorded
-    /// once no capture is open (recording then would become part of the graph).
-    pub deferred: Vec<BlockId>,
-    pub stats: DeviceStats,
-    pub shut_down: bool,
+    used: BTreeMap<DevicePtr, DevicePtr>,
+}
+
+/// The paging state: paged segments' page tables, spare chunks, fences and the move clock.
+#[derive(Default)]
+struct Paging {
     /// Paged segments by base address, and which one serves each (stream, pool).
-    pub paged: BTreeMap<DevicePtr, PagedSegment>,
-    pub paged_for: HashSet<(StreamId, PoolKind)>,
+    segments: BTreeMap<DevicePtr, PagedSegment>,
+    serving: HashSet<(StreamId, PoolKind)>,
     /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
     /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
-    pub reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
+    reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
     /// Unmapped physical chunks kept for growth (counted as reserved, large pool).
-    pub idle_chunks: Vec<Spare>,
+    idle_chunks: Vec<Spare>,
     /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
     /// may cache pages up to this plus the slack before it moves pages under free blocks.
-    pub live_high_water: u64,
-    /// Counts frees into the cache: the clock of `PagedSegment::last_free` and fences.
-    pub free_seq: u64,
-    /// Freed paged blocks waiting for a request of their exact size (see `park`).
-    pub parked: Parked,
+    live_high_water: u64,
+    /// Counts frees into the cache: the clock of `Chunk::last_free` and fences.
+    free_seq: u64,
     /// The time page moves take (see `Shard::account_growth`).
-    pub moves: MoveClock,
+    moves: MoveClock,
     /// Pending fences, and which frees are known done on the device.
-    pub fences: Fences,
+    fences: Fences,
+}
+
+/// Blocks freed while other streams may still use them.
+#[derive(Default)]
+struct Events {
+    awaiting: Vec<AwaitingEvents>,
+    /// Blocks freed during a capture with other streams recorded, or whose events could not
+    /// be recorded: their events are recorded once no capture is open (recording then would
+    /// become part of the graph).
+    deferred: Vec<BlockId>,
+}
+
+/// Everything one shard knows, in owned parts; the shard changes it only through methods.
+pub struct State {
+    config: Config,
+    /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
+    limit: u64,
+    book: Book,
+    paging: Paging,
+    /// Freed paged blocks waiting for a request of their exact size (see `park`).
+    parked: Parked,
+    events: Events,
+    stats: DeviceStats,
     /// Reserved bytes on the whole device, every shard's (`add_reserved`): the memory
     /// limit is the device's.
     device_reserved: Arc<DeviceReserved>,
+    shut_down: bool,
     /// What the device's other shards hold, when an OOM now is final (counted, and reported
     /// with their figures); `None` when the device may still avoid it by emptying their
     /// caches (`DeviceAllocator::malloc` retries then).
-    pub oom_final: Option<Elsewhere>,
+    oom_final: Option<Elsewhere>,
     /// The device's thread fronts (`front`), and how many handed-out blocks they hold.
-    pub fronts: Arc<Fronts>,
-    pub front_blocks: usize,
+    fronts: Arc<Fronts>,
+    front_blocks: usize,
 }
 
 impl State {
@@ -134,25 +157,19 @@ impl State {
         Self {
             config,
             limit,
-            blocks: BlockArena::default(),
-            caches: Caches::default(),
-            live: Default::default(),
-            segments: BTreeMap::new(),
-            used: BTreeMap::new(),
-            awaiting: Vec::new(),
-            deferred: Vec::new(),
-            stats: DeviceStats::default(),
-            shut_down: false,
-            paged: BTreeMap::new(),
-            paged_for: HashSet::new(),
-            reclaim_dirty: Default::default(),
-            idle_chunks: Vec::new(),
-            live_high_water: 0,
-            free_seq: 0,
-            fences: Fences::default(),
+            book: Book {
+                blocks: BlockArena::default(),
+                caches: Caches::default(),
+                live: Default::default(),
+                segments: BTreeMap::new(),
+                used: BTreeMap::new(),
+            },
+            paging: Paging::default(),
             parked: Parked::default(),
-            moves: MoveClock::default(),
+            events: Events::default(),
+            stats: DeviceStats::default(),
             device_reserved,
+            shut_down: false,
             oom_final: Some(Elsewhere::default()),
             fronts,
             front_blocks: 0,
@@ -234,7 +251,7 @@ impl State {
     ) -> Option<(BlockId, bool)> {
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
-        let list = self.caches.list(owner, pool);
+        let list = self.book.caches.list(owner, pool);
         list.count_lookup();
         let (found, mut id) = if self.config.expandable_segments {
             list.best_fit(stream, rounded)?
@@ -242,21 +259,21 @@ impl State {
             // Turned off at run time: paged blocks (a stream's paged segment is one free
             // block as large as the device) serve no new request, as PyTorch's expandable
             // segments then serve none; they go back as they are freed and released.
-            let list = self.caches.list_ref(owner, pool);
+            let list = self.book.caches.list_ref(owner, pool);
             list.fits(stream, rounded)
-                .find(|&(_, b)| !self.blocks.get(b).paged)?
+                .find(|&(_, b)| !self.book.blocks.get(b).paged)?
         };
         let mut carve_at = None;
         let mut pages_ready = true;
-        if self.blocks.get(id).paged {
+        if self.book.blocks.get(id).paged {
             let (chosen, at, missing) = self.fewest_new_pages(owner, pool, stream, rounded, id);
             id = chosen;
-            carve_at = (at != self.blocks.get(id).addr).then_some(at);
+            carve_at = (at != self.book.blocks.get(id).addr).then_some(at);
             pages_ready = missing == 0;
         }
         // Oversize blocks serve only oversize requests, and only ones close to their size
         // (paged blocks are exempt: their unused pages are not held).
-        let refused = !self.blocks.get(id).paged
+        let refused = !self.book.blocks.get(id).paged
             && ((rounded < max_split && found >= max_split)
                 || (rounded >= max_split && found >= rounded.saturating_add(max_rounding)));
         if refused {
@@ -265,14 +282,17 @@ impl State {
             }
             // Plain and paged blocks share a list only after `expandable_segments` changed:
             // a paged block that fits may still serve.
-            let list = self.caches.list_ref(owner, pool);
+            let list = self.book.caches.list_ref(owner, pool);
             id = list
                 .fits(stream, rounded)
                 .map(|(_, b)| b)
-                .find(|&b| self.blocks.get(b).paged)?;
+                .find(|&b| self.book.blocks.get(b).paged)?;
             pages_ready = false;
         }
-        self.caches.list(owner, pool).remove(self.blocks.get(id));
+        self.book
+            .caches
+            .list(owner, pool)
+            .remove(self.book.blocks.get(id));
         if let Some(at) = carve_at {
             self.split_front(id, at);
         }
@@ -294,7 +314,7 @@ impl State {
     ) -> (BlockId, DevicePtr, usize) {
         let huge = rounded >= HUGE_BLOCK;
         let place = |id: BlockId| {
-            let b = self.blocks.get(id);
+            let b = self.book.blocks.get(id);
             let (_, seg) = self.paged_segment(b.addr);
             seg.best_place(b.addr, b.end(), rounded)
         };
@@ -304,13 +324,14 @@ impl State {
             return (best, at, 0);
         }
         for (_, id) in self
+            .book
             .caches
             .list_ref(owner, pool)
             .fits(stream, rounded)
             .take(FIT_CANDIDATES)
             .skip(1)
         {
-            if !self.blocks.get(id).paged {
+            if !self.book.blocks.get(id).paged {
                 continue;
             }
             let (missing, at) = place(id);
@@ -326,11 +347,12 @@ impl State {
         // huge blocks left mapped there, whatever sizes the smaller blocks below took.
         if huge && choice.0 > 0 {
             if let Some(top) = self
+                .book
                 .caches
                 .list_ref(owner, pool)
                 .largest_fit(stream, rounded)
             {
-                let b = self.blocks.get(top);
+                let b = self.book.blocks.get(top);
                 if b.paged {
                     let at = b.end() - rounded;
                     let (_, seg) = self.paged_segment(b.addr);
@@ -347,27 +369,29 @@ impl State {
     /// Cuts the free, unlisted paged block `id` at `at`: the part before stays free (listed)
     /// and `id` keeps the rest.
     fn split_front(&mut self, id: BlockId, at: DevicePtr) {
-        let block = self.blocks.get(id);
+        let block = self.book.blocks.get(id);
         let (addr, owner, pool) = (block.addr, block.owner, block.pool);
         debug_assert!(block.paged && at > addr && at < block.end());
         let front = block.free_piece(addr, at - addr, block.prev, Some(id), block.cached_at);
-        let front_id = self.blocks.insert(front);
-        match self.blocks.get(front_id).prev {
-            Some(p) => self.blocks.get_mut(p).next = Some(front_id),
+        let front_id = self.book.blocks.insert(front);
+        match self.book.blocks.get(front_id).prev {
+            Some(p) => self.book.blocks.get_mut(p).next = Some(front_id),
             None => {
-                self.segments
+                self.book
+                    .segments
                     .get_mut(&addr)
                     .expect("a chain's first block starts a segment")
                     .first = front_id;
             }
         }
-        let block = self.blocks.get_mut(id);
+        let block = self.book.blocks.get_mut(id);
         block.size -= at - addr;
         block.addr = at;
         block.prev = Some(front_id);
-        self.caches
+        self.book
+            .caches
             .list(owner, pool)
-            .insert(self.blocks.get(front_id), front_id);
+            .insert(self.book.blocks.get(front_id), front_id);
     }
 
     /// Registers a fresh segment as one free block (not yet cached).
@@ -379,7 +403,7 @@ impl State {
         pool: PoolKind,
         owner: Option<PoolId>,
     ) -> BlockId {
-        let id = self.blocks.insert(Block {
+        let id = self.book.blocks.insert(Block {
             addr,
             size,
             requested: 0,
@@ -396,7 +420,7 @@ impl State {
             front: 0,
         });
         let oversize = size >= self.config.max_split_size;
-        self.segments.insert(
+        self.book.segments.insert(
             addr,
             Segment {
                 size,
@@ -405,7 +429,7 @@ impl State {
             },
         );
         if let Some(owner) = owner {
-            self.caches.add_pool_segment(owner);
+            self.book.caches.add_pool_segment(owner);
         }
         self.add_reserved(pool, size);
         let s = &mut self.stats;
@@ -419,15 +443,16 @@ impl State {
 
     /// Forgets a cached whole-segment block whose memory the driver has taken back.
     pub fn remove_segment(&mut self, id: BlockId) {
-        let block = self.blocks.remove(id);
+        let block = self.book.blocks.remove(id);
         debug_assert!(!block.is_split() && block.state == BlockState::Free);
         let segment = self
+            .book
             .segments
             .remove(&block.addr)
             .expect("a whole block is its segment");
         self.forget_used(block.addr, block.end());
         if let Some(owner) = block.owner {
-            self.caches.remove_pool_segment(owner);
+            self.book.caches.remove_pool_segment(owner);
         }
         self.sub_reserved(block.pool, block.size);
         let s = &mut self.stats;
@@ -455,7 +480,7 @@ impl State {
         requested: u64,
         exact: bool,
     ) -> DevicePtr {
-        let block = self.blocks.get(id);
+        let block = self.book.blocks.get(id);
         let (pool, owner, paged) = (block.pool, block.owner, block.paged);
         // Paged blocks always split (unused pages are not held) and count no inactive
         // splits: a paged segment is one long split by nature.
@@ -473,26 +498,27 @@ impl State {
                 block.size - rounded,
                 Some(id),
                 block.next,
-                self.caches.list_ref(owner, pool).lookups(),
+                self.book.caches.list_ref(owner, pool).lookups(),
             );
             let rest_size = rest.size;
-            let rest_id = self.blocks.insert(rest);
-            if let Some(next) = self.blocks.get(rest_id).next {
-                self.blocks.get_mut(next).prev = Some(rest_id);
+            let rest_id = self.book.blocks.insert(rest);
+            if let Some(next) = self.book.blocks.get(rest_id).next {
+                self.book.blocks.get_mut(next).prev = Some(rest_id);
             }
-            let block = self.blocks.get_mut(id);
+            let block = self.book.blocks.get_mut(id);
             block.next = Some(rest_id);
             block.size = rounded;
             // A paged block waits unlisted while its pages are mapped; a neighbour freed in
             // that time could not merge with it, so the rest merges with it now.
-            if let Some(next) = self.blocks.get(rest_id).next {
-                if paged && self.blocks.get(next).state == BlockState::Free {
+            if let Some(next) = self.book.blocks.get(rest_id).next {
+                if paged && self.book.blocks.get(next).state == BlockState::Free {
                     self.absorb(rest_id, next);
                 }
             }
-            self.caches
+            self.book
+                .caches
                 .list(owner, pool)
-                .insert(self.blocks.get(rest_id), rest_id);
+                .insert(self.book.blocks.get(rest_id), rest_id);
             if already_split {
                 // The inactive piece shrinks by what was handed out.
                 self.stats.inactive_split_bytes.decrease(pool, rounded);
@@ -504,7 +530,7 @@ impl State {
             self.stats.inactive_split.decrease(pool, 1);
             self.stats.inactive_split_bytes.decrease(pool, block.size);
         }
-        let addr = self.blocks.get(id).addr;
+        let addr = self.book.blocks.get(id).addr;
         self.note_used(addr, addr + rounded);
         self.mark_handed_out(id, requested)
     }
@@ -513,7 +539,7 @@ impl State {
     /// block reused, or carved next to one, lies in or beside a range already noted.
     fn note_used(&mut self, start: DevicePtr, end: DevicePtr) {
         let (mut lo, mut hi) = (start, end);
-        if let Some((&s, &e)) = self.used.range(..=start).next_back() {
+        if let Some((&s, &e)) = self.book.used.range(..=start).next_back() {
             if e >= end {
                 return;
             }
@@ -521,18 +547,23 @@ impl State {
                 (lo, hi) = (s, hi.max(e));
             }
         }
-        let joined: Vec<(DevicePtr, DevicePtr)> =
-            self.used.range(lo..=hi).map(|(&s, &e)| (s, e)).collect();
+        let joined: Vec<(DevicePtr, DevicePtr)> = self
+            .book
+            .used
+            .range(lo..=hi)
+            .map(|(&s, &e)| (s, e))
+            .collect();
         for (s, e) in joined {
-            self.used.remove(&s);
+            self.book.used.remove(&s);
             hi = hi.max(e);
         }
-        self.used.insert(lo, hi);
+        self.book.used.insert(lo, hi);
     }
 
     /// A segment `[start, end)` went back to the device: nothing in it was handed out.
     pub fn forget_used(&mut self, start: DevicePtr, end: DevicePtr) {
         let mut cut: Vec<(DevicePtr, DevicePtr)> = self
+            .book
             .used
             .range(..end)
             .rev()
@@ -541,26 +572,26 @@ impl State {
             .collect();
         cut.reverse();
         for (s, e) in cut {
-            self.used.remove(&s);
+            self.book.used.remove(&s);
             if s < start {
-                self.used.insert(s, start);
+                self.book.used.insert(s, start);
             }
             if e > end {
-                self.used.insert(end, e);
+                self.book.used.insert(end, e);
             }
         }
     }
 
     /// Accounts a block leaving the cache for a caller, as it is.
     fn mark_handed_out(&mut self, id: BlockId, requested: u64) -> DevicePtr {
-        let pool = self.blocks.get(id).pool;
-        let oversize = self.blocks.get(id).size >= self.config.max_split_size;
-        let block = self.blocks.get_mut(id);
+        let pool = self.book.blocks.get(id).pool;
+        let oversize = self.book.blocks.get(id).size >= self.config.max_split_size;
+        let block = self.book.blocks.get_mut(id);
         block.state = BlockState::Allocated;
         block.requested = requested;
         block.counted_oversize = oversize;
         let (addr, size) = (block.addr, block.size);
-        self.live.insert(addr, id);
+        self.book.live.insert(addr, id);
         let s = &mut self.stats;
         s.allocation.increase(pool, 1);
         s.allocated_bytes.increase(pool, size);
@@ -576,11 +607,11 @@ impl State {
     /// The caller gave the block back: it stops counting as allocated (it stays active until
     /// cached). Returns the streams it was recorded on.
     pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
-        let block = self.blocks.get_mut(id);
+        let block = self.book.blocks.get_mut(id);
         let (pool, size, oversize) = (block.pool, block.size, block.counted_oversize);
         block.state = BlockState::AwaitingEvents;
         let uses = std::mem::take(&mut block.stream_uses);
-        self.live.remove(&block.addr);
+        self.book.live.remove(&block.addr);
         let s = &mut self.stats;
         s.allocation.decrease(pool, 1);
         s.allocated_bytes.decrease(pool, size);
@@ -593,7 +624,10 @@ impl State {
     /// Returns a no-longer-used block to its free list, merging free neighbours.
     /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
     pub fn cache(&mut self, id: BlockId) -> bool {
-        let (pool, paged) = (self.blocks.get(id).pool, self.blocks.get(id).paged);
+        let (pool, paged) = (
+            self.book.blocks.get(id).pool,
+            self.book.blocks.get(id).paged,
+        );
         let fence_due = self.end_use(id);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
         if !paged {
@@ -606,7 +640,7 @@ impl State {
     /// A freed block stops being active, and a paged one notes its free on its pages (the
     /// clock of fences). Returns whether a fence is due (see `PagedSegment::note_free`).
     fn end_use(&mut self, id: BlockId) -> bool {
-        let block = self.blocks.get(id);
+        let block = self.book.blocks.get(id);
         let (addr, size, pool) = (block.addr, block.size, block.pool);
         let (paged, requested) = (block.paged, block.requested);
         let s = &mut self.stats;
@@ -616,8 +650,8 @@ impl State {
         if !paged {
             return false;
         }
-        self.free_seq += 1;
-        let seq = self.free_seq;
+        self.paging.free_seq += 1;
+        let seq = self.paging.free_seq;
         self.paged_segment_mut(addr).note_free(addr, size, seq)
     }
 
@@ -631,7 +665,7 @@ impl State {
     /// paged blocks park: they count no inactive splits, so the statistics read exactly as
     /// if the block had merged; plain segments keep PyTorch's figures for those.
     pub fn park(&mut self, id: BlockId) -> Option<bool> {
-        let block = self.blocks.get(id);
+        let block = self.book.blocks.get(id);
         if !block.paged || block.owner.is_some() {
             return None;
         }
@@ -654,7 +688,7 @@ impl State {
         }
         self.parked.parks += 1;
         let fence_due = self.end_use(id);
-        let block = self.blocks.get_mut(id);
+        let block = self.book.blocks.get_mut(id);
         block.state = BlockState::Parked;
         block.requested = 0;
         self.parked
@@ -711,7 +745,7 @@ impl State {
     /// have been freed meanwhile: they merge, so no two free blocks stay side by side.
     pub fn return_untouched(&mut self, id: BlockId) {
         debug_assert!(
-            self.blocks.get(id).paged,
+            self.book.blocks.get(id).paged,
             "only paged blocks skip split stats"
         );
         self.merge_and_list(id);
@@ -720,19 +754,19 @@ impl State {
     /// Merges free neighbours into `id`, marks it free and lists it in its cache. Returns the
     /// net change in free split pieces (count, bytes).
     fn merge_and_list(&mut self, id: BlockId) -> (i64, i64) {
-        let block = self.blocks.get(id);
+        let block = self.book.blocks.get(id);
         let (pool, owner) = (block.pool, block.owner);
         let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
         for neighbour in [block.prev, block.next].into_iter().flatten() {
-            if self.blocks.get(neighbour).state != BlockState::Free {
+            if self.book.blocks.get(neighbour).state != BlockState::Free {
                 continue;
             }
             let absorbed = self.absorb(id, neighbour);
             net_blocks -= 1;
             net_bytes -= absorbed as i64;
         }
-        let list = self.caches.list(owner, pool);
-        let block = self.blocks.get_mut(id);
+        let list = self.book.caches.list(owner, pool);
+        let block = self.book.blocks.get_mut(id);
         block.state = BlockState::Free;
         block.requested = 0;
         block.cached_at = list.lookups();
@@ -750,25 +784,28 @@ impl State {
     /// chunks are mapped under the block being handed out, and splits only shrink free
     /// blocks.
     fn mark_reclaim_dirty(&mut self, id: BlockId) {
-        let b = self.blocks.get(id);
+        let b = self.book.blocks.get(id);
         if b.paged && b.owner.is_none() {
-            self.reclaim_dirty.insert((b.stream, b.pool));
+            self.paging.reclaim_dirty.insert((b.stream, b.pool));
         }
     }
 
     /// Merges the free `neighbour` into `id`; returns the bytes taken over.
     fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> u64 {
-        let other = self.blocks.remove(neighbour);
-        self.caches.list(other.owner, other.pool).remove(&other);
-        let block = self.blocks.get_mut(id);
+        let other = self.book.blocks.remove(neighbour);
+        self.book
+            .caches
+            .list(other.owner, other.pool)
+            .remove(&other);
+        let block = self.book.blocks.get_mut(id);
         block.size += other.size;
         if other.addr < block.addr {
             block.addr = other.addr;
             block.prev = other.prev;
             match other.prev {
-                Some(p) => self.blocks.get_mut(p).next = Some(id),
+                Some(p) => self.book.blocks.get_mut(p).next = Some(id),
                 None => {
-                    let segment = self.segments.get_mut(&other.addr);
+                    let segment = self.book.segments.get_mut(&other.addr);
                     segment
                         .expect("a chain's first block starts a segment")
                         .first = id;
@@ -777,7 +814,7 @@ impl State {
         } else {
             block.next = other.next;
             if let Some(n) = other.next {
-                self.blocks.get_mut(n).prev = Some(id);
+                self.book.blocks.get_mut(n).prev = Some(id);
             }
         }
         self.mark_reclaim_dirty(id);
@@ -786,7 +823,8 @@ impl State {
 
     /// Total cached free bytes and the largest cached block.
     pub fn cached_free(&self) -> (u64, u64) {
-        self.caches
+        self.book
+            .caches
             .all_lists()
             .flat_map(|l| l.ids())
             .map(|id| self.held_bytes(id))
@@ -795,7 +833,7 @@ impl State {
 
     /// Device memory under a block: all of it, or for a paged block its mapped part.
     fn held_bytes(&self, id: BlockId) -> u64 {
-        let b = self.blocks.get(id);
+        let b = self.book.blocks.get(id);
         if !b.paged {
             return b.size;
         }
@@ -808,7 +846,7 @@ impl State {
     /// to 0 at run time since the extra was last adjusted).
     pub fn page_slack(&self) -> f64 {
         let extra = if self.config.page_move_budget > 0.0 {
-            self.moves.extra_slack()
+            self.paging.moves.extra_slack()
         } else {
             0.0
         };
@@ -817,7 +855,7 @@ impl State {
 
     /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
     pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
-        let block = self.blocks.get(id);
+        let block = self.book.blocks.get(id);
         block.paged
             && self
                 .paged_segment(block.addr)
@@ -828,11 +866,12 @@ impl State {
 
     /// The paged segment holding `addr` (which must lie in one), with its base address.
     pub fn paged_segment(&self, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
-        segment_at(&self.paged, addr)
+        segment_at(&self.paging.segments, addr)
     }
 
     pub fn paged_segment_mut(&mut self, addr: DevicePtr) -> &mut PagedSegment {
-        self.paged
+        self.paging
+            .segments
             .range_mut(..=addr)
             .next_back()
             .expect("a paged block has a segment")
@@ -840,7 +879,7 @@ impl State {
     }
 
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {
-        let (&addr, &seg) = self.segments.range(..=ptr).next_back()?;
+        let (&addr, &seg) = self.book.segments.range(..=ptr).next_back()?;
         (ptr < addr + seg.size).then_some((addr, seg))
     }
 
@@ -863,7 +902,7 @@ impl State {
         };
         let mut cursor = Some(seg.first);
         while let Some(id) = cursor {
-            let b = self.blocks.get(id);
+            let b = self.book.blocks.get(id);
             if ptr < b.end() {
                 if b.state == BlockState::Allocated {
                     break;
@@ -871,6 +910,7 @@ impl State {
                 // Inside a free block: freed already (and maybe merged with a neighbour),
                 // if it could have been a block's start.
                 let used = self
+                    .book
                     .used
                     .range(..=ptr)
                     .next_back()
@@ -892,5 +932,415 @@ impl State {
             ErrorKind::UnknownPointer,
             format!("{ptr:#x} points inside a ccalloc block on device {device}, not at its start"),
         )
+    }
+}
+
+/// What the shard reads and tells, part by part.
+impl State {
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// New settings, and the memory limit they give.
+    pub fn set_config(&mut self, config: Config, limit: u64) {
+        self.limit = limit;
+        self.config = config;
+    }
+
+    pub fn is_shut_down(&self) -> bool {
+        self.shut_down
+    }
+
+    pub fn set_shut_down(&mut self, shut_down: bool) {
+        self.shut_down = shut_down;
+    }
+
+    pub fn oom_final(&self) -> Option<Elsewhere> {
+        self.oom_final
+    }
+
+    pub fn set_oom_final(&mut self, oom_final: Option<Elsewhere>) {
+        self.oom_final = oom_final;
+    }
+
+    pub fn stats(&self) -> &DeviceStats {
+        &self.stats
+    }
+
+    pub fn stats_mut(&mut self) -> &mut DeviceStats {
+        &mut self.stats
+    }
+
+    /// Counts a retry after releasing the cache, unless the device's first try counted it.
+    pub fn count_alloc_retry(&mut self) {
+        if !self.oom_final.is_some_and(|e| e.second_try) {
+            self.stats.num_alloc_retries += 1;
+        }
+    }
+
+    /// Counts an OOM when it is final (see `oom_final`).
+    pub fn count_oom(&mut self) {
+        if self.oom_final.is_some() {
+            self.stats.num_ooms += 1;
+        }
+    }
+
+    pub fn block(&self, id: BlockId) -> &Block {
+        self.book.blocks.get(id)
+    }
+
+    pub fn caches(&self) -> &Caches {
+        &self.book.caches
+    }
+
+    pub fn caches_mut(&mut self) -> &mut Caches {
+        &mut self.book.caches
+    }
+
+    /// Whether a capture routes allocations now.
+    pub fn capturing(&self) -> bool {
+        self.book.caches.capturing()
+    }
+
+    /// The live block at `ptr`.
+    pub fn live_block(&self, ptr: DevicePtr) -> Option<BlockId> {
+        self.book.live.get(&ptr).copied()
+    }
+
+    /// The live blocks of private pool `pool`, with their addresses.
+    pub fn live_blocks_of(&self, pool: PoolId) -> Vec<(DevicePtr, BlockId)> {
+        self.book
+            .live
+            .iter()
+            .filter(|(_, &id)| self.book.blocks.get(id).owner == Some(pool))
+            .map(|(&addr, &id)| (addr, id))
+            .collect()
+    }
+
+    /// The segment starting at `addr`.
+    pub fn segment_at(&self, addr: DevicePtr) -> Option<Segment> {
+        self.book.segments.get(&addr).copied()
+    }
+
+    /// A cached block leaves its free list (for release, or to be carved by a restore).
+    pub fn unlist(&mut self, id: BlockId) {
+        let block = self.book.blocks.get(id);
+        self.book.caches.list(block.owner, block.pool).remove(block);
+    }
+
+    /// A block taken off its free list by `unlist` goes back, as it was.
+    pub fn relist(&mut self, id: BlockId) {
+        let block = self.book.blocks.get(id);
+        self.book
+            .caches
+            .list(block.owner, block.pool)
+            .insert(block, id);
+    }
+
+    /// A free paged block taken for a request while its pages are mapped: not free, so that
+    /// no merge or reclaim touches it meanwhile. Returns its address, end and stream.
+    pub fn hold_for_mapping(&mut self, id: BlockId) -> (DevicePtr, DevicePtr, StreamId) {
+        let block = self.book.blocks.get_mut(id);
+        block.state = BlockState::Allocated;
+        (block.addr, block.end(), block.stream)
+    }
+
+    /// Marks live block `id` as used on `stream` too (waited for on its free).
+    pub fn record_use(&mut self, id: BlockId, stream: StreamId) {
+        let block = self.book.blocks.get_mut(id);
+        if block.stream != stream && !block.stream_uses.contains(&stream) {
+            block.stream_uses.push(stream);
+        }
+    }
+
+    /// Freed block `id`, used on `uses` too, waits until their events can be recorded.
+    pub fn defer(&mut self, id: BlockId, uses: Vec<StreamId>) {
+        self.book.blocks.get_mut(id).stream_uses = uses;
+        self.events.deferred.push(id);
+    }
+
+    /// A deferred block and the streams it was used on.
+    pub fn pop_deferred(&mut self) -> Option<(BlockId, Vec<StreamId>)> {
+        let id = self.events.deferred.pop()?;
+        let uses = std::mem::take(&mut self.book.blocks.get_mut(id).stream_uses);
+        Some((id, uses))
+    }
+
+    pub fn has_awaiting(&self) -> bool {
+        !self.events.awaiting.is_empty()
+    }
+
+    /// Block `id` becomes reusable once `events` complete.
+    pub fn push_awaiting(&mut self, pending: AwaitingEvents) {
+        self.events.awaiting.push(pending);
+    }
+
+    pub fn pop_awaiting(&mut self) -> Option<AwaitingEvents> {
+        self.events.awaiting.pop()
+    }
+
+    /// The events the `i`-th awaiting block waits for.
+    pub fn awaiting_events(&self, i: usize) -> Option<&[EventId]> {
+        self.events.awaiting.get(i).map(|a| a.events.as_slice())
+    }
+
+    /// Takes the `i`-th awaiting block (the last one takes its place).
+    pub fn take_awaiting(&mut self, i: usize) -> AwaitingEvents {
+        self.events.awaiting.swap_remove(i)
+    }
+
+    /// The device's thread fronts.
+    pub fn fronts(&self) -> &Arc<Fronts> {
+        &self.fronts
+    }
+
+    /// Handed-out blocks the fronts hold.
+    pub fn front_blocks(&self) -> usize {
+        self.front_blocks
+    }
+
+    /// The front holding handed-out block `id` (0: none).
+    pub fn front_of(&self, id: BlockId) -> u64 {
+        self.book.blocks.get(id).front
+    }
+
+    /// Front `front` now holds handed-out block `id`.
+    pub fn join_front(&mut self, id: BlockId, front: u64) {
+        self.book.blocks.get_mut(id).front = front;
+        self.front_blocks += 1;
+    }
+
+    /// Handed-out block `id` left its front.
+    pub fn leave_front(&mut self, id: BlockId) {
+        self.book.blocks.get_mut(id).front = 0;
+        self.front_blocks -= 1;
+    }
+
+    /// Parked blocks there are.
+    pub fn parked_count(&self) -> usize {
+        self.parked.count
+    }
+
+    /// Every segment with its blocks, in address order.
+    pub fn segment_views(&self) -> Vec<SegmentView> {
+        self.book
+            .segments
+            .iter()
+            .map(|(&addr, seg)| {
+                let first = self.book.blocks.get(seg.first);
+                let mut blocks = Vec::new();
+                let mut requested = Vec::new();
+                let mut cursor = Some(seg.first);
+                while let Some(id) = cursor {
+                    let b = self.book.blocks.get(id);
+                    blocks.push((b.addr, b.size, b.state));
+                    let handed_out = matches!(b.state, BlockState::Allocated);
+                    requested.push(if handed_out { b.requested } else { 0 });
+                    cursor = b.next;
+                }
+                SegmentView {
+                    addr,
+                    size: seg.size,
+                    stream: first.stream,
+                    pool: first.pool,
+                    private_pool: first.owner,
+                    blocks,
+                    requested,
+                    mapped: self.paging.segments.get(&addr).map(|p| p.mapped_runs()),
+                }
+            })
+            .collect()
+    }
+}
+
+/// The paging part, as the shard's driver I/O reads and changes it.
+impl State {
+    /// Whether (stream, pool) has its paged segment.
+    pub fn has_paged_segment(&self, stream: StreamId, pool: PoolKind) -> bool {
+        self.paging.serving.contains(&(stream, pool))
+    }
+
+    /// The paged segment at base address `base`.
+    pub fn paged_at(&self, base: DevicePtr) -> &PagedSegment {
+        &self.paging.segments[&base]
+    }
+
+    /// The page size of the paged segments, if there are any.
+    pub fn page_size(&self) -> Option<u64> {
+        self.paging.segments.values().next().map(|s| s.page)
+    }
+
+    /// Registers a fresh paged segment: address space `[base, base+size)` with nothing
+    /// mapped, cached as one free block.
+    pub fn add_paged_segment(
+        &mut self,
+        base: DevicePtr,
+        size: u64,
+        page: u64,
+        stream: StreamId,
+        pool: PoolKind,
+    ) {
+        let cached_at = self.book.caches.list(None, pool).lookups();
+        let id = self.book.blocks.insert(Block {
+            addr: base,
+            size,
+            requested: 0,
+            stream,
+            pool,
+            owner: None,
+            paged: true,
+            counted_oversize: false,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            cached_at,
+            front: 0,
+        });
+        self.book
+            .caches
+            .list(None, pool)
+            .insert(self.book.blocks.get(id), id);
+        self.book.segments.insert(
+            base,
+            Segment {
+                size,
+                first: id,
+                oversize: false,
+            },
+        );
+        self.paging
+            .segments
+            .insert(base, PagedSegment::new(base, size, page, stream, pool));
+        self.paging.serving.insert((stream, pool));
+        self.stats.segment.increase(pool, 1);
+    }
+
+    /// Paged segments with nothing mapped and one free block: (base, size).
+    pub fn empty_paged_segments(&self) -> Vec<(DevicePtr, u64)> {
+        self.paging
+            .segments
+            .iter()
+            .filter(|(base, seg)| {
+                let first = self.book.segments[base].first;
+                let b = self.book.blocks.get(first);
+                seg.mapped.is_empty() && b.state == BlockState::Free && b.next.is_none()
+            })
+            .map(|(&base, seg)| (base, seg.size))
+            .collect()
+    }
+
+    /// Forgets the empty paged segment at `base`, whose address range went back.
+    pub fn remove_paged_segment(&mut self, base: DevicePtr) {
+        let seg = self.paging.segments.remove(&base).expect("listed");
+        let segment = self
+            .book
+            .segments
+            .remove(&base)
+            .expect("paged segments are segments");
+        self.forget_used(base, base + seg.size);
+        let block = self.book.blocks.remove(segment.first);
+        self.book.caches.list(None, seg.pool).remove(&block);
+        self.paging.serving.remove(&(seg.stream, seg.pool));
+        self.stats.segment.decrease(seg.pool, 1);
+    }
+
+    /// `spare` is now mapped at page `first` of the segment at `base`: reserved.
+    pub fn chunk_mapped(&mut self, base: DevicePtr, first: usize, spare: Spare) {
+        let seg = self.paging.segments.get_mut(&base).expect("segment exists");
+        seg.set_chunk(first, spare);
+        let (pool, page) = (seg.pool, seg.page);
+        self.add_reserved(pool, spare.pages as u64 * page);
+        self.stats.paging.chunks_mapped += 1;
+    }
+
+    /// The chunk at page `first` of the segment at `base` is unmapped: its memory, no
+    /// longer reserved.
+    pub fn chunk_unmapped(&mut self, base: DevicePtr, first: usize) -> Spare {
+        let seg = self.paging.segments.get_mut(&base).expect("segment exists");
+        let spare = seg.take_chunk(first);
+        let (pool, page) = (seg.pool, seg.page);
+        self.sub_reserved(pool, spare.pages as u64 * page);
+        self.stats.paging.chunks_unmapped += 1;
+        spare
+    }
+
+    /// Keeps unmapped memory for later growth (it stays reserved).
+    pub fn keep_spare(&mut self, spare: Spare, page: u64) {
+        self.paging.idle_chunks.push(spare);
+        self.add_reserved(PoolKind::Large, spare.pages as u64 * page);
+    }
+
+    /// Takes every kept spare (no longer counted until mapped).
+    pub fn take_spares(&mut self, page: u64) -> Vec<Spare> {
+        let spares = std::mem::take(&mut self.paging.idle_chunks);
+        self.sub_reserved(PoolKind::Large, pages_of(&spares) as u64 * page);
+        spares
+    }
+
+    /// A growth maps pages for `len` more live bytes: the live high-water mark, raised to
+    /// what will then be live.
+    pub fn raise_live_high_water(&mut self, len: u64) -> u64 {
+        let live_after = self.stats.active_bytes.all().current as u64 + len;
+        self.paging.live_high_water = self.paging.live_high_water.max(live_after);
+        self.paging.live_high_water
+    }
+
+    /// Chunks wholly under free paged blocks (`plan::reclaim_candidates`); marks clean the
+    /// (stream, pool)s found without any, and counts the work.
+    pub fn reclaim_candidates(&mut self, also: Range<DevicePtr>) -> Vec<Victim> {
+        let (candidates, clean, steps) = reclaim_candidates(
+            &self.book.blocks,
+            &self.book.caches,
+            &self.paging.segments,
+            &self.paging.reclaim_dirty,
+            also,
+        );
+        self.stats.paging.reclaim_steps += steps;
+        for key in clean {
+            self.paging.reclaim_dirty.remove(&key);
+        }
+        candidates
+    }
+
+    /// Frees into the cache so far: the clock of fences.
+    pub fn free_seq(&self) -> u64 {
+        self.paging.free_seq
+    }
+
+    pub fn fences(&self) -> &Fences {
+        &self.paging.fences
+    }
+
+    pub fn fences_mut(&mut self) -> &mut Fences {
+        &mut self.paging.fences
+    }
+
+    pub fn moves(&self) -> &MoveClock {
+        &self.paging.moves
+    }
+
+    pub fn moves_mut(&mut self) -> &mut MoveClock {
+        &mut self.paging.moves
+    }
+}
+
+#[cfg(test)]
+impl State {
+    /// (count, small bytes, frees before parking resumes) of the parked blocks.
+    pub fn parked_figures(&self) -> (usize, u64, u32) {
+        (
+            self.parked.count,
+            self.parked.small_bytes,
+            self.parked.paused,
+        )
+    }
+
+    pub fn general_list(&self, pool: PoolKind) -> &super::core::free_lists::FreeList {
+        self.book.caches.general(pool)
     }
 }

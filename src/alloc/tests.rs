@@ -73,7 +73,8 @@ fn parked_blocks_serve_their_exact_size_and_stream_and_are_bounded() {
     }
     {
         let st = a.state_of(S0);
-        assert!(st.parked.count <= 64 && st.parked.small_bytes <= 4 << 20);
+        let (count, small_bytes, _) = st.parked_figures();
+        assert!(count <= 64 && small_bytes <= 4 << 20);
     }
     for b in [keep, other_stream, other_size] {
         a.free(b).unwrap();
@@ -728,11 +729,11 @@ fn fences_keep_coming_through_a_long_run_without_page_moves() {
         a.free(p).unwrap();
     }
     let st = a.state_of(S0);
-    let newest = st.fences.newest_seq();
+    let newest = st.fences().newest_seq();
     assert!(
-        st.free_seq - newest <= 16,
+        st.free_seq() - newest <= 16,
         "newest fence covers free {newest} of {}",
-        st.free_seq
+        st.free_seq()
     );
 }
 
@@ -871,8 +872,9 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
         a.free(b).unwrap();
     }
     let st = a.state_of(S0);
-    assert!(st.parked.paused > 0, "parking paused");
-    assert!(st.parked.count < 64, "{} parked", st.parked.count);
+    let (count, _, paused) = st.parked_figures();
+    assert!(paused > 0, "parking paused");
+    assert!(count < 64, "{count} parked");
 }
 
 #[test]
@@ -979,7 +981,7 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     let keep = a.malloc(4 * MIB, S0).unwrap();
     let big = a.malloc(64 * MIB, S0).unwrap();
     a.free(big).unwrap();
-    assert_eq!(a.state_of(S0).parked.count, 1, "the large block parked");
+    assert_eq!(a.state_of(S0).parked_count(), 1, "the large block parked");
     // The same size on the same stream: the parked block, with no driver call.
     let maps = sim.counters(0).maps;
     let again = a.malloc(64 * MIB, S0).unwrap();
@@ -993,7 +995,7 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     assert!(smaller >= big && smaller + 60 * MIB <= big + 64 * MIB);
     assert_eq!(stats(&a).reserved_bytes.all().current, reserved);
     assert_eq!(stats(&a).paging.growths, paging.growths);
-    assert_eq!(a.state_of(S0).parked.count, 0);
+    assert_eq!(a.state_of(S0).parked_count(), 0);
     a.free(smaller).unwrap();
     a.free(keep).unwrap();
 }
@@ -1064,7 +1066,7 @@ fn empty_cache_forgets_the_free_lists_of_streams_with_nothing_cached() {
         a.sum_over_states(|st| {
             [PoolKind::Small, PoolKind::Large]
                 .iter()
-                .map(|&p| st.caches.general(p).indexed_streams())
+                .map(|&p| st.general_list(p).indexed_streams())
                 .sum::<usize>()
         })
     };

@@ -11,27 +11,28 @@ impl Shard {
     /// block of it, as PyTorch does) unless one already covers every free so far, too many
     /// are pending, or a graph is being captured.
     pub(in crate::alloc) fn record_fence(&self, st: &mut State, stream: StreamId) {
-        if st.caches.capturing() || st.fences.is_done(stream, st.free_seq) {
+        if st.capturing() || st.fences().is_done(stream, st.free_seq()) {
             return;
         }
-        if st.fences.covers(stream, st.free_seq) {
+        if st.fences().covers(stream, st.free_seq()) {
             return;
         }
         // Retire the stream's completed fences once half the queue is pending: otherwise
         // they are noticed only when pages move, and a long run without moves would fill
         // the queue and stop fencing. Not at every record: a query costs about as much as
         // the record itself. (A failed query only leaves them queued.)
-        let mut pending = st.fences.pending_on(stream);
+        let mut pending = st.fences().pending_on(stream);
         if pending >= MAX_FENCES_PER_STREAM / 2 {
             let _ = self.poll_fences(st, Some(stream));
-            pending = st.fences.pending_on(stream);
+            pending = st.fences().pending_on(stream);
         }
-        if pending >= MAX_FENCES_PER_STREAM || st.fences.is_done(stream, st.free_seq) {
+        if pending >= MAX_FENCES_PER_STREAM || st.fences().is_done(stream, st.free_seq()) {
             return;
         }
         match self.driver.record_event(self.device, stream) {
             Ok(event) => {
-                st.fences.push(stream, st.free_seq, event);
+                let seq = st.free_seq();
+                st.fences_mut().push(stream, seq, event);
             }
             // Only an optimisation: without fences, growth waits instead.
             Err(e) => tracing::debug!(device = self.device, "fence not recorded: {e}"),
@@ -44,7 +45,7 @@ impl Shard {
         st: &mut State,
         only: Option<StreamId>,
     ) -> Result<()> {
-        st.fences.poll(
+        st.fences_mut().poll(
             only,
             |event| {
                 self.driver
@@ -58,8 +59,8 @@ impl Shard {
     /// After a device synchronize (`sync_device`): every free so far and every fence is
     /// done.
     pub(in crate::alloc) fn fences_synced(&self, st: &mut State) {
-        let seq = st.free_seq;
-        st.fences
+        let seq = st.free_seq();
+        st.fences_mut()
             .synced(seq, |event| self.driver.destroy_event(self.device, event));
     }
 
@@ -73,13 +74,16 @@ impl Shard {
         seq: u64,
         caller: StreamId,
     ) -> Result<()> {
-        if st.fences.is_done(stream, seq) {
+        if st.fences().is_done(stream, seq) {
             return Ok(());
         }
-        let i = match st.fences.covering(stream, seq) {
+        let i = match st.fences().covering(stream, seq) {
             Some(i) => i,
             None if stream == caller => match self.driver.record_event(self.device, stream) {
-                Ok(event) => st.fences.push(stream, st.free_seq, event),
+                Ok(event) => {
+                    let seq = st.free_seq();
+                    st.fences_mut().push(stream, seq, event)
+                }
                 Err(e) => {
                     tracing::warn!(
                         device = self.device,
@@ -90,9 +94,9 @@ impl Shard {
             },
             None => return self.sync_before_moves(st),
         };
-        st.stats.paging.host_waits += 1;
+        st.stats_mut().paging.host_waits += 1;
         self.driver
-            .wait_event(self.device, st.fences.event_at(i))
+            .wait_event(self.device, st.fences().event_at(i))
             .map_err(|e| driver_error(self.device, e))?;
         // It and the stream's older fences are done now.
         self.poll_fences(st, Some(stream))
@@ -100,7 +104,7 @@ impl Shard {
 
     /// A device synchronize so that pages may move (a host wait, for the paging stats).
     pub(in crate::alloc) fn sync_before_moves(&self, st: &mut State) -> Result<()> {
-        st.stats.paging.host_waits += 1;
+        st.stats_mut().paging.host_waits += 1;
         self.sync_device(st)
     }
 }

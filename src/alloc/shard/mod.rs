@@ -9,7 +9,7 @@ pub mod pools;
 mod release;
 pub mod restore;
 
-use super::blocks::{BlockId, BlockState, PoolId};
+use super::blocks::{BlockId, PoolId};
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State};
 use super::stats::{self, DeviceStats};
@@ -85,7 +85,7 @@ impl Shard {
                 ),
             )
         })?;
-        if state.shut_down {
+        if state.is_shut_down() {
             return Err(Error::new(
                 ErrorKind::ShutDown,
                 format!("device {}: the allocator has been shut down", self.device),
@@ -110,28 +110,28 @@ impl Shard {
             ));
         }
         let mut st = self.lock()?;
-        st.oom_final = oom_final;
+        st.set_oom_final(oom_final);
         if size > self.total_memory {
             // Larger than the device: fail at once, without flushing the cache for nothing.
             return Err(self.out_of_memory(&mut st, size, size));
         }
-        let capturing = st.caches.capturing();
+        let capturing = st.capturing();
         // Querying events is not allowed while a graph is being captured.
-        if !capturing && !st.awaiting.is_empty() {
+        if !capturing && st.has_awaiting() {
             self.poll_events(&mut st)?;
         }
         let owner = if capturing {
-            st.caches.route(stream)
+            st.caches().route(stream)
         } else {
             None
         };
-        let rounded = sizing::round_size(size, &st.config);
+        let rounded = sizing::round_size(size, st.config());
         // Blocks in thread fronts count as allocated here: a hand-out that lifts a figure
         // past its peak takes them back first, so that the new peak is the true one.
-        let peaks = (st.front_blocks > 0).then(|| st.front_peaks());
+        let peaks = (st.front_blocks() > 0).then(|| st.front_peaks());
         // The memory limit gates reserving new memory, never handing out cached memory (as
         // PyTorch checks it only when it must reserve): past it, only the cache may serve.
-        let cache_only = size > st.limit;
+        let cache_only = size > st.limit();
         let ptr = self.malloc_locked(&mut st, size, stream, owner, rounded, cache_only)?;
         if let Some(before) = peaks {
             if st.front_peaks_passed(&before) {
@@ -152,7 +152,7 @@ impl Shard {
         rounded: u64,
         cache_only: bool,
     ) -> Result<DevicePtr> {
-        if owner.is_none() && st.config.expandable_segments {
+        if owner.is_none() && st.config().expandable_segments {
             if let Some(ptr) = st.take_parked(stream, rounded, size) {
                 return Ok(ptr);
             }
@@ -161,7 +161,8 @@ impl Shard {
         let mut found = st.take_cached(owner, pool, stream, rounded);
         let lacks_pages =
             |st: &State, (id, ready): (BlockId, bool)| !ready && st.needs_pages(id, rounded);
-        if (st.parked.count > 0 || st.front_blocks > 0) && found.is_none_or(|f| lacks_pages(st, f))
+        if (st.parked_count() > 0 || st.front_blocks() > 0)
+            && found.is_none_or(|f| lacks_pages(st, f))
         {
             // Parked blocks (and those held in thread fronts) may hold the mapped pages this
             // request would map anew, or the free space it fits in once they merge: they
@@ -181,7 +182,7 @@ impl Shard {
             }
             return Err(self.out_of_memory(st, size, size));
         }
-        if found.is_none() && !st.paged_for.contains(&(stream, pool)) {
+        if found.is_none() && !st.has_paged_segment(stream, pool) {
             if let Some(page) = self.paging(st, owner.is_some()) {
                 if self.add_paged_segment(st, stream, pool, page)? {
                     found = st.take_cached(owner, pool, stream, rounded);
@@ -192,7 +193,7 @@ impl Shard {
             Some(found) => found,
             None => (self.grow(st, owner, pool, stream, size, rounded)?, false),
         };
-        if !pages_ready && st.blocks.get(id).paged {
+        if !pages_ready && st.block(id).paged {
             self.back_with_pages(st, id, size, rounded)?;
         }
         Ok(st.hand_out(id, rounded, size))
@@ -207,10 +208,8 @@ impl Shard {
         size: u64,
         rounded: u64,
     ) -> Result<()> {
-        let block = st.blocks.get_mut(id);
         // Not free while its pages are found: no merge or reclaim may touch it meanwhile.
-        block.state = BlockState::Allocated;
-        let (addr, end, stream) = (block.addr, block.end(), block.stream);
+        let (addr, end, stream) = st.hold_for_mapping(id);
         let mapped = self.map_pages(st, stream, addr, rounded, addr + rounded..end);
         if matches!(mapped, Ok(true)) {
             return Ok(());
@@ -232,11 +231,11 @@ impl Shard {
         rounded: u64,
     ) -> Result<BlockId> {
         let segment_size = sizing::segment_size(rounded);
-        let capturing = st.caches.capturing();
+        let capturing = st.capturing();
         // Parked blocks (and fronts' held ones) merge with their neighbours before any
         // memory is made.
         self.merge_set_aside(st);
-        if !capturing && st.config.garbage_collection_threshold > 0.0 {
+        if !capturing && st.config().garbage_collection_threshold > 0.0 {
             self.collect_garbage(st)?;
         }
         if !capturing && self.releases_outgrown {
@@ -252,9 +251,7 @@ impl Shard {
                 }
             }
             self.release_all_cached(st)?;
-            if !st.oom_final.is_some_and(|e| e.second_try) {
-                st.stats.num_alloc_retries += 1;
-            }
+            st.count_alloc_retry();
             if let Some(id) = self.new_segment(st, owner, pool, stream, segment_size)? {
                 return Ok(id);
             }
@@ -264,26 +261,24 @@ impl Shard {
 
     /// Counts an OOM and describes it: what was asked, reserved, live, cached, largest free.
     pub(in crate::alloc) fn out_of_memory(&self, st: &mut State, size: u64, needed: u64) -> Error {
-        if st.oom_final.is_some() {
-            st.stats.num_ooms += 1;
-        }
+        st.count_oom();
         // Parked (and held) blocks are cached free memory too: the message counts them merged.
         self.merge_set_aside(st);
         Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
     }
 
     pub(in crate::alloc) fn oom_message(&self, st: &State, size: u64, segment_size: u64) -> String {
-        let elsewhere = st.oom_final.unwrap_or_default();
-        let allocated = st.stats.allocated_bytes.all().current as u64 + elsewhere.live;
+        let elsewhere = st.oom_final().unwrap_or_default();
+        let allocated = st.stats().allocated_bytes.all().current as u64 + elsewhere.live;
         let (cached, largest) = st.cached_free();
         let (cached, largest) = (
             cached + elsewhere.cached,
             largest.max(elsewhere.largest_free),
         );
-        let limit = if st.limit < self.total_memory {
+        let limit = if st.limit() < self.total_memory {
             format!(
                 " Limit {} from per_process_memory_fraction.",
-                human_bytes(st.limit)
+                human_bytes(st.limit())
             )
         } else {
             String::new()
@@ -327,7 +322,7 @@ impl Shard {
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>> {
-        if !st.commit(size, st.limit) {
+        if !st.commit(size, st.limit()) {
             return Ok(None);
         }
         let addr = match self.driver.allocate(self.device, size) {
@@ -361,7 +356,7 @@ impl Shard {
         adopter: Option<&front::FrontCell>,
     ) -> Result<Freed> {
         let mut st = self.lock()?;
-        let Some(&id) = st.live.get(&ptr) else {
+        let Some(id) = st.live_block(ptr) else {
             return Ok(Freed::NotLive);
         };
         self.detach_from_front(&mut st, id, ptr)?;
@@ -387,10 +382,10 @@ impl Shard {
         let uses = st.take_back(id);
         if !uses.is_empty() {
             // The history's free completes when these streams' work does (`reusable`).
-            crate::history::free_delayed(self.device as i32, st.blocks.get(id).addr);
+            crate::history::free_delayed(self.device as i32, st.block(id).addr);
         }
         if uses.is_empty() {
-            let stream = st.blocks.get(id).stream;
+            let stream = st.block(id).stream;
             let fence_due = match st.park(id) {
                 Some(due) => due,
                 None => st.cache(id),
@@ -399,9 +394,8 @@ impl Shard {
                 // Later growth may want these pages: a fence tells it when they are free.
                 self.record_fence(st, stream);
             }
-        } else if st.caches.capturing() {
-            st.blocks.get_mut(id).stream_uses = uses;
-            st.deferred.push(id);
+        } else if st.capturing() {
+            st.defer(id, uses);
         } else {
             self.await_streams(st, id, uses)?;
         }
@@ -418,19 +412,18 @@ impl Shard {
         id: BlockId,
         ptr: DevicePtr,
     ) -> Result<()> {
-        let front = st.blocks.get(id).front;
+        let front = st.front_of(id);
         if front == 0 {
             return Ok(());
         }
         let held = st
-            .fronts
+            .fronts()
             .find(front)
             .and_then(|cell| cell.front.with(|f| f.detach(ptr)));
         if held == Some(true) {
             return Err(already_freed(self.device, ptr));
         }
-        st.blocks.get_mut(id).front = 0;
-        st.front_blocks -= 1;
+        st.leave_front(id);
         Ok(())
     }
 
@@ -443,18 +436,18 @@ impl Shard {
         id: BlockId,
         cell: &front::FrontCell,
     ) -> Option<(u32, u32)> {
-        let b = st.blocks.get(id);
+        let b = st.block(id);
         let eligible = b.paged
             && b.owner.is_none()
             && b.stream_uses.is_empty()
             && !b.counted_oversize
             && b.size <= front::FRONT_MAX_BLOCK
-            && !st.caches.capturing();
+            && !st.capturing();
         if !eligible {
             return None;
         }
         let entry = front::Entry::new(b.addr, b.size, b.requested, b.stream, b.pool, id);
-        let open = &st.fronts.open;
+        let open = &st.fronts().open;
         let adopted = cell.front.with(|f| {
             if !open.load(std::sync::atomic::Ordering::Relaxed) {
                 return None;
@@ -463,8 +456,7 @@ impl Shard {
             Some((evicted, f.census()))
         });
         let (evicted, census) = adopted?;
-        st.blocks.get_mut(id).front = cell.id;
-        st.front_blocks += 1;
+        st.join_front(id, cell.id);
         if let Some(old) = evicted {
             self.free_drained(st, old);
         }
@@ -476,12 +468,12 @@ impl Shard {
     /// that must see the real free memory calls this first.
     pub(in crate::alloc) fn drain_fronts(&self, st: &mut State) {
         use std::sync::atomic::Ordering;
-        let orphans = st.fronts.orphans.load(Ordering::Acquire);
-        if st.front_blocks == 0 && orphans == 0 {
+        let orphans = st.fronts().orphans.load(Ordering::Acquire);
+        if st.front_blocks() == 0 && orphans == 0 {
             return;
         }
         let mut gone = Vec::new();
-        for cell in st.fronts.all() {
+        for cell in st.fronts().all() {
             let (drained, empty, counts) = cell
                 .front
                 .with(|f| (f.drain_held(), f.is_empty(), *f.counts()));
@@ -489,11 +481,11 @@ impl Shard {
                 self.free_drained(st, entry);
             }
             if empty && cell.orphaned.load(Ordering::Acquire) {
-                counts.add_to(&mut st.stats, false);
+                counts.add_to(st.stats_mut(), false);
                 gone.push(cell.id);
             }
         }
-        st.fronts.retire(&gone);
+        st.fronts().retire(&gone);
     }
 
     /// Blocks set aside for reuse, parked here and held in fronts, go back to the free lists,
@@ -506,13 +498,12 @@ impl Shard {
 
     /// Frees a block that left a front (drained or evicted): the front no longer counts it.
     pub(in crate::alloc) fn free_drained(&self, st: &mut State, entry: front::Entry) {
-        let Some(&id) = st.live.get(&entry.ptr) else {
+        let Some(id) = st.live_block(entry.ptr) else {
             debug_assert!(false, "a front held {:#x}, not live", entry.ptr);
             return;
         };
         debug_assert_eq!(id, entry.id);
-        st.blocks.get_mut(id).front = 0;
-        st.front_blocks -= 1;
+        st.leave_front(id);
         // Never recorded on another stream (record_stream takes blocks out of fronts).
         if let Err(e) = self.free_block(st, id, false) {
             tracing::warn!(device = self.device, "freeing a front's block: {e}");
@@ -531,7 +522,8 @@ impl Shard {
     /// Whether a fence due at a free on `stream` may be recorded now: at most one per
     /// `free_fence_interval` and stream (the clock is read only when one is due).
     pub(in crate::alloc) fn free_fence_allowed(&self, st: &mut State, stream: StreamId) -> bool {
-        st.fences.allow_free_fence(stream, self.free_fence_interval)
+        st.fences_mut()
+            .allow_free_fence(stream, self.free_fence_interval)
     }
 
     /// Marks a live block as used on `stream` too: on free it is reused only after the work
@@ -539,15 +531,12 @@ impl Shard {
     /// `false` (nothing changed) when `ptr` is not a live block of this shard.
     pub(in crate::alloc) fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<bool> {
         let mut st = self.lock()?;
-        let Some(&id) = st.live.get(&ptr) else {
+        let Some(id) = st.live_block(ptr) else {
             return Ok(false);
         };
         // A block used on another stream is freed through the shard, which waits for it.
         self.detach_from_front(&mut st, id, ptr)?;
-        let block = st.blocks.get_mut(id);
-        if block.stream != stream && !block.stream_uses.contains(&stream) {
-            block.stream_uses.push(stream);
-        }
+        st.record_use(id, stream);
         Ok(true)
     }
 
@@ -556,7 +545,7 @@ impl Shard {
         let st = self.lock()?;
         let (cached, largest_free) = st.cached_free();
         Ok(Elsewhere {
-            live: st.stats.allocated_bytes.all().current as u64,
+            live: st.stats().allocated_bytes.all().current as u64,
             cached,
             largest_free,
             second_try: false,
@@ -565,7 +554,7 @@ impl Shard {
 
     /// Whether `pool` is known here (a window was opened for it while this shard existed).
     pub(in crate::alloc) fn knows_pool(&self, pool: PoolId) -> Result<bool> {
-        Ok(self.lock()?.caches.knows_pool(pool))
+        Ok(self.lock()?.caches().knows_pool(pool))
     }
 
     /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).
@@ -579,7 +568,7 @@ impl Shard {
     /// would invalidate the capture); the cache is emptied by the next call after it.
     pub fn empty_cache(&self) -> Result<()> {
         let mut st = self.lock()?;
-        if st.caches.capturing() {
+        if st.capturing() {
             tracing::debug!(
                 device = self.device,
                 "empty_cache during a capture: deferred"
@@ -593,21 +582,21 @@ impl Shard {
         let mut st = self.lock()?;
         // Held blocks were sized under the old settings.
         self.drain_fronts(&mut st);
-        st.limit = limit_for(&config, self.total_memory);
-        st.config = config;
+        let limit = limit_for(&config, self.total_memory);
+        st.set_config(config, limit);
         Ok(())
     }
 
     pub fn stats(&self) -> Result<DeviceStats> {
-        Ok(self.lock()?.stats)
+        Ok(*self.lock()?.stats())
     }
 
     /// This shard's statistics plus the fronts' counts, read under the shard's lock: drains,
     /// evictions and folds (which move counts between the two) take that lock too.
     pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
         let st = self.lock()?;
-        let mut stats = st.stats;
-        for cell in st.fronts.all() {
+        let mut stats = *st.stats();
+        for cell in st.fronts().all() {
             cell.front.with(|f| f.counts().add_to(&mut stats, true));
         }
         Ok(stats)
@@ -623,16 +612,16 @@ impl Shard {
         let mut st = self.lock()?;
         // Held blocks count as allocated here: the new peaks must not include them.
         self.drain_fronts(&mut st);
-        st.stats.reset_peak();
+        st.stats_mut().reset_peak();
         Ok(())
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
-        for cell in st.fronts.all() {
+        for cell in st.fronts().all() {
             cell.front.with(|f| f.counts_mut().reset_accumulated());
         }
-        st.stats.reset_accumulated();
+        st.stats_mut().reset_accumulated();
         Ok(())
     }
 
@@ -651,39 +640,13 @@ impl Shard {
         let mut st = self.lock()?;
         // Blocks held in fronts are free: shown merged into the cache, as they are then.
         self.drain_fronts(&mut st);
-        Ok(st
-            .segments
-            .iter()
-            .map(|(&addr, seg)| {
-                let first = st.blocks.get(seg.first);
-                let mut blocks = Vec::new();
-                let mut requested = Vec::new();
-                let mut cursor = Some(seg.first);
-                while let Some(id) = cursor {
-                    let b = st.blocks.get(id);
-                    blocks.push((b.addr, b.size, b.state));
-                    let handed_out = matches!(b.state, BlockState::Allocated);
-                    requested.push(if handed_out { b.requested } else { 0 });
-                    cursor = b.next;
-                }
-                SegmentView {
-                    addr,
-                    size: seg.size,
-                    stream: first.stream,
-                    pool: first.pool,
-                    private_pool: first.owner,
-                    blocks,
-                    requested,
-                    mapped: st.paged.get(&addr).map(|p| p.mapped_runs()),
-                }
-            })
-            .collect())
+        Ok(st.segment_views())
     }
 
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
         if let Ok(mut st) = self.state.lock_blocking() {
-            st.shut_down = false;
+            st.set_shut_down(false);
         }
     }
 }

@@ -1,12 +1,11 @@
 //! The driver I/O of paged segments: creating their address ranges, mapping and unmapping
 //! chunks, and releasing them, as `paging`'s page table, plan and budget decide.
 
-use super::super::core::blocks::{Block, BlockState};
 use super::super::paging::budget::slack_bytes;
-use super::super::paging::plan::{reclaim_candidates, take_until, Plan, Victim};
-use super::super::paging::table::{chunk_pages_for, pages_of, PagedSegment, Spare};
+use super::super::paging::plan::{take_until, Plan, Victim};
+use super::super::paging::table::{chunk_pages_for, pages_of, Spare};
 use super::super::sizing::PoolKind;
-use super::super::state::{Segment, State};
+use super::super::state::State;
 use super::super::{driver_error, Shard};
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
 use crate::error::Result;
@@ -16,7 +15,7 @@ use std::time::Instant;
 impl Shard {
     /// The page size when requests of this kind use paged segments.
     pub(in crate::alloc) fn paging(&self, st: &State, private: bool) -> Option<u64> {
-        if private || !st.config.expandable_segments {
+        if private || !st.config().expandable_segments {
             return None;
         }
         self.driver.vmm_granularity(self.device)
@@ -42,36 +41,7 @@ impl Shard {
                 return Ok(false);
             }
         };
-        let cached_at = st.caches.list(None, pool).lookups();
-        let id = st.blocks.insert(Block {
-            addr: base,
-            size,
-            requested: 0,
-            stream,
-            pool,
-            owner: None,
-            paged: true,
-            counted_oversize: false,
-            prev: None,
-            next: None,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            cached_at,
-            front: 0,
-        });
-        st.caches.list(None, pool).insert(st.blocks.get(id), id);
-        st.segments.insert(
-            base,
-            Segment {
-                size,
-                first: id,
-                oversize: false,
-            },
-        );
-        st.paged
-            .insert(base, PagedSegment::new(base, size, page, stream, pool));
-        st.paged_for.insert((stream, pool));
-        st.stats.segment.increase(pool, 1);
+        st.add_paged_segment(base, size, page, stream, pool);
         Ok(true)
     }
 
@@ -96,7 +66,7 @@ impl Shard {
         // Parked (and held) blocks' pages become reclaimable (and the OOM path sees them
         // merged).
         self.merge_set_aside(st);
-        let seg = &st.paged[&base];
+        let seg = st.paged_at(base);
         let missing: Vec<usize> = seg
             .touched(addr, len)
             .filter(|&i| !seg.mapped.get(i))
@@ -105,13 +75,11 @@ impl Shard {
             return Ok(true);
         }
         // Every page mapped here counts as reserved; parked chunks already do.
-        let live_after = st.stats.active_bytes.all().current as u64 + len;
-        st.live_high_water = st.live_high_water.max(live_after);
-        let high = st.live_high_water;
+        let high = st.raise_live_high_water(len);
         let share = st.page_slack();
         let slack = slack_bytes(high, share, page);
         let started = Instant::now();
-        st.moves.start_growth();
+        st.moves_mut().start_growth();
         let budget = (high + slack).min(self.hard_limit(st));
         let mut plan = Plan::new(&missing);
         let mut spares = self.unpark_all(st, page);
@@ -187,8 +155,8 @@ impl Shard {
     fn account_growth(&self, st: &mut State, started: Instant) {
         let now = Instant::now();
         let took = now - started;
-        let moved = st.moves.moved();
-        let paging = &mut st.stats.paging;
+        let moved = st.moves().moved();
+        let paging = &mut st.stats_mut().paging;
         paging.growths += 1;
         paging.growth_ns += took.as_nanos() as u64;
         if moved {
@@ -199,9 +167,9 @@ impl Shard {
         if !self.times_page_moves {
             return;
         }
-        let budget = st.config.page_move_budget;
-        let page_slack = st.config.page_slack;
-        if let Some((share, window)) = st.moves.account(started, now, budget, page_slack) {
+        let budget = st.config().page_move_budget;
+        let page_slack = st.config().page_slack;
+        if let Some((share, window)) = st.moves_mut().account(started, now, budget, page_slack) {
             tracing::info!(
                 device = self.device,
                 "page moves took {:.1}% of the last {:.0} ms (budget {:.1}%): page slack now {:.3} of peak live",
@@ -231,7 +199,7 @@ impl Shard {
         slack: u64,
         rest: Range<DevicePtr>,
     ) -> Result<()> {
-        let capturing = st.caches.capturing();
+        let capturing = st.capturing();
         plan.fill(spares);
         let in_hand = |plan: &Plan, spares: &[Spare]| plan.placed_pages() + pages_of(spares);
         // Pages past the budget were everything in hand mapped and the rest made new.
@@ -262,9 +230,7 @@ impl Shard {
             self.add_new_chunks(st, plan, page)?;
             if plan.unfilled() > 0 {
                 self.release_all_cached(st)?;
-                if !st.oom_final.is_some_and(|e| e.second_try) {
-                    st.stats.num_alloc_retries += 1;
-                }
+                st.count_alloc_retry();
                 self.add_new_chunks(st, plan, page)?;
             }
         }
@@ -299,26 +265,16 @@ impl Shard {
         missing: &[usize],
         done: &mut usize,
     ) -> Result<()> {
-        let (page, pool) = {
-            let seg = st.paged_segment_mut(base);
-            (seg.page, seg.pool)
-        };
+        let page = st.paged_at(base).page;
         for &(first, spare) in placed {
-            let seg = st.paged.get_mut(&base).expect("segment exists");
+            let va = st.paged_at(base).va(first);
             self.driver
-                .map(
-                    self.device,
-                    seg.va(first),
-                    spare.pages as u64 * page,
-                    spare.handle,
-                )
+                .map(self.device, va, spare.pages as u64 * page, spare.handle)
                 .map_err(|e| driver_error(self.device, e))?;
-            seg.set_chunk(first, spare);
-            st.add_reserved(pool, spare.pages as u64 * page);
-            st.stats.paging.chunks_mapped += 1;
+            st.chunk_mapped(base, first, spare);
             *done += 1;
         }
-        let seg = st.paged.get_mut(&base).expect("segment exists");
+        let seg = st.paged_at(base);
         for run in Plan::new(missing).gaps {
             self.driver
                 .set_access(self.device, seg.va(run.start), run.len() as u64 * page)
@@ -348,33 +304,26 @@ impl Shard {
 
     /// Keeps unmapped memory for later growth (it stays reserved).
     fn park(&self, st: &mut State, spare: Spare, page: u64) {
-        st.idle_chunks.push(spare);
-        st.add_reserved(PoolKind::Large, spare.pages as u64 * page);
+        st.keep_spare(spare, page);
     }
 
     /// Takes every parked chunk (no longer counted until mapped).
     fn unpark_all(&self, st: &mut State, page: u64) -> Vec<Spare> {
-        let spares = std::mem::take(&mut st.idle_chunks);
-        st.sub_reserved(PoolKind::Large, pages_of(&spares) as u64 * page);
-        spares
+        st.take_spares(page)
     }
 
     /// Unmaps the chunk at page `first` of a paged segment; its memory is no longer reserved.
     fn unmap_chunk(&self, st: &mut State, base: DevicePtr, first: usize) -> Result<Spare> {
-        let seg = st.paged.get_mut(&base).expect("segment exists");
+        let seg = st.paged_at(base);
         let pages = seg.chunks[&first].pages as u64;
         self.driver
             .unmap(self.device, seg.va(first), pages * seg.page)
             .map_err(|e| driver_error(self.device, e))?;
-        let spare = seg.take_chunk(first);
-        let (pool, page) = (seg.pool, seg.page);
-        st.sub_reserved(pool, pages * page);
-        st.stats.paging.chunks_unmapped += 1;
-        Ok(spare)
+        Ok(st.chunk_unmapped(base, first))
     }
 
     pub(in crate::alloc) fn hard_limit(&self, st: &State) -> u64 {
-        st.limit.min(self.total_memory)
+        st.limit().min(self.total_memory)
     }
 
     /// A fresh physical chunk of `pages` pages, counted as reserved by no pool until mapped;
@@ -387,7 +336,7 @@ impl Shard {
         }
         match self.driver.create_physical(self.device, bytes) {
             Ok(handle) => {
-                st.stats.num_device_alloc += 1;
+                st.stats_mut().num_device_alloc += 1;
                 Ok(Some(handle))
             }
             Err(e) => self.refused(st, bytes, e),
@@ -403,7 +352,7 @@ impl Shard {
             .release_physical(self.device, spare.handle, spare.pages as u64 * page)
         {
             Ok(()) => {
-                st.stats.num_device_free += 1;
+                st.stats_mut().num_device_free += 1;
                 st.uncommit(spare.pages as u64 * page);
                 Ok(())
             }
@@ -447,12 +396,7 @@ impl Shard {
         also: Range<DevicePtr>,
         caller: Option<StreamId>,
     ) -> Result<Vec<Spare>> {
-        let (mut candidates, clean, steps) =
-            reclaim_candidates(&st.blocks, &st.caches, &st.paged, &st.reclaim_dirty, also);
-        st.stats.paging.reclaim_steps += steps;
-        for key in clean {
-            st.reclaim_dirty.remove(&key);
-        }
+        let mut candidates = st.reclaim_candidates(also);
         // Chunks that fit where the memory is wanted move; larger ones would be released.
         candidates.sort_by_key(|v| v.pages > fit);
         if candidates.is_empty() {
@@ -473,7 +417,7 @@ impl Shard {
         };
         let (done, mut pending): (Vec<Victim>, Vec<Victim>) = candidates
             .into_iter()
-            .partition(|v| all_done || st.fences.is_done(v.stream, v.last_free));
+            .partition(|v| all_done || st.fences().is_done(v.stream, v.last_free));
         let mut victims = Vec::new();
         let mut taken = 0;
         take_until(&mut victims, &mut taken, done, limit);
@@ -497,7 +441,7 @@ impl Shard {
             }
             let now_done: Vec<Victim> = pending
                 .into_iter()
-                .filter(|v| st.fences.is_done(v.stream, v.last_free))
+                .filter(|v| st.fences().is_done(v.stream, v.last_free))
                 .collect();
             take_until(&mut victims, &mut taken, now_done, limit);
         }
@@ -507,7 +451,7 @@ impl Shard {
                 Ok(spare) => spares.push(spare),
                 Err(e) => {
                     // Keep what was already unmapped (reserved, parked) rather than lose it.
-                    let page = st.paged[&v.segment].page;
+                    let page = st.paged_at(v.segment).page;
                     for spare in spares {
                         self.park(st, spare, page);
                     }
@@ -515,50 +459,29 @@ impl Shard {
                 }
             }
         }
-        st.moves.note_moved(!spares.is_empty());
+        st.moves_mut().note_moved(!spares.is_empty());
         Ok(spares)
     }
 
     /// Gives back every page under free blocks and every paged segment left wholly free.
     /// The caller has synchronized the device.
     pub(in crate::alloc) fn release_paged_cache(&self, st: &mut State) -> Result<()> {
-        if st.paged.is_empty() {
+        let Some(page) = st.page_size() else {
             return Ok(());
-        }
-        let page = st.paged.values().next().expect("non-empty").page;
+        };
         let idle = self.unpark_all(st, page);
         let released_idle = self.release_chunks(st, idle, page);
         let reclaimed = self.reclaim(st, usize::MAX, 0, usize::MAX, 0..0, None)?;
         released_idle.and(self.release_chunks(st, reclaimed, page))?;
-        let empty: Vec<DevicePtr> = st
-            .paged
-            .iter()
-            .filter(|(base, seg)| {
-                let first = st.segments[base].first;
-                let b = st.blocks.get(first);
-                seg.mapped.is_empty() && b.state == BlockState::Free && b.next.is_none()
-            })
-            .map(|(&base, _)| base)
-            .collect();
         let mut result = Ok(());
-        for base in empty {
+        for (base, size) in st.empty_paged_segments() {
             // The range goes first: should the driver refuse, the segment stays (empty,
             // cached) and the next empty_cache tries again.
-            let size = st.paged[&base].size;
             if let Err(e) = self.driver.free_address(self.device, base, size) {
                 result = result.and(Err(driver_error(self.device, e)));
                 continue;
             }
-            let seg = st.paged.remove(&base).expect("listed");
-            let segment = st
-                .segments
-                .remove(&base)
-                .expect("paged segments are segments");
-            st.forget_used(base, base + seg.size);
-            let block = st.blocks.remove(segment.first);
-            st.caches.list(None, seg.pool).remove(&block);
-            st.paged_for.remove(&(seg.stream, seg.pool));
-            st.stats.segment.decrease(seg.pool, 1);
+            st.remove_paged_segment(base);
         }
         result
     }

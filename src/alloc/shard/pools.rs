@@ -13,14 +13,14 @@ impl Shard {
     /// Opens a window routing allocations on streams accepted by `filter` to `pool`
     /// (created on first use; each begin holds it once more).
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> Result<()> {
-        self.lock()?.caches.open_window(pool, filter);
+        self.lock()?.caches_mut().open_window(pool, filter);
         Ok(())
     }
 
     /// Holds `pool` `users` times, as the device does (for a shard made after the pool's
     /// windows opened: `DeviceAllocator::make_shard`).
     pub(in crate::alloc) fn set_pool_users(&self, pool: PoolId, users: u32) -> Result<()> {
-        self.lock()?.caches.set_pool_users(pool, users);
+        self.lock()?.caches_mut().set_pool_users(pool, users);
         Ok(())
     }
 
@@ -30,7 +30,7 @@ impl Shard {
         let mut st = self.lock()?;
         // Dropped after the lock: dropping runs the caller's release callback, which may
         // call back into ccalloc.
-        let Some(route) = st.caches.close_window(pool) else {
+        let Some(route) = st.caches_mut().close_window(pool) else {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("end_allocate_to_pool: no open window for pool {pool:?}"),
@@ -48,7 +48,7 @@ impl Shard {
     /// capture is open) and the rest as their blocks are freed and the cache is emptied.
     pub fn release_pool(&self, pool: PoolId) -> Result<()> {
         let mut st = self.lock()?;
-        match st.caches.drop_user(pool) {
+        match st.caches_mut().drop_user(pool) {
             Unheld::Unknown => {
                 return Err(Error::new(
                     ErrorKind::InvalidArgument,
@@ -58,7 +58,7 @@ impl Shard {
             Unheld::StillHeld | Unheld::Forgotten => return Ok(()),
             Unheld::Releasable => {}
         }
-        if !st.caches.capturing() {
+        if !st.capturing() {
             self.sync_device(&mut st)?;
             self.release_whole_segments(
                 &mut st,

@@ -13,13 +13,13 @@ use crate::error::Result;
 impl Shard {
     /// Returns a cached whole-segment block to the driver.
     pub(in crate::alloc) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
-        let block = st.blocks.get(id);
-        let (addr, size, pool, owner) = (block.addr, block.size, block.pool, block.owner);
-        st.caches.list(owner, pool).remove(block);
-        st.stats.num_device_free += 1;
+        let block = st.block(id);
+        let (addr, size) = (block.addr, block.size);
+        st.unlist(id);
+        st.stats_mut().num_device_free += 1;
         if let Err(e) = self.driver.release(self.device, addr, size) {
             // Still ours: put it back so the bookkeeping stays whole.
-            st.caches.list(owner, pool).insert(st.blocks.get(id), id);
+            st.relist(id);
             return Err(driver_error(self.device, e));
         }
         st.remove_segment(id);
@@ -38,16 +38,16 @@ impl Shard {
         stream: StreamId,
         rounded: u64,
     ) -> Result<bool> {
-        let max_split = st.config.max_split_size;
+        let max_split = st.config().max_split_size;
         if max_split == u64::MAX || pool != PoolKind::Large {
             return Ok(false);
         }
         let wanted = rounded.max(max_split);
-        let large = st.caches.general(PoolKind::Large);
+        let large = st.caches().general(PoolKind::Large);
         let one = large
             .best_fit(stream, wanted)
             .map(|(_, id)| id)
-            .filter(|&id| st.blocks.get(id).is_whole_plain_segment());
+            .filter(|&id| st.block(id).is_whole_plain_segment());
         let chosen = match one {
             Some(id) => vec![id],
             None => {
@@ -57,8 +57,8 @@ impl Shard {
                     if total >= wanted {
                         break;
                     }
-                    if st.blocks.get(id).is_whole_plain_segment() {
-                        total += st.blocks.get(id).size;
+                    if st.block(id).is_whole_plain_segment() {
+                        total += st.block(id).size;
                         picked.push(id);
                     }
                 }
@@ -68,7 +68,7 @@ impl Shard {
                 picked
             }
         };
-        let released: u64 = chosen.iter().map(|&id| st.blocks.get(id).size).sum();
+        let released: u64 = chosen.iter().map(|&id| st.block(id).size).sum();
         self.sync_device(st)?;
         for id in chosen {
             self.release_segment(st, id)?;
@@ -80,13 +80,13 @@ impl Shard {
     /// general cache and of private pools nobody holds).
     pub(in crate::alloc) fn release_all_cached(&self, st: &mut State) -> Result<()> {
         self.merge_set_aside(st);
-        st.stats.num_sync_all_streams += 1;
+        st.stats_mut().num_sync_all_streams += 1;
         self.drain_awaiting(st)?;
         self.sync_device(st)?;
-        let lists = st.caches.releasable();
+        let lists = st.caches().releasable();
         self.release_whole_segments(st, &lists)?;
         let released = self.release_paged_cache(st);
-        st.caches.prune();
+        st.caches_mut().prune();
         released
     }
 
@@ -99,13 +99,13 @@ impl Shard {
         pool: PoolKind,
         size: u64,
     ) -> Result<()> {
-        let Some(list) = st.caches.try_list(owner, pool) else {
+        let Some(list) = st.caches().try_list(owner, pool) else {
             return Ok(());
         };
         let outgrown: Vec<BlockId> = list
             .ids()
             .filter(|&id| {
-                let b = st.blocks.get(id);
+                let b = st.block(id);
                 b.is_whole_plain_segment() && b.size < size
             })
             .collect();
@@ -128,12 +128,12 @@ impl Shard {
     ) -> Result<()> {
         for &(owner, pool) in lists {
             // Releasing a pool's last segment removes the pool.
-            let Some(list) = st.caches.try_list(owner, pool) else {
+            let Some(list) = st.caches().try_list(owner, pool) else {
                 continue;
             };
             let whole: Vec<BlockId> = list
                 .ids()
-                .filter(|&id| st.blocks.get(id).is_whole_plain_segment())
+                .filter(|&id| st.block(id).is_whole_plain_segment())
                 .collect();
             for id in whole {
                 self.release_segment(st, id)?;
@@ -157,19 +157,19 @@ impl Shard {
     /// Deferred blocks get their events first (`retry_deferred`).
     fn drain_awaiting(&self, st: &mut State) -> Result<()> {
         self.retry_deferred(st)?;
-        while let Some(mut pending) = st.awaiting.pop() {
+        while let Some(mut pending) = st.pop_awaiting() {
             while let Some(&event) = pending.events.last() {
                 if let Err(e) = self.driver.wait_event(self.device, event) {
                     // The block stays unusable rather than risk reuse while in use, and
                     // awaiting with the events not yet waited for: the next drain tries
                     // again.
-                    st.awaiting.push(pending);
+                    st.push_awaiting(pending);
                     return Err(driver_error(self.device, e));
                 }
                 self.driver.destroy_event(self.device, event);
                 pending.events.pop();
             }
-            let addr = st.blocks.get(pending.block).addr;
+            let addr = st.block(pending.block).addr;
             crate::history::reusable(self.device as i32, addr);
             let _ = st.cache(pending.block);
         }
@@ -179,9 +179,9 @@ impl Shard {
     /// Caches blocks whose cross-stream events have all completed.
     pub(in crate::alloc) fn poll_events(&self, st: &mut State) -> Result<()> {
         let mut i = 0;
-        while i < st.awaiting.len() {
+        while let Some(events) = st.awaiting_events(i) {
             let mut done = true;
-            for &event in &st.awaiting[i].events {
+            for &event in events {
                 if !self
                     .driver
                     .event_done(self.device, event)
@@ -192,11 +192,11 @@ impl Shard {
                 }
             }
             if done {
-                let pending = st.awaiting.swap_remove(i);
+                let pending = st.take_awaiting(i);
                 for event in pending.events {
                     self.driver.destroy_event(self.device, event);
                 }
-                let addr = st.blocks.get(pending.block).addr;
+                let addr = st.block(pending.block).addr;
                 crate::history::reusable(self.device as i32, addr);
                 let _ = st.cache(pending.block);
             } else {
@@ -209,7 +209,7 @@ impl Shard {
     /// Records an event on each stream that used the block; it becomes reusable when all
     /// have completed. Without events (recording failed) the device is synchronized instead.
     /// Should neither events nor the synchronize fallback work, the block is deferred
-    /// (`State::deferred`, its streams kept): unusable, not lost; `retry_deferred` tries
+    /// (`State::defer`, its streams kept): unusable, not lost; `retry_deferred` tries
     /// again at the next empty_cache or OOM.
     pub(in crate::alloc) fn await_streams(
         &self,
@@ -219,8 +219,7 @@ impl Shard {
     ) -> Result<()> {
         let result = self.record_or_sync(st, id, &uses);
         if result.is_err() {
-            st.blocks.get_mut(id).stream_uses = uses;
-            st.deferred.push(id);
+            st.defer(id, uses);
         }
         result
     }
@@ -228,11 +227,10 @@ impl Shard {
     /// Blocks whose events could not be recorded (or that were freed during a capture) get
     /// their events now; on a failure, the rest stay deferred.
     pub(in crate::alloc) fn retry_deferred(&self, st: &mut State) -> Result<()> {
-        if st.caches.capturing() {
+        if st.capturing() {
             return Ok(());
         }
-        while let Some(id) = st.deferred.pop() {
-            let uses = std::mem::take(&mut st.blocks.get_mut(id).stream_uses);
+        while let Some((id, uses)) = st.pop_deferred() {
             self.await_streams(st, id, uses)?;
         }
         Ok(())
@@ -265,10 +263,10 @@ impl Shard {
             }
         }
         if events.is_empty() {
-            crate::history::reusable(self.device as i32, st.blocks.get(id).addr);
+            crate::history::reusable(self.device as i32, st.block(id).addr);
             let _ = st.cache(id);
         } else {
-            st.awaiting.push(AwaitingEvents { block: id, events });
+            st.push_awaiting(AwaitingEvents { block: id, events });
         }
         Ok(())
     }
@@ -278,18 +276,18 @@ impl Shard {
     /// the large pool (at least average age) until back under it.
     pub(in crate::alloc) fn collect_garbage(&self, st: &mut State) -> Result<()> {
         let threshold =
-            (st.config.garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
+            (st.config().garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
         let reserved = st.device_reserved();
         if reserved <= threshold {
             return Ok(());
         }
         let target = reserved - threshold;
-        let large = st.caches.general(PoolKind::Large);
+        let large = st.caches().general(PoolKind::Large);
         let now = large.lookups();
         let mut candidates: Vec<(u64, BlockId)> = large
             .ids()
-            .filter(|&id| st.blocks.get(id).is_whole_plain_segment())
-            .map(|id| (now - st.blocks.get(id).cached_at, id))
+            .filter(|&id| st.block(id).is_whole_plain_segment())
+            .map(|id| (now - st.block(id).cached_at, id))
             .collect();
         let mut chosen = Vec::new();
         let mut reclaimed = 0;
@@ -301,10 +299,7 @@ impl Shard {
             if old.is_empty() {
                 break;
             }
-            reclaimed += old
-                .iter()
-                .map(|&(_, id)| st.blocks.get(id).size)
-                .sum::<u64>();
+            reclaimed += old.iter().map(|&(_, id)| st.block(id).size).sum::<u64>();
             chosen.extend(old.into_iter().map(|(_, id)| id));
             candidates = young;
         }

@@ -51,13 +51,7 @@ impl Shard {
         let mut st = self.lock()?;
         self.drain_fronts(&mut st);
         let mut done = Restored::default();
-        let live: Vec<(DevicePtr, BlockId)> = st
-            .live
-            .iter()
-            .filter(|(_, &id)| st.blocks.get(id).owner == Some(pool))
-            .map(|(&addr, &id)| (addr, id))
-            .collect();
-        for (addr, id) in live {
+        for (addr, id) in st.live_blocks_of(pool) {
             self.free_block(&mut st, id, true)?;
             done.freed.push(addr);
         }
@@ -75,7 +69,7 @@ impl Shard {
         }
         for (id, allocated) in made {
             if allocated {
-                done.allocated.push(st.blocks.get(id).addr);
+                done.allocated.push(st.block(id).addr);
             } else {
                 self.free_block(&mut st, id, false)?;
             }
@@ -103,14 +97,14 @@ impl Shard {
                     b.addr
                 )));
             }
-            if let Some(seg) = st.segments.get(&b.addr) {
+            if let Some(seg) = st.segment_at(b.addr) {
                 cursor = Some(seg.first);
                 *segments_found += 1;
             }
             let Some(id) = cursor else {
                 continue; // a segment of another shard
             };
-            let block = st.blocks.get(id);
+            let block = st.block(id);
             if block.owner != Some(pool) || block.addr != b.addr || block.size < b.size {
                 return Err(refused(format!(
                     "the pool's memory at {:#x} no longer matches its saved layout",
@@ -123,12 +117,10 @@ impl Shard {
                     b.addr
                 )));
             }
-            let (owner, kind) = (block.owner, block.pool);
-            let state = &mut *st;
-            state.caches.list(owner, kind).remove(state.blocks.get(id));
+            st.unlist(id);
             st.hand_out_exact(id, b.size);
             made.push((id, b.allocated));
-            cursor = st.blocks.get(id).next;
+            cursor = st.block(id).next;
         }
         Ok(())
     }
