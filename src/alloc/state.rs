@@ -5,7 +5,6 @@
 use super::core::blocks::PoolId;
 use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
-use super::front::Fronts;
 use super::paging::budget::MoveClock;
 use super::paging::fences::Fences;
 use super::paging::plan::{reclaim_candidates, Victim};
@@ -142,18 +141,12 @@ pub struct State {
     /// with their figures); `None` when the device may still avoid it by emptying their
     /// caches (`DeviceAllocator::malloc` retries then).
     oom_final: Option<Elsewhere>,
-    /// The device's thread fronts (`front`), and how many handed-out blocks they hold.
-    fronts: Arc<Fronts>,
+    /// Handed-out blocks that thread fronts (`front`) hold.
     front_blocks: usize,
 }
 
 impl State {
-    pub fn new(
-        config: Config,
-        limit: u64,
-        device_reserved: Arc<DeviceReserved>,
-        fronts: Arc<Fronts>,
-    ) -> Self {
+    pub fn new(config: Config, limit: u64, device_reserved: Arc<DeviceReserved>) -> Self {
         Self {
             config,
             limit,
@@ -171,40 +164,12 @@ impl State {
             device_reserved,
             shut_down: false,
             oom_final: Some(Elsewhere::default()),
-            fronts,
             front_blocks: 0,
         }
     }
 
     pub fn reserved(&self) -> u64 {
         self.stats.reserved_bytes.all().current as u64
-    }
-
-    /// The peaks of the statistics that thread fronts move (see `front`), to compare with
-    /// after a hand-out (`front_peaks_passed`).
-    pub fn front_peaks(&self) -> [[i64; 3]; 5] {
-        self.stats
-            .front_moved()
-            .map(|array| array.0.map(|stat| stat.peak))
-    }
-
-    /// Whether any of those statistics now stands above its peak in `before`.
-    pub fn front_peaks_passed(&self, before: &[[i64; 3]; 5]) -> bool {
-        self.stats
-            .front_moved()
-            .iter()
-            .zip(before)
-            .any(|(array, peaks)| array.0.iter().zip(peaks).any(|(s, &p)| s.current > p))
-    }
-
-    /// Sets those peaks to the larger of `before` and the current value (after the fronts'
-    /// held blocks were taken back: the true high-water mark).
-    pub fn settle_front_peaks(&mut self, before: &[[i64; 3]; 5]) {
-        for (array, peaks) in self.stats.front_moved_mut().into_iter().zip(before) {
-            for (stat, &peak) in array.0.iter_mut().zip(peaks) {
-                stat.peak = peak.max(stat.current);
-            }
-        }
     }
 
     /// Reserved on the whole device: this shard's and its other shards'.
@@ -1091,11 +1056,6 @@ impl State {
     /// Takes the `i`-th awaiting block (the last one takes its place).
     pub fn take_awaiting(&mut self, i: usize) -> AwaitingEvents {
         self.events.awaiting.swap_remove(i)
-    }
-
-    /// The device's thread fronts.
-    pub fn fronts(&self) -> &Arc<Fronts> {
-        &self.fronts
     }
 
     /// Handed-out blocks the fronts hold.

@@ -1,9 +1,11 @@
 //! The shard: one lock over one `State`, and every operation that needs the lock, the
 //! bookkeeping, paging and the driver together. The slow paths live in the submodules:
 //! giving memory back (`release`), private pools (`pools`), restoring a pool's layout
-//! (`restore`), paged segments' driver I/O (`paging`) and fences (`fences`).
+//! (`restore`), paged segments' driver I/O (`paging`), fences (`fences`) and the thread
+//! fronts' drain and adoption (`fronts`).
 
 mod fences;
+mod fronts;
 mod paging;
 pub mod pools;
 mod release;
@@ -13,7 +15,7 @@ use super::blocks::{BlockId, PoolId};
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State};
 use super::stats::{self, DeviceStats};
-use super::{already_freed, driver_error, front, limit_for, SegmentView};
+use super::{driver_error, front, limit_for, SegmentView};
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
@@ -43,6 +45,9 @@ pub(crate) struct Shard {
     total_memory: u64,
     driver: Arc<dyn Driver>,
     pub(in crate::alloc) state: SpinThenBlock<State>,
+    /// The device's thread fronts (`front`): a layer over the shards that hands out and
+    /// takes back blocks the shard counts as live; the shard drains them (`drain_fronts`).
+    fronts: Arc<front::Fronts>,
     /// `Driver::min_free_fence_interval`, `Driver::times_page_moves` and
     /// `Driver::releases_outgrown_segments`, read once.
     free_fence_interval: std::time::Duration,
@@ -67,7 +72,8 @@ impl Shard {
             device,
             total_memory,
             driver,
-            state: SpinThenBlock::new(State::new(config, limit, device_reserved, fronts)),
+            state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
+            fronts,
             free_fence_interval,
             times_page_moves,
             releases_outgrown,
@@ -128,15 +134,15 @@ impl Shard {
         let rounded = sizing::round_size(size, st.config());
         // Blocks in thread fronts count as allocated here: a hand-out that lifts a figure
         // past its peak takes them back first, so that the new peak is the true one.
-        let peaks = (st.front_blocks() > 0).then(|| st.front_peaks());
+        let peaks = (st.front_blocks() > 0).then(|| st.stats().front_peaks());
         // The memory limit gates reserving new memory, never handing out cached memory (as
         // PyTorch checks it only when it must reserve): past it, only the cache may serve.
         let cache_only = size > st.limit();
         let ptr = self.malloc_locked(&mut st, size, stream, owner, rounded, cache_only)?;
         if let Some(before) = peaks {
-            if st.front_peaks_passed(&before) {
+            if st.stats().front_peaks_passed(&before) {
                 self.drain_fronts(&mut st);
-                st.settle_front_peaks(&before);
+                st.stats_mut().settle_front_peaks(&before);
             }
         }
         Ok(ptr)
@@ -402,112 +408,12 @@ impl Shard {
         Ok(())
     }
 
-    /// A live block that a front holds is taken from it, for a free or `record_stream` on
-    /// another path (another thread's, or one the front did not see). A block the front
-    /// holds as freed is not live for the caller: the double free is refused, nothing
-    /// changed.
-    pub(in crate::alloc) fn detach_from_front(
-        &self,
-        st: &mut State,
-        id: BlockId,
-        ptr: DevicePtr,
-    ) -> Result<()> {
-        let front = st.front_of(id);
-        if front == 0 {
-            return Ok(());
-        }
-        let held = st
-            .fronts()
-            .find(front)
-            .and_then(|cell| cell.front.with(|f| f.detach(ptr)));
-        if held == Some(true) {
-            return Err(already_freed(self.device, ptr));
-        }
-        st.leave_front(id);
-        Ok(())
-    }
-
-    /// Gives a freed block to `cell` (see `front`) when it may wait there: a paged block of
-    /// the general cache, used on its own stream only, not oversize, outside captures.
-    /// Returns the front's (held, out) census, or `None` when the block stays here.
-    pub(in crate::alloc) fn adopt(
-        &self,
-        st: &mut State,
-        id: BlockId,
-        cell: &front::FrontCell,
-    ) -> Option<(u32, u32)> {
-        let b = st.block(id);
-        let eligible = b.paged
-            && b.owner.is_none()
-            && b.stream_uses.is_empty()
-            && !b.counted_oversize
-            && b.size <= front::FRONT_MAX_BLOCK
-            && !st.capturing();
-        if !eligible {
-            return None;
-        }
-        let entry = front::Entry::new(b.addr, b.size, b.requested, b.stream, b.pool, id);
-        let open = &st.fronts().open;
-        let adopted = cell.front.with(|f| {
-            if !open.load(std::sync::atomic::Ordering::Relaxed) {
-                return None;
-            }
-            let evicted = f.adopt(entry).ok()?;
-            Some((evicted, f.census()))
-        });
-        let (evicted, census) = adopted?;
-        st.join_front(id, cell.id);
-        if let Some(old) = evicted {
-            self.free_drained(st, old);
-        }
-        Some(census)
-    }
-
-    /// Frees blocks that fronts held, in the shard: every front's held blocks (and folds
-    /// fronts of exited threads into the statistics once they hold nothing). Every path
-    /// that must see the real free memory calls this first.
-    pub(in crate::alloc) fn drain_fronts(&self, st: &mut State) {
-        use std::sync::atomic::Ordering;
-        let orphans = st.fronts().orphans.load(Ordering::Acquire);
-        if st.front_blocks() == 0 && orphans == 0 {
-            return;
-        }
-        let mut gone = Vec::new();
-        for cell in st.fronts().all() {
-            let (drained, empty, counts) = cell
-                .front
-                .with(|f| (f.drain_held(), f.is_empty(), *f.counts()));
-            for entry in drained {
-                self.free_drained(st, entry);
-            }
-            if empty && cell.orphaned.load(Ordering::Acquire) {
-                counts.add_to(st.stats_mut(), false);
-                gone.push(cell.id);
-            }
-        }
-        st.fronts().retire(&gone);
-    }
-
     /// Blocks set aside for reuse, parked here and held in fronts, go back to the free lists,
     /// merged with their neighbours: before growth, reclaiming pages, releasing the cache or
     /// reporting an OOM, which must see all free memory.
     pub(in crate::alloc) fn merge_set_aside(&self, st: &mut State) {
         self.drain_fronts(st);
         st.flush_parked();
-    }
-
-    /// Frees a block that left a front (drained or evicted): the front no longer counts it.
-    pub(in crate::alloc) fn free_drained(&self, st: &mut State, entry: front::Entry) {
-        let Some(id) = st.live_block(entry.ptr) else {
-            debug_assert!(false, "a front held {:#x}, not live", entry.ptr);
-            return;
-        };
-        debug_assert_eq!(id, entry.id);
-        st.leave_front(id);
-        // Never recorded on another stream (record_stream takes blocks out of fronts).
-        if let Err(e) = self.free_block(st, id, false) {
-            tracing::warn!(device = self.device, "freeing a front's block: {e}");
-        }
     }
 
     /// Why `ptr` is not live, when it lies in this shard's memory (a double free, or a pointer
@@ -596,7 +502,7 @@ impl Shard {
     pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
         let st = self.lock()?;
         let mut stats = *st.stats();
-        for cell in st.fronts().all() {
+        for cell in self.fronts.all() {
             cell.front.with(|f| f.counts().add_to(&mut stats, true));
         }
         Ok(stats)
@@ -618,7 +524,7 @@ impl Shard {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
-        for cell in st.fronts().all() {
+        for cell in self.fronts.all() {
             cell.front.with(|f| f.counts_mut().reset_accumulated());
         }
         st.stats_mut().reset_accumulated();
