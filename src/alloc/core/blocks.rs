@@ -21,35 +21,176 @@ pub enum BlockState {
     Parked,
 }
 
+/// A piece of a segment: where it lies, whose it is, and its state. Its fields change only
+/// through the transitions below and the arena's splits and merges, which keep the chain of
+/// a segment's blocks linked in address order.
 #[derive(Clone, Debug)]
 pub struct Block {
-    pub addr: DevicePtr,
-    pub size: u64,
+    addr: DevicePtr,
+    size: u64,
     /// Bytes the caller asked for (before rounding); 0 while free.
-    pub requested: u64,
+    requested: u64,
     /// The stream the segment was allocated for; the block is reused only there.
-    pub stream: StreamId,
-    pub pool: PoolKind,
+    stream: StreamId,
+    pool: PoolKind,
     /// The private pool (CUDA graph) the segment belongs to; `None` = the general cache.
-    pub owner: Option<PoolId>,
+    owner: Option<PoolId>,
     /// Lies in a paged (virtual memory) segment: pages are mapped as blocks need them.
-    pub paged: bool,
+    paged: bool,
     /// Counted in `oversize_allocations` when handed out (so the count comes off exactly
     /// even if `max_split_size` changes meanwhile).
-    pub counted_oversize: bool,
+    counted_oversize: bool,
     /// Neighbours inside the same segment, by address.
-    pub prev: Option<BlockId>,
-    pub next: Option<BlockId>,
-    pub state: BlockState,
+    prev: Option<BlockId>,
+    next: Option<BlockId>,
+    state: BlockState,
     /// Other streams that used the block (`record_stream`); they are waited for on free.
-    pub stream_uses: Vec<StreamId>,
+    stream_uses: Vec<StreamId>,
     /// The pool's lookup count when the block was cached; its age for garbage collection.
-    pub cached_at: u64,
+    cached_at: u64,
     /// The thread front (`front::FrontCell::id`) that holds this handed-out block; 0: none.
-    pub front: u64,
+    front: u64,
 }
 
 impl Block {
+    /// A fresh segment `[addr, addr+size)` as one free block.
+    pub fn whole_segment(
+        addr: DevicePtr,
+        size: u64,
+        stream: StreamId,
+        pool: PoolKind,
+        owner: Option<PoolId>,
+        paged: bool,
+        cached_at: u64,
+    ) -> Self {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            stream,
+            pool,
+            owner,
+            paged,
+            counted_oversize: false,
+            prev: None,
+            next: None,
+            state: BlockState::Free,
+            stream_uses: Vec::new(),
+            cached_at,
+            front: 0,
+        }
+    }
+
+    pub fn addr(&self) -> DevicePtr {
+        self.addr
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn requested(&self) -> u64 {
+        self.requested
+    }
+
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    pub fn pool(&self) -> PoolKind {
+        self.pool
+    }
+
+    pub fn owner(&self) -> Option<PoolId> {
+        self.owner
+    }
+
+    pub fn paged(&self) -> bool {
+        self.paged
+    }
+
+    pub fn counted_oversize(&self) -> bool {
+        self.counted_oversize
+    }
+
+    pub fn prev(&self) -> Option<BlockId> {
+        self.prev
+    }
+
+    pub fn next(&self) -> Option<BlockId> {
+        self.next
+    }
+
+    pub fn state(&self) -> BlockState {
+        self.state
+    }
+
+    pub fn stream_uses(&self) -> &[StreamId] {
+        &self.stream_uses
+    }
+
+    pub fn cached_at(&self) -> u64 {
+        self.cached_at
+    }
+
+    pub fn front(&self) -> u64 {
+        self.front
+    }
+
+    /// Handed to a caller who asked for `requested` bytes; `oversize`: counted in
+    /// `oversize_allocations`.
+    pub fn mark_handed_out(&mut self, requested: u64, oversize: bool) {
+        self.state = BlockState::Allocated;
+        self.requested = requested;
+        self.counted_oversize = oversize;
+    }
+
+    /// Taken from the cache but not yet handed out (its pages are being mapped): not free,
+    /// so that no merge or reclaim touches it meanwhile.
+    pub fn hold(&mut self) {
+        self.state = BlockState::Allocated;
+    }
+
+    /// Given back by its caller: waits for the streams it was used on, which it returns.
+    pub fn mark_awaiting(&mut self) -> Vec<StreamId> {
+        self.state = BlockState::AwaitingEvents;
+        std::mem::take(&mut self.stream_uses)
+    }
+
+    /// Cached in its pool's free list at lookup count `cached_at`.
+    pub fn mark_free(&mut self, cached_at: u64) {
+        self.state = BlockState::Free;
+        self.requested = 0;
+        self.cached_at = cached_at;
+    }
+
+    /// Parked, unmerged and unlisted.
+    pub fn mark_parked(&mut self) {
+        self.state = BlockState::Parked;
+        self.requested = 0;
+    }
+
+    /// The other streams it is used on, kept while their events wait.
+    pub fn set_stream_uses(&mut self, uses: Vec<StreamId>) {
+        self.stream_uses = uses;
+    }
+
+    pub fn take_stream_uses(&mut self) -> Vec<StreamId> {
+        std::mem::take(&mut self.stream_uses)
+    }
+
+    /// Used on `stream` too (nothing changes for its own stream or one already noted).
+    pub fn add_stream_use(&mut self, stream: StreamId) {
+        if self.stream != stream && !self.stream_uses.contains(&stream) {
+            self.stream_uses.push(stream);
+        }
+    }
+
+    /// Held by thread front `front` (0: none).
+    pub fn set_front(&mut self, front: u64) {
+        self.front = front;
+    }
+
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
@@ -65,7 +206,7 @@ impl Block {
 
     /// A free piece `[addr, addr+size)` of this block's segment, linked between `prev` and
     /// `next` (the caller fixes the neighbours' links).
-    pub fn free_piece(
+    fn free_piece(
         &self,
         addr: DevicePtr,
         size: u64,
@@ -125,5 +266,72 @@ impl BlockArena {
 
     pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id as usize].as_mut().expect("block id is live")
+    }
+
+    /// Cuts block `id` after its first `size` bytes: the rest becomes a new free block
+    /// (unlisted) linked after it, at lookup count `cached_at`. Returns the new block.
+    pub fn split_off_back(&mut self, id: BlockId, size: u64, cached_at: u64) -> BlockId {
+        let block = self.get(id);
+        let rest = block.free_piece(
+            block.addr + size,
+            block.size - size,
+            Some(id),
+            block.next,
+            cached_at,
+        );
+        let rest_id = self.insert(rest);
+        if let Some(next) = self.get(rest_id).next {
+            self.get_mut(next).prev = Some(rest_id);
+        }
+        let block = self.get_mut(id);
+        block.next = Some(rest_id);
+        block.size = size;
+        rest_id
+    }
+
+    /// Cuts block `id` at `at`: the part before becomes a new free block (unlisted) linked
+    /// before it, and `id` keeps the rest. Returns the new block, and whether it now starts
+    /// its segment (the caller's segment table names its first block).
+    pub fn split_off_front(&mut self, id: BlockId, at: DevicePtr) -> (BlockId, bool) {
+        let block = self.get(id);
+        let addr = block.addr;
+        debug_assert!(at > addr && at < block.end());
+        let front = block.free_piece(addr, at - addr, block.prev, Some(id), block.cached_at);
+        let front_id = self.insert(front);
+        let starts_segment = match self.get(front_id).prev {
+            Some(p) => {
+                self.get_mut(p).next = Some(front_id);
+                false
+            }
+            None => true,
+        };
+        let block = self.get_mut(id);
+        block.size -= at - addr;
+        block.addr = at;
+        block.prev = Some(front_id);
+        (front_id, starts_segment)
+    }
+
+    /// Merges `neighbour` (adjacent, before or after) into `id`, which takes over its bytes
+    /// and links. Returns the neighbour as it was, and whether `id` now starts its segment.
+    pub fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> (Block, bool) {
+        let other = self.remove(neighbour);
+        let block = self.get_mut(id);
+        block.size += other.size;
+        let mut starts_segment = false;
+        if other.addr < block.addr {
+            block.addr = other.addr;
+            block.prev = other.prev;
+            match other.prev {
+                Some(p) => self.get_mut(p).next = Some(id),
+                None => starts_segment = true,
+            }
+        } else {
+            block.next = other.next;
+            if let Some(n) = other.next {
+                self.get_mut(n).prev = Some(id);
+            }
+        }
+        (other, starts_segment)
     }
 }

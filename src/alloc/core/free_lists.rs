@@ -14,7 +14,7 @@ use std::collections::HashMap;
 #[derive(Default)]
 pub struct FreeList {
     streams: rustc_hash::FxHashMap<StreamId, SizeIndex>,
-    /// Counts lookups; a cached block's age is `lookups - block.cached_at`.
+    /// Counts lookups; a cached block's age is `lookups - block.cached_at()`.
     lookups: u64,
 }
 
@@ -30,19 +30,19 @@ impl FreeList {
     }
 
     pub fn insert(&mut self, block: &Block, id: BlockId) {
-        let fresh = self
-            .streams
-            .entry(block.stream)
-            .or_default()
-            .insert(block.size, block.addr, id);
+        let fresh =
+            self.streams
+                .entry(block.stream())
+                .or_default()
+                .insert(block.size(), block.addr(), id);
         debug_assert!(fresh, "block cached twice");
     }
 
     pub fn remove(&mut self, block: &Block) {
         let removed = self
             .streams
-            .get_mut(&block.stream)
-            .and_then(|index| index.remove(block.size, block.addr));
+            .get_mut(&block.stream())
+            .and_then(|index| index.remove(block.size(), block.addr()));
         debug_assert!(removed.is_some(), "removed a block that was not cached");
     }
 

@@ -102,8 +102,8 @@ pub fn reclaim_candidates(
             ranges.extend(
                 list.ids_of(stream)
                     .map(|id| blocks.get(id))
-                    .filter(|b| b.paged)
-                    .map(|b| (b.addr, b.size)),
+                    .filter(|b| b.paged())
+                    .map(|b| (b.addr(), b.size())),
             );
         }
         steps += (ranges.len() - start) as u64;

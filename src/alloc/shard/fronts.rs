@@ -44,16 +44,16 @@ impl Shard {
         cell: &front::FrontCell,
     ) -> Option<(u32, u32)> {
         let b = st.block(id);
-        let eligible = b.paged
-            && b.owner.is_none()
-            && b.stream_uses.is_empty()
-            && !b.counted_oversize
-            && b.size <= front::FRONT_MAX_BLOCK
+        let eligible = b.paged()
+            && b.owner().is_none()
+            && b.stream_uses().is_empty()
+            && !b.counted_oversize()
+            && b.size() <= front::FRONT_MAX_BLOCK
             && !st.capturing();
         if !eligible {
             return None;
         }
-        let entry = front::Entry::new(b.addr, b.size, b.requested, b.stream, b.pool, id);
+        let entry = front::Entry::new(b.addr(), b.size(), b.requested(), b.stream(), b.pool(), id);
         let open = &self.fronts.open;
         let adopted = cell.front.with(|f| {
             if !open.load(std::sync::atomic::Ordering::Relaxed) {

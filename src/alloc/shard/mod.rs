@@ -199,7 +199,7 @@ impl Shard {
             Some(found) => found,
             None => (self.grow(st, owner, pool, stream, size, rounded)?, false),
         };
-        if !pages_ready && st.block(id).paged {
+        if !pages_ready && st.block(id).paged() {
             self.back_with_pages(st, id, size, rounded)?;
         }
         Ok(st.hand_out(id, rounded, size))
@@ -388,10 +388,10 @@ impl Shard {
         let uses = st.take_back(id);
         if !uses.is_empty() {
             // The history's free completes when these streams' work does (`reusable`).
-            crate::history::free_delayed(self.device as i32, st.block(id).addr);
+            crate::history::free_delayed(self.device as i32, st.block(id).addr());
         }
         if uses.is_empty() {
-            let stream = st.block(id).stream;
+            let stream = st.block(id).stream();
             let fence_due = match st.park(id) {
                 Some(due) => due,
                 None => st.cache(id),

@@ -14,7 +14,7 @@ impl Shard {
     /// Returns a cached whole-segment block to the driver.
     pub(in crate::alloc) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
         let block = st.block(id);
-        let (addr, size) = (block.addr, block.size);
+        let (addr, size) = (block.addr(), block.size());
         st.unlist(id);
         st.stats_mut().num_device_free += 1;
         if let Err(e) = self.driver.release(self.device, addr, size) {
@@ -58,7 +58,7 @@ impl Shard {
                         break;
                     }
                     if st.block(id).is_whole_plain_segment() {
-                        total += st.block(id).size;
+                        total += st.block(id).size();
                         picked.push(id);
                     }
                 }
@@ -68,7 +68,7 @@ impl Shard {
                 picked
             }
         };
-        let released: u64 = chosen.iter().map(|&id| st.block(id).size).sum();
+        let released: u64 = chosen.iter().map(|&id| st.block(id).size()).sum();
         self.sync_device(st)?;
         for id in chosen {
             self.release_segment(st, id)?;
@@ -106,7 +106,7 @@ impl Shard {
             .ids()
             .filter(|&id| {
                 let b = st.block(id);
-                b.is_whole_plain_segment() && b.size < size
+                b.is_whole_plain_segment() && b.size() < size
             })
             .collect();
         if outgrown.is_empty() {
@@ -169,7 +169,7 @@ impl Shard {
                 self.driver.destroy_event(self.device, event);
                 pending.events.pop();
             }
-            let addr = st.block(pending.block).addr;
+            let addr = st.block(pending.block).addr();
             crate::history::reusable(self.device as i32, addr);
             let _ = st.cache(pending.block);
         }
@@ -196,7 +196,7 @@ impl Shard {
                 for event in pending.events {
                     self.driver.destroy_event(self.device, event);
                 }
-                let addr = st.block(pending.block).addr;
+                let addr = st.block(pending.block).addr();
                 crate::history::reusable(self.device as i32, addr);
                 let _ = st.cache(pending.block);
             } else {
@@ -263,7 +263,7 @@ impl Shard {
             }
         }
         if events.is_empty() {
-            crate::history::reusable(self.device as i32, st.block(id).addr);
+            crate::history::reusable(self.device as i32, st.block(id).addr());
             let _ = st.cache(id);
         } else {
             st.push_awaiting(AwaitingEvents { block: id, events });
@@ -287,7 +287,7 @@ impl Shard {
         let mut candidates: Vec<(u64, BlockId)> = large
             .ids()
             .filter(|&id| st.block(id).is_whole_plain_segment())
-            .map(|id| (now - st.block(id).cached_at, id))
+            .map(|id| (now - st.block(id).cached_at(), id))
             .collect();
         let mut chosen = Vec::new();
         let mut reclaimed = 0;
@@ -299,7 +299,7 @@ impl Shard {
             if old.is_empty() {
                 break;
             }
-            reclaimed += old.iter().map(|&(_, id)| st.block(id).size).sum::<u64>();
+            reclaimed += old.iter().map(|&(_, id)| st.block(id).size()).sum::<u64>();
             chosen.extend(old.into_iter().map(|(_, id)| id));
             candidates = young;
         }

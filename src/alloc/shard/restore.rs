@@ -69,7 +69,7 @@ impl Shard {
         }
         for (id, allocated) in made {
             if allocated {
-                done.allocated.push(st.block(id).addr);
+                done.allocated.push(st.block(id).addr());
             } else {
                 self.free_block(&mut st, id, false)?;
             }
@@ -105,13 +105,13 @@ impl Shard {
                 continue; // a segment of another shard
             };
             let block = st.block(id);
-            if block.owner != Some(pool) || block.addr != b.addr || block.size < b.size {
+            if block.owner() != Some(pool) || block.addr() != b.addr || block.size() < b.size {
                 return Err(refused(format!(
                     "the pool's memory at {:#x} no longer matches its saved layout",
                     b.addr
                 )));
             }
-            if block.state != BlockState::Free {
+            if block.state() != BlockState::Free {
                 return Err(refused(format!(
                     "the pool's block at {:#x} is still in use by another stream's work",
                     b.addr
@@ -120,7 +120,7 @@ impl Shard {
             st.unlist(id);
             st.hand_out_exact(id, b.size);
             made.push((id, b.allocated));
-            cursor = st.block(id).next;
+            cursor = st.block(id).next();
         }
         Ok(())
     }

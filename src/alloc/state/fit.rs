@@ -35,19 +35,19 @@ impl State {
             // segments then serve none; they go back as they are freed and released.
             let list = self.book.caches.list_ref(owner, pool);
             list.fits(stream, rounded)
-                .find(|&(_, b)| !self.book.blocks.get(b).paged)?
+                .find(|&(_, b)| !self.book.blocks.get(b).paged())?
         };
         let mut carve_at = None;
         let mut pages_ready = true;
-        if self.book.blocks.get(id).paged {
+        if self.book.blocks.get(id).paged() {
             let (chosen, at, missing) = self.fewest_new_pages(owner, pool, stream, rounded, id);
             id = chosen;
-            carve_at = (at != self.book.blocks.get(id).addr).then_some(at);
+            carve_at = (at != self.book.blocks.get(id).addr()).then_some(at);
             pages_ready = missing == 0;
         }
         // Oversize blocks serve only oversize requests, and only ones close to their size
         // (paged blocks are exempt: their unused pages are not held).
-        let refused = !self.book.blocks.get(id).paged
+        let refused = !self.book.blocks.get(id).paged()
             && ((rounded < max_split && found >= max_split)
                 || (rounded >= max_split && found >= rounded.saturating_add(max_rounding)));
         if refused {
@@ -60,7 +60,7 @@ impl State {
             id = list
                 .fits(stream, rounded)
                 .map(|(_, b)| b)
-                .find(|&b| self.book.blocks.get(b).paged)?;
+                .find(|&b| self.book.blocks.get(b).paged())?;
             pages_ready = false;
         }
         self.book
@@ -89,8 +89,8 @@ impl State {
         let huge = rounded >= HUGE_BLOCK;
         let place = |id: BlockId| {
             let b = self.book.blocks.get(id);
-            let (_, seg) = self.paged_segment(b.addr);
-            seg.best_place(b.addr, b.end(), rounded)
+            let (_, seg) = self.paged_segment(b.addr());
+            seg.best_place(b.addr(), b.end(), rounded)
         };
         let (missing, at) = place(best);
         let mut choice = (missing, best, at);
@@ -105,7 +105,7 @@ impl State {
             .take(FIT_CANDIDATES)
             .skip(1)
         {
-            if !self.book.blocks.get(id).paged {
+            if !self.book.blocks.get(id).paged() {
                 continue;
             }
             let (missing, at) = place(id);
@@ -127,9 +127,9 @@ impl State {
                 .largest_fit(stream, rounded)
             {
                 let b = self.book.blocks.get(top);
-                if b.paged {
+                if b.paged() {
                     let at = b.end() - rounded;
-                    let (_, seg) = self.paged_segment(b.addr);
+                    let (_, seg) = self.paged_segment(b.addr());
                     let missing = seg.unmapped_pages(at, rounded);
                     if missing <= choice.0 {
                         choice = (missing, top, at);
@@ -144,24 +144,16 @@ impl State {
     /// and `id` keeps the rest.
     pub(super) fn split_front(&mut self, id: BlockId, at: DevicePtr) {
         let block = self.book.blocks.get(id);
-        let (addr, owner, pool) = (block.addr, block.owner, block.pool);
-        debug_assert!(block.paged && at > addr && at < block.end());
-        let front = block.free_piece(addr, at - addr, block.prev, Some(id), block.cached_at);
-        let front_id = self.book.blocks.insert(front);
-        match self.book.blocks.get(front_id).prev {
-            Some(p) => self.book.blocks.get_mut(p).next = Some(front_id),
-            None => {
-                self.book
-                    .segments
-                    .get_mut(&addr)
-                    .expect("a chain's first block starts a segment")
-                    .first = front_id;
-            }
+        let (addr, owner, pool) = (block.addr(), block.owner(), block.pool());
+        debug_assert!(block.paged());
+        let (front_id, starts_segment) = self.book.blocks.split_off_front(id, at);
+        if starts_segment {
+            self.book
+                .segments
+                .get_mut(&addr)
+                .expect("a chain's first block starts a segment")
+                .first = front_id;
         }
-        let block = self.book.blocks.get_mut(id);
-        block.size -= at - addr;
-        block.addr = at;
-        block.prev = Some(front_id);
         self.book
             .caches
             .list(owner, pool)
@@ -187,37 +179,25 @@ impl State {
         exact: bool,
     ) -> DevicePtr {
         let block = self.book.blocks.get(id);
-        let (pool, owner, paged) = (block.pool, block.owner, block.paged);
+        let (pool, owner, paged) = (block.pool(), block.owner(), block.paged());
         // Paged blocks always split (unused pages are not held) and count no inactive
         // splits: a paged segment is one long split by nature.
         let already_split = block.is_split() && !paged;
         let split = if exact {
-            block.size > rounded
+            block.size() > rounded
         } else if paged {
-            block.size - rounded >= sizing::MIN_BLOCK_SIZE
+            block.size() - rounded >= sizing::MIN_BLOCK_SIZE
         } else {
-            sizing::should_split(pool, block.size, rounded, self.config.max_split_size)
+            sizing::should_split(pool, block.size(), rounded, self.config.max_split_size)
         };
         if split {
-            let rest = block.free_piece(
-                block.addr + rounded,
-                block.size - rounded,
-                Some(id),
-                block.next,
-                self.book.caches.list_ref(owner, pool).lookups(),
-            );
-            let rest_size = rest.size;
-            let rest_id = self.book.blocks.insert(rest);
-            if let Some(next) = self.book.blocks.get(rest_id).next {
-                self.book.blocks.get_mut(next).prev = Some(rest_id);
-            }
-            let block = self.book.blocks.get_mut(id);
-            block.next = Some(rest_id);
-            block.size = rounded;
+            let cached_at = self.book.caches.list_ref(owner, pool).lookups();
+            let rest_id = self.book.blocks.split_off_back(id, rounded, cached_at);
+            let rest_size = self.book.blocks.get(rest_id).size();
             // A paged block waits unlisted while its pages are mapped; a neighbour freed in
             // that time could not merge with it, so the rest merges with it now.
-            if let Some(next) = self.book.blocks.get(rest_id).next {
-                if paged && self.book.blocks.get(next).state == BlockState::Free {
+            if let Some(next) = self.book.blocks.get(rest_id).next() {
+                if paged && self.book.blocks.get(next).state() == BlockState::Free {
                     self.absorb(rest_id, next);
                 }
             }
@@ -234,9 +214,9 @@ impl State {
             }
         } else if already_split {
             self.stats.inactive_split.decrease(pool, 1);
-            self.stats.inactive_split_bytes.decrease(pool, block.size);
+            self.stats.inactive_split_bytes.decrease(pool, block.size());
         }
-        let addr = self.book.blocks.get(id).addr;
+        let addr = self.book.blocks.get(id).addr();
         self.note_used(addr, addr + rounded);
         self.mark_handed_out(id, requested)
     }
@@ -268,13 +248,11 @@ impl State {
 
     /// Accounts a block leaving the cache for a caller, as it is.
     pub(super) fn mark_handed_out(&mut self, id: BlockId, requested: u64) -> DevicePtr {
-        let pool = self.book.blocks.get(id).pool;
-        let oversize = self.book.blocks.get(id).size >= self.config.max_split_size;
+        let pool = self.book.blocks.get(id).pool();
+        let oversize = self.book.blocks.get(id).size() >= self.config.max_split_size;
         let block = self.book.blocks.get_mut(id);
-        block.state = BlockState::Allocated;
-        block.requested = requested;
-        block.counted_oversize = oversize;
-        let (addr, size) = (block.addr, block.size);
+        block.mark_handed_out(requested, oversize);
+        let (addr, size) = (block.addr(), block.size());
         self.book.live.insert(addr, id);
         let s = &mut self.stats;
         s.allocation.increase(pool, 1);

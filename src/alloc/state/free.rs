@@ -10,10 +10,9 @@ impl State {
     /// cached). Returns the streams it was recorded on.
     pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
         let block = self.book.blocks.get_mut(id);
-        let (pool, size, oversize) = (block.pool, block.size, block.counted_oversize);
-        block.state = BlockState::AwaitingEvents;
-        let uses = std::mem::take(&mut block.stream_uses);
-        self.book.live.remove(&block.addr);
+        let (pool, size, oversize) = (block.pool(), block.size(), block.counted_oversize());
+        let uses = block.mark_awaiting();
+        self.book.live.remove(&block.addr());
         let s = &mut self.stats;
         s.allocation.decrease(pool, 1);
         s.allocated_bytes.decrease(pool, size);
@@ -27,8 +26,8 @@ impl State {
     /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
     pub fn cache(&mut self, id: BlockId) -> bool {
         let (pool, paged) = (
-            self.book.blocks.get(id).pool,
-            self.book.blocks.get(id).paged,
+            self.book.blocks.get(id).pool(),
+            self.book.blocks.get(id).paged(),
         );
         let fence_due = self.end_use(id);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
@@ -43,8 +42,8 @@ impl State {
     /// clock of fences). Returns whether a fence is due (see `PagedSegment::note_free`).
     pub(super) fn end_use(&mut self, id: BlockId) -> bool {
         let block = self.book.blocks.get(id);
-        let (addr, size, pool) = (block.addr, block.size, block.pool);
-        let (paged, requested) = (block.paged, block.requested);
+        let (addr, size, pool) = (block.addr(), block.size(), block.pool());
+        let (paged, requested) = (block.paged(), block.requested());
         let s = &mut self.stats;
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, size);
@@ -61,7 +60,7 @@ impl State {
     /// have been freed meanwhile: they merge, so no two free blocks stay side by side.
     pub fn return_untouched(&mut self, id: BlockId) {
         debug_assert!(
-            self.book.blocks.get(id).paged,
+            self.book.blocks.get(id).paged(),
             "only paged blocks skip split stats"
         );
         self.merge_and_list(id);
@@ -71,10 +70,10 @@ impl State {
     /// net change in free split pieces (count, bytes).
     pub(super) fn merge_and_list(&mut self, id: BlockId) -> (i64, i64) {
         let block = self.book.blocks.get(id);
-        let (pool, owner) = (block.pool, block.owner);
+        let (pool, owner) = (block.pool(), block.owner());
         let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
-        for neighbour in [block.prev, block.next].into_iter().flatten() {
-            if self.book.blocks.get(neighbour).state != BlockState::Free {
+        for neighbour in [block.prev(), block.next()].into_iter().flatten() {
+            if self.book.blocks.get(neighbour).state() != BlockState::Free {
                 continue;
             }
             let absorbed = self.absorb(id, neighbour);
@@ -83,13 +82,11 @@ impl State {
         }
         let list = self.book.caches.list(owner, pool);
         let block = self.book.blocks.get_mut(id);
-        block.state = BlockState::Free;
-        block.requested = 0;
-        block.cached_at = list.lookups();
+        block.mark_free(list.lookups());
         list.insert(block, id);
         if block.is_split() {
             net_blocks += 1;
-            net_bytes += block.size as i64;
+            net_bytes += block.size() as i64;
         }
         self.mark_reclaim_dirty(id);
         (net_blocks, net_bytes)
@@ -101,39 +98,25 @@ impl State {
     /// blocks.
     pub(super) fn mark_reclaim_dirty(&mut self, id: BlockId) {
         let b = self.book.blocks.get(id);
-        if b.paged && b.owner.is_none() {
-            self.paging.reclaim_dirty.insert((b.stream, b.pool));
+        if b.paged() && b.owner().is_none() {
+            self.paging.reclaim_dirty.insert((b.stream(), b.pool()));
         }
     }
 
     /// Merges the free `neighbour` into `id`; returns the bytes taken over.
     pub(super) fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> u64 {
-        let other = self.book.blocks.remove(neighbour);
+        let (other, starts_segment) = self.book.blocks.absorb(id, neighbour);
         self.book
             .caches
-            .list(other.owner, other.pool)
+            .list(other.owner(), other.pool())
             .remove(&other);
-        let block = self.book.blocks.get_mut(id);
-        block.size += other.size;
-        if other.addr < block.addr {
-            block.addr = other.addr;
-            block.prev = other.prev;
-            match other.prev {
-                Some(p) => self.book.blocks.get_mut(p).next = Some(id),
-                None => {
-                    let segment = self.book.segments.get_mut(&other.addr);
-                    segment
-                        .expect("a chain's first block starts a segment")
-                        .first = id;
-                }
-            }
-        } else {
-            block.next = other.next;
-            if let Some(n) = other.next {
-                self.book.blocks.get_mut(n).prev = Some(id);
-            }
+        if starts_segment {
+            let segment = self.book.segments.get_mut(&other.addr());
+            segment
+                .expect("a chain's first block starts a segment")
+                .first = id;
         }
         self.mark_reclaim_dirty(id);
-        other.size
+        other.size()
     }
 }

@@ -257,7 +257,7 @@ impl State {
         self.book
             .live
             .iter()
-            .filter(|(_, &id)| self.book.blocks.get(id).owner == Some(pool))
+            .filter(|(_, &id)| self.book.blocks.get(id).owner() == Some(pool))
             .map(|(&addr, &id)| (addr, id))
             .collect()
     }
@@ -270,7 +270,10 @@ impl State {
     /// A cached block leaves its free list (for release, or to be carved by a restore).
     pub fn unlist(&mut self, id: BlockId) {
         let block = self.book.blocks.get(id);
-        self.book.caches.list(block.owner, block.pool).remove(block);
+        self.book
+            .caches
+            .list(block.owner(), block.pool())
+            .remove(block);
     }
 
     /// A block taken off its free list by `unlist` goes back, as it was.
@@ -278,7 +281,7 @@ impl State {
         let block = self.book.blocks.get(id);
         self.book
             .caches
-            .list(block.owner, block.pool)
+            .list(block.owner(), block.pool())
             .insert(block, id);
     }
 
@@ -286,28 +289,25 @@ impl State {
     /// no merge or reclaim touches it meanwhile. Returns its address, end and stream.
     pub fn hold_for_mapping(&mut self, id: BlockId) -> (DevicePtr, DevicePtr, StreamId) {
         let block = self.book.blocks.get_mut(id);
-        block.state = BlockState::Allocated;
-        (block.addr, block.end(), block.stream)
+        block.hold();
+        (block.addr(), block.end(), block.stream())
     }
 
     /// Marks live block `id` as used on `stream` too (waited for on its free).
     pub fn record_use(&mut self, id: BlockId, stream: StreamId) {
-        let block = self.book.blocks.get_mut(id);
-        if block.stream != stream && !block.stream_uses.contains(&stream) {
-            block.stream_uses.push(stream);
-        }
+        self.book.blocks.get_mut(id).add_stream_use(stream);
     }
 
     /// Freed block `id`, used on `uses` too, waits until their events can be recorded.
     pub fn defer(&mut self, id: BlockId, uses: Vec<StreamId>) {
-        self.book.blocks.get_mut(id).stream_uses = uses;
+        self.book.blocks.get_mut(id).set_stream_uses(uses);
         self.events.deferred.push(id);
     }
 
     /// A deferred block and the streams it was used on.
     pub fn pop_deferred(&mut self) -> Option<(BlockId, Vec<StreamId>)> {
         let id = self.events.deferred.pop()?;
-        let uses = std::mem::take(&mut self.book.blocks.get_mut(id).stream_uses);
+        let uses = self.book.blocks.get_mut(id).take_stream_uses();
         Some((id, uses))
     }
 
@@ -341,18 +341,18 @@ impl State {
 
     /// The front holding handed-out block `id` (0: none).
     pub fn front_of(&self, id: BlockId) -> u64 {
-        self.book.blocks.get(id).front
+        self.book.blocks.get(id).front()
     }
 
     /// Front `front` now holds handed-out block `id`.
     pub fn join_front(&mut self, id: BlockId, front: u64) {
-        self.book.blocks.get_mut(id).front = front;
+        self.book.blocks.get_mut(id).set_front(front);
         self.front_blocks += 1;
     }
 
     /// Handed-out block `id` left its front.
     pub fn leave_front(&mut self, id: BlockId) {
-        self.book.blocks.get_mut(id).front = 0;
+        self.book.blocks.get_mut(id).set_front(0);
         self.front_blocks -= 1;
     }
 
@@ -373,17 +373,17 @@ impl State {
                 let mut cursor = Some(seg.first);
                 while let Some(id) = cursor {
                     let b = self.book.blocks.get(id);
-                    blocks.push((b.addr, b.size, b.state));
-                    let handed_out = matches!(b.state, BlockState::Allocated);
-                    requested.push(if handed_out { b.requested } else { 0 });
-                    cursor = b.next;
+                    blocks.push((b.addr(), b.size(), b.state()));
+                    let handed_out = matches!(b.state(), BlockState::Allocated);
+                    requested.push(if handed_out { b.requested() } else { 0 });
+                    cursor = b.next();
                 }
                 SegmentView {
                     addr,
                     size: seg.size,
-                    stream: first.stream,
-                    pool: first.pool,
-                    private_pool: first.owner,
+                    stream: first.stream(),
+                    pool: first.pool(),
+                    private_pool: first.owner(),
                     blocks,
                     requested,
                     mapped: self.paging.segments.get(&addr).map(|p| p.mapped_runs()),

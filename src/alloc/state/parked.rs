@@ -2,7 +2,7 @@
 //! exactly their size on their stream.
 
 use super::State;
-use crate::alloc::core::blocks::{BlockId, BlockState};
+use crate::alloc::core::blocks::BlockId;
 use crate::driver::{DevicePtr, StreamId};
 
 /// Parked blocks (see `State::park`): at most this many per device; those of up to
@@ -56,10 +56,10 @@ impl State {
     /// if the block had merged; plain segments keep PyTorch's figures for those.
     pub fn park(&mut self, id: BlockId) -> Option<bool> {
         let block = self.book.blocks.get(id);
-        if !block.paged || block.owner.is_some() {
+        if !block.paged() || block.owner().is_some() {
             return None;
         }
-        let (size, stream) = (block.size, block.stream);
+        let (size, stream) = (block.size(), block.stream());
         if self.parked.paused > 0 {
             self.parked.paused -= 1;
             return None;
@@ -78,9 +78,7 @@ impl State {
         }
         self.parked.parks += 1;
         let fence_due = self.end_use(id);
-        let block = self.book.blocks.get_mut(id);
-        block.state = BlockState::Parked;
-        block.requested = 0;
+        self.book.blocks.get_mut(id).mark_parked();
         self.parked
             .by_size
             .entry((stream, size))

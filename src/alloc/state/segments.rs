@@ -22,22 +22,9 @@ impl State {
         pool: PoolKind,
         owner: Option<PoolId>,
     ) -> BlockId {
-        let id = self.book.blocks.insert(Block {
-            addr,
-            size,
-            requested: 0,
-            stream,
-            pool,
-            owner,
-            paged: false,
-            counted_oversize: false,
-            prev: None,
-            next: None,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            cached_at: 0,
-            front: 0,
-        });
+        let id = self.book.blocks.insert(Block::whole_segment(
+            addr, size, stream, pool, owner, false, 0,
+        ));
         let oversize = size >= self.config.max_split_size;
         self.book.segments.insert(
             addr,
@@ -63,19 +50,19 @@ impl State {
     /// Forgets a cached whole-segment block whose memory the driver has taken back.
     pub fn remove_segment(&mut self, id: BlockId) {
         let block = self.book.blocks.remove(id);
-        debug_assert!(!block.is_split() && block.state == BlockState::Free);
+        debug_assert!(!block.is_split() && block.state() == BlockState::Free);
         let segment = self
             .book
             .segments
-            .remove(&block.addr)
+            .remove(&block.addr())
             .expect("a whole block is its segment");
-        self.forget_used(block.addr, block.end());
-        if let Some(owner) = block.owner {
+        self.forget_used(block.addr(), block.end());
+        if let Some(owner) = block.owner() {
             self.book.caches.remove_pool_segment(owner);
         }
-        self.sub_reserved(block.pool, block.size);
+        self.sub_reserved(block.pool(), block.size());
         let s = &mut self.stats;
-        s.segment.decrease(block.pool, 1);
+        s.segment.decrease(block.pool(), 1);
         if segment.oversize {
             s.oversize_segments.decrease(1);
         }
@@ -116,11 +103,11 @@ impl State {
     /// Device memory under a block: all of it, or for a paged block its mapped part.
     pub(super) fn held_bytes(&self, id: BlockId) -> u64 {
         let b = self.book.blocks.get(id);
-        if !b.paged {
-            return b.size;
+        if !b.paged() {
+            return b.size();
         }
-        let (_, seg) = self.paged_segment(b.addr);
-        seg.mapped_bytes_in(b.addr, b.size)
+        let (_, seg) = self.paged_segment(b.addr());
+        seg.mapped_bytes_in(b.addr(), b.size())
     }
 
     /// The share of peak live bytes that paged segments may keep beyond it: `page_slack`
@@ -138,11 +125,11 @@ impl State {
     /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
     pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
         let block = self.book.blocks.get(id);
-        block.paged
+        block.paged()
             && self
-                .paged_segment(block.addr)
+                .paged_segment(block.addr())
                 .1
-                .unmapped_pages(block.addr, rounded)
+                .unmapped_pages(block.addr(), rounded)
                 > 0
     }
 
@@ -186,7 +173,7 @@ impl State {
         while let Some(id) = cursor {
             let b = self.book.blocks.get(id);
             if ptr < b.end() {
-                if b.state == BlockState::Allocated {
+                if b.state() == BlockState::Allocated {
                     break;
                 }
                 // Inside a free block: freed already (and maybe merged with a neighbour),
@@ -208,7 +195,7 @@ impl State {
                     ),
                 );
             }
-            cursor = b.next;
+            cursor = b.next();
         }
         Error::new(
             ErrorKind::UnknownPointer,
@@ -245,22 +232,9 @@ impl State {
         pool: PoolKind,
     ) {
         let cached_at = self.book.caches.list(None, pool).lookups();
-        let id = self.book.blocks.insert(Block {
-            addr: base,
-            size,
-            requested: 0,
-            stream,
-            pool,
-            owner: None,
-            paged: true,
-            counted_oversize: false,
-            prev: None,
-            next: None,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            cached_at,
-            front: 0,
-        });
+        let id = self.book.blocks.insert(Block::whole_segment(
+            base, size, stream, pool, None, true, cached_at,
+        ));
         self.book
             .caches
             .list(None, pool)
@@ -288,7 +262,7 @@ impl State {
             .filter(|(base, seg)| {
                 let first = self.book.segments[base].first;
                 let b = self.book.blocks.get(first);
-                seg.mapped.is_empty() && b.state == BlockState::Free && b.next.is_none()
+                seg.mapped.is_empty() && b.state() == BlockState::Free && b.next().is_none()
             })
             .map(|(&base, seg)| (base, seg.size))
             .collect()
