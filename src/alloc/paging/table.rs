@@ -57,14 +57,14 @@ pub struct PagedSegment {
     /// pages are mapped: everything kept per segment is proportional to its mapped chunks
     /// (the bitmap aside, one bit a page), so that many streams, each with its own
     /// segments, cost memory and time in proportion to what they map.
-    pub chunks: BTreeMap<usize, Chunk>,
+    chunks: BTreeMap<usize, Chunk>,
     /// Frees since the last one that asked for a fence.
-    pub frees_since_fence: u32,
+    frees_since_fence: u32,
     /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
     /// counts them a word at a time (a hand-out checks every page it covers), a set walks
     /// the few mapped pages of a free block that may span most of the segment.
-    pub mapped: PageBits,
-    pub mapped_set: BTreeSet<usize>,
+    mapped: PageBits,
+    mapped_set: BTreeSet<usize>,
 }
 
 /// A bitmap over a segment's pages.
@@ -136,6 +136,21 @@ impl PagedSegment {
             mapped: PageBits::new(count),
             mapped_set: BTreeSet::new(),
         }
+    }
+
+    /// Whether page `i` is mapped.
+    pub fn is_mapped(&self, i: usize) -> bool {
+        self.mapped.get(i)
+    }
+
+    /// Whether no page is mapped (a walk over the bitmap: only the release path asks).
+    pub fn nothing_mapped(&self) -> bool {
+        self.mapped.is_empty()
+    }
+
+    /// Pages of the chunk mapped from page `first`.
+    pub fn chunk_pages(&self, first: usize) -> usize {
+        self.chunks[&first].pages
     }
 
     /// The chunk mapped at page `i`.

@@ -69,7 +69,7 @@ impl Shard {
         let seg = st.paged_at(base);
         let missing: Vec<usize> = seg
             .touched(addr, len)
-            .filter(|&i| !seg.mapped.get(i))
+            .filter(|&i| !seg.is_mapped(i))
             .collect();
         if missing.is_empty() {
             return Ok(true);
@@ -315,7 +315,7 @@ impl Shard {
     /// Unmaps the chunk at page `first` of a paged segment; its memory is no longer reserved.
     fn unmap_chunk(&self, st: &mut State, base: DevicePtr, first: usize) -> Result<Spare> {
         let seg = st.paged_at(base);
-        let pages = seg.chunks[&first].pages as u64;
+        let pages = seg.chunk_pages(first) as u64;
         self.driver
             .unmap(self.device, seg.va(first), pages * seg.page)
             .map_err(|e| driver_error(self.device, e))?;

@@ -262,7 +262,7 @@ impl State {
             .filter(|(base, seg)| {
                 let first = self.book.segments[base].first;
                 let b = self.book.blocks.get(first);
-                seg.mapped.is_empty() && b.state() == BlockState::Free && b.next().is_none()
+                seg.nothing_mapped() && b.state() == BlockState::Free && b.next().is_none()
             })
             .map(|(&base, seg)| (base, seg.size))
             .collect()
