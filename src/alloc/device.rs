@@ -1,21 +1,21 @@
 //! The allocator of one device: a shard per stream.
-//!
-//! Blocks are never shared between streams anyway (free lists are per stream, as in
-//! PyTorch), so each stream gets a `Shard`, a whole caching allocator with its own lock and
-//! its own data. Threads that work on different streams then share neither: on a many-core
-//! host, most of a shared allocator's time under contention goes to cache misses on data
-//! another core wrote last, not to the lock itself.
-//!
-//! What stays device-wide:
-//! - the memory limit: shards claim device memory from one shared count before the driver
-//!   is asked (`DeviceReserved`), which also keeps the reserved-bytes peaks;
-//! - the OOM retry: before an allocation fails, the other shards' caches are emptied;
-//! - settings and private-pool windows: applied to every shard, and to shards made later;
-//! - statistics: the sum over shards (peaks too: see `stats`).
-//!
-//! Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
-//! lookup reads the filled ones. A process with more streams than slots shares the last
-//! slots' shards among the extra streams (a shard serves any number of streams).
+
+// Blocks are never shared between streams anyway (free lists are per stream, as in
+// PyTorch), so each stream gets a `Shard`, a whole caching allocator with its own lock and
+// its own data. Threads that work on different streams then share neither: on a many-core
+// host, most of a shared allocator's time under contention goes to cache misses on data
+// another core wrote last, not to the lock itself.
+//
+// What stays device-wide:
+// - the memory limit: shards claim device memory from one shared count before the driver
+//   is asked (`DeviceReserved`), which also keeps the reserved-bytes peaks;
+// - the OOM retry: before an allocation fails, the other shards' caches are emptied;
+// - settings and private-pool windows: applied to every shard, and to shards made later;
+// - statistics: the sum over shards (peaks too: see `stats`).
+//
+// Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
+// lookup reads the filled ones. A process with more streams than slots shares the last
+// slots' shards among the extra streams (a shard serves any number of streams).
 
 use super::core::free_lists::{PoolId, RouteFilter};
 use super::front::{self, Fronts, GiveBack};

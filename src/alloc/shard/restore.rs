@@ -2,12 +2,12 @@
 //! recorded path diverges after a partial replay (`setCheckpointPoolState`): every block of
 //! the pool handed out now is freed, then the saved blocks are made again at their exact
 //! addresses and sizes, and those saved as handed out stay handed out.
-//!
-//! Invariant relied on: a private pool's segments are plain and never released while the
-//! pool is held, and once none of its blocks is handed out each segment is one free block
-//! (frees merge). Carving the saved blocks from each segment's start, in address order,
-//! then gives back the saved addresses. A pool with a block still awaiting another
-//! stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
+
+// Invariant relied on: a private pool's segments are plain and never released while the
+// pool is held, and once none of its blocks is handed out each segment is one free block
+// (frees merge). Carving the saved blocks from each segment's start, in address order,
+// then gives back the saved addresses. A pool with a block still awaiting another
+// stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
 
 use super::super::core::blocks::{BlockId, BlockState};
 use super::super::core::free_lists::PoolId;
