@@ -1,7 +1,6 @@
 //! Memory statistics with `torch.cuda.memory_stats()`'s names and meanings.
 
 use super::sizing::PoolKind;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
@@ -93,35 +92,17 @@ impl StatArray {
 /// Reserved bytes of a whole device, every shard's, with their peaks (all, small, large as in
 /// `StatArray`). Shards change it only when they map or release memory (the slow path), so
 /// it can be shared: the memory limit holds for the device, and the reserved peaks stay
-/// exact with several shards.
-///
-/// The memory limit counts `committed` bytes instead: memory taken from the driver (mapped,
-/// parked or in hand during a growth), claimed *before* the driver is asked, so that shards
-/// growing at the same time cannot pass the limit together.
+/// exact with several shards. (The memory limit counts memory taken from the driver, mapped
+/// or not: `driver::layers::limit`.)
 #[derive(Debug, Default)]
 pub struct DeviceReserved {
     /// Reserved bytes (all, small, large: current, peak and totals) of every shard. Changed
     /// only where memory is mapped or released, under this lock, so that a read sees one
     /// moment: all = small + large and allocated - freed = current, whatever the shards do.
     bytes: Mutex<StatArray>,
-    committed: AtomicU64,
 }
 
 impl DeviceReserved {
-    /// Claims `bytes` of device memory under `limit`; false (nothing claimed) past it.
-    pub fn try_commit(&self, bytes: u64, limit: u64) -> bool {
-        self.committed
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                c.checked_add(bytes).filter(|&n| n <= limit)
-            })
-            .is_ok()
-    }
-
-    /// Gives back a claim: memory released, or a driver that refused.
-    pub fn uncommit(&self, bytes: u64) {
-        self.committed.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
     /// The counters. A panic while they were held cannot leave them half-changed (each
     /// change is a few additions), so poisoning is ignored.
     fn bytes(&self) -> MutexGuard<'_, StatArray> {

@@ -3,6 +3,7 @@
 
 pub mod cuda;
 pub mod host;
+pub mod layers;
 pub mod sim;
 pub mod traced;
 

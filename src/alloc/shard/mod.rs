@@ -328,25 +328,16 @@ impl Shard {
         stream: StreamId,
         size: u64,
     ) -> Result<Option<BlockId>> {
-        if !st.commit(size, st.limit()) {
-            return Ok(None);
-        }
         let addr = match self.driver.allocate(self.device, size) {
             Ok(addr) => addr,
-            Err(e) => return self.refused(st, size, e),
+            Err(e) => return self.refused(e),
         };
         Ok(Some(st.add_segment(addr, size, stream, pool, owner)))
     }
 
-    /// The driver refused memory that `State::commit` had claimed: the claim goes back;
-    /// out of memory is `None` (the caller tries otherwise), any other error an error.
-    pub(in crate::alloc) fn refused<T>(
-        &self,
-        st: &State,
-        bytes: u64,
-        e: DriverError,
-    ) -> Result<Option<T>> {
-        st.uncommit(bytes);
+    /// The driver (or the memory limit below it) refused memory: out of memory is `None`
+    /// (the caller tries otherwise), any other error an error.
+    pub(in crate::alloc) fn refused<T>(&self, e: DriverError) -> Result<Option<T>> {
         match e {
             DriverError::OutOfMemory => Ok(None),
             e => Err(driver_error(self.device, e)),

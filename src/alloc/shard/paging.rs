@@ -284,8 +284,8 @@ impl Shard {
     }
 
     /// Fills the plan's gaps with new chunks (`chunk_pages_for` each gap) while the device and
-    /// the limit allow (pages gathered but not yet mapped stay committed against the limit:
-    /// see `DeviceReserved`). A chunk the device refuses is tried again in halves, down to
+    /// the limit allow (pages gathered but not yet mapped count against the limit: see
+    /// `driver::layers::limit`). A chunk the device refuses is tried again in halves, down to
     /// one page.
     fn add_new_chunks(&self, st: &mut State, plan: &mut Plan, page: u64) -> Result<()> {
         for gap in 0..plan.gaps.len() {
@@ -330,16 +330,14 @@ impl Shard {
     /// `None` when the device or the limit refuses.
     fn new_chunk(&self, st: &mut State, pages: usize, page: u64) -> Result<Option<PhysHandle>> {
         let bytes = pages as u64 * page;
-        // Pages in hand (gathered, not yet mapped) are committed already.
-        if !st.commit(bytes, self.hard_limit(st)) {
-            return Ok(None);
-        }
+        // Pages in hand (gathered, not yet mapped) count against the limit already: the
+        // limit layer counts physical memory from its creation to its release.
         match self.driver.create_physical(self.device, bytes) {
             Ok(handle) => {
                 st.stats_mut().num_device_alloc += 1;
                 Ok(Some(handle))
             }
-            Err(e) => self.refused(st, bytes, e),
+            Err(e) => self.refused(e),
         }
     }
 
@@ -353,7 +351,6 @@ impl Shard {
         {
             Ok(()) => {
                 st.stats_mut().num_device_free += 1;
-                st.uncommit(spare.pages as u64 * page);
                 Ok(())
             }
             Err(e) => {

@@ -23,7 +23,6 @@ impl Shard {
             return Err(driver_error(self.device, e));
         }
         st.remove_segment(id);
-        st.uncommit(size);
         Ok(())
     }
 

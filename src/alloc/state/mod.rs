@@ -153,17 +153,6 @@ impl State {
         self.device_reserved().saturating_sub(self.reserved())
     }
 
-    /// Claims `bytes` of device memory under `limit` before the driver is asked for them
-    /// (see `DeviceReserved`); false past it.
-    pub fn commit(&self, bytes: u64, limit: u64) -> bool {
-        self.device_reserved.try_commit(bytes, limit)
-    }
-
-    /// Gives back what `commit` claimed: the memory was released, or never came.
-    pub fn uncommit(&self, bytes: u64) {
-        self.device_reserved.uncommit(bytes);
-    }
-
     /// Counts `bytes` more reserved in `pool`, here and in the device's total.
     pub fn add_reserved(&mut self, pool: PoolKind, bytes: u64) {
         self.stats.reserved_bytes.increase(pool, bytes);
