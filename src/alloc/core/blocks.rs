@@ -81,64 +81,79 @@ impl Block {
         }
     }
 
+    #[inline]
     pub fn addr(&self) -> DevicePtr {
         self.addr
     }
 
+    #[inline]
     pub fn size(&self) -> u64 {
         self.size
     }
 
+    #[inline]
     pub fn requested(&self) -> u64 {
         self.requested
     }
 
+    #[inline]
     pub fn stream(&self) -> StreamId {
         self.stream
     }
 
+    #[inline]
     pub fn pool(&self) -> PoolKind {
         self.pool
     }
 
+    #[inline]
     pub fn owner(&self) -> Option<PoolId> {
         self.owner
     }
 
+    #[inline]
     pub fn paged(&self) -> bool {
         self.paged
     }
 
+    #[inline]
     pub fn counted_oversize(&self) -> bool {
         self.counted_oversize
     }
 
+    #[inline]
     pub fn prev(&self) -> Option<BlockId> {
         self.prev
     }
 
+    #[inline]
     pub fn next(&self) -> Option<BlockId> {
         self.next
     }
 
+    #[inline]
     pub fn state(&self) -> BlockState {
         self.state
     }
 
+    #[inline]
     pub fn stream_uses(&self) -> &[StreamId] {
         &self.stream_uses
     }
 
+    #[inline]
     pub fn cached_at(&self) -> u64 {
         self.cached_at
     }
 
+    #[inline]
     pub fn front(&self) -> u64 {
         self.front
     }
 
     /// Handed to a caller who asked for `requested` bytes; `oversize`: counted in
     /// `oversize_allocations`.
+    #[inline]
     pub fn mark_handed_out(&mut self, requested: u64, oversize: bool) {
         self.state = BlockState::Allocated;
         self.requested = requested;
@@ -152,12 +167,14 @@ impl Block {
     }
 
     /// Given back by its caller: waits for the streams it was used on, which it returns.
+    #[inline]
     pub fn mark_awaiting(&mut self) -> Vec<StreamId> {
         self.state = BlockState::AwaitingEvents;
         std::mem::take(&mut self.stream_uses)
     }
 
     /// Cached in its pool's free list at lookup count `cached_at`.
+    #[inline]
     pub fn mark_free(&mut self, cached_at: u64) {
         self.state = BlockState::Free;
         self.requested = 0;
@@ -165,6 +182,7 @@ impl Block {
     }
 
     /// Parked, unmerged and unlisted.
+    #[inline]
     pub fn mark_parked(&mut self) {
         self.state = BlockState::Parked;
         self.requested = 0;
@@ -191,6 +209,7 @@ impl Block {
         self.front = front;
     }
 
+    #[inline]
     pub fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
@@ -200,6 +219,7 @@ impl Block {
         !self.is_split() && !self.paged
     }
 
+    #[inline]
     pub fn end(&self) -> DevicePtr {
         self.addr + self.size
     }
@@ -260,10 +280,12 @@ impl BlockArena {
         block
     }
 
+    #[inline]
     pub fn get(&self, id: BlockId) -> &Block {
         self.slots[id as usize].as_ref().expect("block id is live")
     }
 
+    #[inline]
     pub fn get_mut(&mut self, id: BlockId) -> &mut Block {
         self.slots[id as usize].as_mut().expect("block id is live")
     }

@@ -20,11 +20,13 @@ pub struct FreeList {
 
 impl FreeList {
     /// Lookups so far: the clock of cached blocks' ages.
+    #[inline]
     pub fn lookups(&self) -> u64 {
         self.lookups
     }
 
     /// Counts one lookup.
+    #[inline]
     pub fn count_lookup(&mut self) {
         self.lookups += 1;
     }
@@ -151,6 +153,7 @@ pub struct Caches {
 
 impl Caches {
     /// The general cache's free list of `pool`.
+    #[inline]
     pub fn general(&self, pool: PoolKind) -> &FreeList {
         &self.general[pool as usize]
     }

@@ -167,10 +167,12 @@ impl State {
 
 /// What the shard reads and tells, part by part.
 impl State {
+    #[inline]
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    #[inline]
     pub fn limit(&self) -> u64 {
         self.limit
     }
@@ -189,18 +191,22 @@ impl State {
         self.shut_down = shut_down;
     }
 
+    #[inline]
     pub fn oom_final(&self) -> Option<Elsewhere> {
         self.oom_final
     }
 
+    #[inline]
     pub fn set_oom_final(&mut self, oom_final: Option<Elsewhere>) {
         self.oom_final = oom_final;
     }
 
+    #[inline]
     pub fn stats(&self) -> &DeviceStats {
         &self.stats
     }
 
+    #[inline]
     pub fn stats_mut(&mut self) -> &mut DeviceStats {
         &mut self.stats
     }
@@ -219,24 +225,29 @@ impl State {
         }
     }
 
+    #[inline]
     pub fn block(&self, id: BlockId) -> &Block {
         self.book.blocks.get(id)
     }
 
+    #[inline]
     pub fn caches(&self) -> &Caches {
         &self.book.caches
     }
 
+    #[inline]
     pub fn caches_mut(&mut self) -> &mut Caches {
         &mut self.book.caches
     }
 
     /// Whether a capture routes allocations now.
+    #[inline]
     pub fn capturing(&self) -> bool {
         self.book.caches.capturing()
     }
 
     /// The live block at `ptr`.
+    #[inline]
     pub fn live_block(&self, ptr: DevicePtr) -> Option<BlockId> {
         self.book.live.get(&ptr).copied()
     }
@@ -324,6 +335,7 @@ impl State {
     }
 
     /// Handed-out blocks the fronts hold.
+    #[inline]
     pub fn front_blocks(&self) -> usize {
         self.front_blocks
     }
@@ -346,6 +358,7 @@ impl State {
     }
 
     /// Parked blocks there are.
+    #[inline]
     pub fn parked_count(&self) -> usize {
         self.parked.count()
     }
