@@ -30,6 +30,7 @@
 // `per_stream_shards` each stream's shard already has its own lock.
 
 use super::core::blocks::BlockId;
+use super::core::reuse::ReuseGate;
 use super::sizing::PoolKind;
 use super::stats::{DeviceStats, FrontMoved};
 use crate::driver::{DevicePtr, StreamId};
@@ -44,9 +45,9 @@ pub const FRONT_SLOTS: usize = 8;
 /// up to the small pool's largest block the effect stays small.
 pub const FRONT_MAX_BLOCK: u64 = 1 << 20;
 /// Adoptions counted before a front judges its reuse ...
-const ADOPTIONS_PER_REVIEW: u32 = 64;
+const ADOPTIONS_PER_REVIEW: u64 = 64;
 /// ... and if fewer than one in this many were reused, it stops adopting ...
-const ADOPTIONS_PER_REUSE: u32 = 4;
+const ADOPTIONS_PER_REUSE: u64 = 4;
 /// ... for this many frees (a loop of random sizes then pays nothing for it).
 const ADOPTION_PAUSE: u32 = 4096;
 
@@ -357,9 +358,8 @@ struct Local {
     cell: Arc<FrontCell>,
     held: u32,
     out: u32,
-    adopted: u32,
-    reused: u32,
-    paused: u32,
+    /// Adoptions and reuses, and the pause they may set.
+    gate: ReuseGate,
 }
 
 impl Drop for Local {
@@ -406,7 +406,7 @@ pub fn take(
         });
         (local.held, local.out) = census;
         if taken.is_some() {
-            local.reused += 1;
+            local.gate.note_reuse();
         }
         taken
     })
@@ -459,9 +459,7 @@ pub fn with_adopter<R>(
                     cell: fronts.register(),
                     held: 0,
                     out: 0,
-                    adopted: 0,
-                    reused: 0,
-                    paused: 0,
+                    gate: ReuseGate::default(),
                 });
                 locals.len() - 1
             }
@@ -470,21 +468,13 @@ pub fn with_adopter<R>(
             cell,
             held,
             out,
-            adopted,
-            reused,
-            paused,
+            gate,
             ..
         } = &mut locals[i];
-        let may_adopt = if *paused > 0 {
-            *paused -= 1;
+        let may_adopt = if gate.pausing() {
             false
-        } else if *adopted >= ADOPTIONS_PER_REVIEW {
-            let rarely = *reused * ADOPTIONS_PER_REUSE < *adopted;
-            (*adopted, *reused) = (0, 0);
-            if rarely {
-                *paused = ADOPTION_PAUSE;
-            }
-            !rarely
+        } else if gate.set_aside() >= ADOPTIONS_PER_REVIEW {
+            !gate.review(ADOPTIONS_PER_REUSE, ADOPTION_PAUSE)
         } else {
             true
         };
@@ -492,7 +482,7 @@ pub fn with_adopter<R>(
         let (result, census) = run(may_adopt.then_some(&**cell));
         if let Some(census) = census {
             (*held, *out) = census;
-            *adopted += 1;
+            gate.note_set_aside();
         }
         Some(result)
     });

@@ -3,6 +3,7 @@
 
 use super::State;
 use crate::alloc::core::blocks::BlockId;
+use crate::alloc::core::reuse::ReuseGate;
 use crate::driver::{DevicePtr, StreamId};
 
 /// Parked blocks (see `State::park`): at most this many per device; those of up to
@@ -15,7 +16,7 @@ const SMALL_PARKED_SIZE: u64 = 1 << 20;
 
 /// When a full set of parked blocks saw fewer than one reuse per this many parks, the
 /// pattern is not same-size reuse (random sizes): parking pauses for `PARKING_PAUSE` frees.
-const PARKS_PER_REUSE: usize = 4;
+const PARKS_PER_REUSE: u64 = 4;
 const PARKING_PAUSE: u32 = 1024;
 
 /// Freed paged blocks by (stream, size), each list newest last.
@@ -25,11 +26,8 @@ pub(super) struct Parked {
     /// Bytes in parked blocks of at most `SMALL_PARKED_SIZE`.
     small_bytes: u64,
     count: usize,
-    /// Parks and reuses since the parked blocks last filled up.
-    parks: usize,
-    reuses: usize,
-    /// Frees left before parking resumes.
-    paused: u32,
+    /// Parks and reuses since the parked blocks last filled up, and the pause they may set.
+    gate: ReuseGate,
 }
 
 impl Parked {
@@ -40,7 +38,7 @@ impl Parked {
     /// (count, small bytes, frees before parking resumes).
     #[cfg(test)]
     pub(super) fn figures(&self) -> (usize, u64, u32) {
-        (self.count, self.small_bytes, self.paused)
+        (self.count, self.small_bytes, self.gate.paused_for())
     }
 }
 
@@ -60,23 +58,20 @@ impl State {
             return None;
         }
         let (size, stream) = (block.size(), block.stream());
-        if self.parked.paused > 0 {
-            self.parked.paused -= 1;
+        if self.parked.gate.pausing() {
             return None;
         }
         let small = size <= SMALL_PARKED_SIZE;
         if (small && self.parked.small_bytes + size > PARKED_MAX_SMALL_BYTES)
             || self.parked.count == PARKED_MAX_BLOCKS
         {
-            let reused_rarely = self.parked.reuses * PARKS_PER_REUSE < self.parked.parks;
+            let reused_rarely = self.parked.gate.review(PARKS_PER_REUSE, PARKING_PAUSE);
             self.flush_parked();
-            (self.parked.parks, self.parked.reuses) = (0, 0);
             if reused_rarely {
-                self.parked.paused = PARKING_PAUSE;
                 return None;
             }
         }
-        self.parked.parks += 1;
+        self.parked.gate.note_set_aside();
         let fence_due = self.end_use(id);
         self.book.blocks.get_mut(id).mark_parked();
         self.parked
@@ -106,7 +101,7 @@ impl State {
             self.parked.small_bytes -= rounded;
         }
         self.parked.count -= 1;
-        self.parked.reuses += 1;
+        self.parked.gate.note_reuse();
         Some(self.mark_handed_out(id, requested))
     }
 
