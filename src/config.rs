@@ -47,7 +47,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             max_split_size: u64::MAX,
-            max_non_split_rounding: crate::alloc::sizing::LARGE_BUFFER,
+            max_non_split_rounding: crate::alloc::core::sizing::LARGE_BUFFER,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: 0.0,
             per_process_memory_fraction: None,
@@ -307,7 +307,7 @@ impl std::fmt::Display for Config {
 /// PyTorch (2.9+) refuses sizes under its 20 MiB large-segment size for both MiB keys.
 fn parse_megabytes_at_least_large_buffer(key: &str, value: &str) -> Result<u64> {
     let mb = parse_number::<u64>(key, value)?;
-    let floor = crate::alloc::sizing::LARGE_BUFFER / MB;
+    let floor = crate::alloc::core::sizing::LARGE_BUFFER / MB;
     if mb < floor {
         return Err(config_error(format!("{key} must be >= {floor} (got {mb})")));
     }

@@ -65,7 +65,3 @@ pub mod testing {
     pub use crate::runtime::global;
     pub use crate::sync::{SpinCell, SpinThenBlock};
 }
-
-// `FreeList::indexed_streams` serves only the allocator's unit tests; this reference keeps
-// the non-test build free of its dead-code warning until src/alloc marks it `#[cfg(test)]`.
-const _: fn(&alloc::blocks::FreeList) -> usize = alloc::blocks::FreeList::indexed_streams;

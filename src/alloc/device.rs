@@ -1,28 +1,30 @@
 //! The allocator of one device: a shard per stream.
-//!
-//! Blocks are never shared between streams anyway (free lists are per stream, as in
-//! PyTorch), so each stream gets a `Shard`, a whole caching allocator with its own lock and
-//! its own data. Threads that work on different streams then share neither: on a many-core
-//! host, most of a shared allocator's time under contention goes to cache misses on data
-//! another core wrote last, not to the lock itself.
-//!
-//! What stays device-wide:
-//! - the memory limit: shards claim device memory from one shared count before the driver
-//!   is asked (`DeviceReserved`), which also keeps the reserved-bytes peaks;
-//! - the OOM retry: before an allocation fails, the other shards' caches are emptied;
-//! - settings and private-pool windows: applied to every shard, and to shards made later;
-//! - statistics: the sum over shards (peaks too: see `stats`).
-//!
-//! Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
-//! lookup reads the filled ones. A process with more streams than slots shares the last
-//! slots' shards among the extra streams (a shard serves any number of streams).
 
-use super::caches::{PoolId, RouteFilter};
+// Blocks are never shared between streams anyway (free lists are per stream, as in
+// PyTorch), so each stream gets a `Shard`, a whole caching allocator with its own lock and
+// its own data. Threads that work on different streams then share neither: on a many-core
+// host, most of a shared allocator's time under contention goes to cache misses on data
+// another core wrote last, not to the lock itself.
+//
+// What stays device-wide:
+// - the memory limit: shards take device memory through one `driver::layers::limit::Limit`,
+//   which claims it from one count before the driver below is asked;
+// - the reserved bytes and their peaks (`DeviceReserved`);
+// - the OOM retry: before an allocation fails, the other shards' caches are emptied;
+// - settings and private-pool windows: applied to every shard, and to shards made later;
+// - statistics: the sum over shards (peaks too: see `stats`).
+//
+// Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
+// lookup reads the filled ones. A process with more streams than slots shares the last
+// slots' shards among the extra streams (a shard serves any number of streams).
+
+use super::core::free_lists::{PoolId, RouteFilter};
 use super::front::{self, Fronts, GiveBack};
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;
-use super::{Freed, SegmentView, Shard};
+use super::{limit_for, Freed, SegmentView, Shard};
 use crate::config::Config;
+use crate::driver::layers::limit::Limit;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::DeviceStats;
@@ -60,7 +62,10 @@ pub struct SettingsLock<'a>(MutexGuard<'a, Setup>);
 pub struct DeviceAllocator {
     device: usize,
     total_memory: u64,
+    /// The driver as the shards see it: under `limit`.
     driver: Arc<dyn Driver>,
+    /// The memory limit, a layer over the driver given (see `driver::layers::limit`).
+    limit: Arc<Limit>,
     device_reserved: Arc<DeviceReserved>,
     slots: [OnceCell<Slot>; MAX_SHARDS],
     setup: Mutex<Setup>,
@@ -85,6 +90,11 @@ impl DeviceAllocator {
             .total_memory(device)
             .map_err(|e| super::driver_error(device, e))?
             .min(1 << 56);
+        let limit = Arc::new(Limit::new(
+            driver,
+            limit_for(&config, total_memory),
+            total_memory,
+        ));
         let sharded = AtomicBool::new(config.per_stream_shards);
         let fronts = Arc::new(Fronts::default());
         fronts
@@ -96,7 +106,8 @@ impl DeviceAllocator {
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             device,
             total_memory,
-            driver,
+            driver: limit.clone(),
+            limit,
             device_reserved: Arc::default(),
             slots: std::array::from_fn(|_| OnceCell::new()),
             setup: Mutex::new(Setup {
@@ -447,6 +458,7 @@ impl DeviceAllocator {
         self.sharded
             .store(next.per_stream_shards, Ordering::Relaxed);
         setup.config = next.clone();
+        self.limit.set_limit(limit_for(&next, self.total_memory));
         self.set_fronts_open(setup);
         // Each shard takes its fronts' held blocks back first (sized under the old settings).
         self.each_shard(|s| s.set_config(next.clone()))
@@ -783,12 +795,12 @@ impl DeviceAllocator {
         }
         let count: i64 = locked
             .iter()
-            .map(|st| st.stats.allocation.all().current)
+            .map(|st| st.stats().allocation.all().current)
             .sum();
         if count > 0 {
             let bytes: i64 = locked
                 .iter()
-                .map(|st| st.stats.allocated_bytes.all().current)
+                .map(|st| st.stats().allocated_bytes.all().current)
                 .sum();
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -804,7 +816,7 @@ impl DeviceAllocator {
             shard.release_all_cached(st)?;
         }
         for st in &mut locked {
-            st.shut_down = true;
+            st.set_shut_down(true);
         }
         self.shut_down.store(true, Ordering::Release);
         self.set_fronts_open(&setup);

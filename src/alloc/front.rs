@@ -1,37 +1,38 @@
 //! Each thread's front cache: the same-size alloc/free loop without the device lock.
-//!
-//! A training loop frees a tensor and soon asks again for one of exactly its size on the
-//! same stream. The shard serves that from its parked blocks (`State::park`), but every
-//! visit still takes the shard's lock and its live-block map: two atomic read-modify-writes
-//! per call, most of a cached call's time. A front keeps up to `FRONT_SLOTS` such blocks per
-//! thread, behind a `SpinCell` that only its own thread takes on the fast path: one atomic
-//! per call, and a few word compares.
-//!
-//! To the shard, a block in a front stays handed out (live, counted as allocated), and it
-//! knows which front has it (`Block::front`). A front holds two kinds of entry:
-//! - *held*: freed by the caller, waiting for a request of the same size and stream;
-//! - *out*: handed out again by the front, so that its free finds it without the shard.
-//!
-//! Statistics stay exact. A front counts what it hands out and takes back (`FrontCounts`),
-//! and a statistics read adds that to the shard's. Peaks need no count of their own: the
-//! shard's figures include held blocks as allocated, so they never fall below the true
-//! ones, and the shard keeps its figures at or under the peaks. When an allocation would
-//! lift the shard's figures past a peak while fronts hold blocks, it first takes the held
-//! blocks back (`Shard::drain_fronts`), so the new peak is the true one. Every path that
-//! must see the real free memory drains them too: growth, `empty_cache`, snapshots, peak
-//! resets, settings, shutdown. While a capture routes allocations, fronts are closed
-//! (`Fronts::open`): they neither hand out nor take blocks. A statistics read adds the
-//! fronts' counts under the shard's lock, which every move of counts between a front and
-//! the shard (a drain, an eviction, the fold of an exited thread's front) also holds.
-//!
-//! Another thread touches a front only from the shard's slow paths, under the shard's lock
-//! (lock order: shard, then registry, then front): to drain it, or to detach a block that
-//! it frees or records on a stream. Fronts serve devices with one shard (the default); with
-//! `per_stream_shards` each stream's shard already has its own lock.
 
-use super::blocks::BlockId;
+// A training loop frees a tensor and soon asks again for one of exactly its size on the
+// same stream. The shard serves that from its parked blocks (`State::park`), but every
+// visit still takes the shard's lock and its live-block map: two atomic read-modify-writes
+// per call, most of a cached call's time. A front keeps up to `FRONT_SLOTS` such blocks per
+// thread, behind a `SpinCell` that only its own thread takes on the fast path: one atomic
+// per call, and a few word compares.
+//
+// To the shard, a block in a front stays handed out (live, counted as allocated), and it
+// knows which front has it (`Block::front`). A front holds two kinds of entry:
+// - *held*: freed by the caller, waiting for a request of the same size and stream;
+// - *out*: handed out again by the front, so that its free finds it without the shard.
+//
+// Statistics stay exact. A front counts what it hands out and takes back (`FrontCounts`),
+// and a statistics read adds that to the shard's. Peaks need no count of their own: the
+// shard's figures include held blocks as allocated, so they never fall below the true
+// ones, and the shard keeps its figures at or under the peaks. When an allocation would
+// lift the shard's figures past a peak while fronts hold blocks, it first takes the held
+// blocks back (`Shard::drain_fronts`), so the new peak is the true one. Every path that
+// must see the real free memory drains them too: growth, `empty_cache`, snapshots, peak
+// resets, settings, shutdown. While a capture routes allocations, fronts are closed
+// (`Fronts::open`): they neither hand out nor take blocks. A statistics read adds the
+// fronts' counts under the shard's lock, which every move of counts between a front and
+// the shard (a drain, an eviction, the fold of an exited thread's front) also holds.
+//
+// Another thread touches a front only from the shard's slow paths, under the shard's lock
+// (lock order: shard, then registry, then front): to drain it, or to detach a block that
+// it frees or records on a stream. Fronts serve devices with one shard (the default); with
+// `per_stream_shards` each stream's shard already has its own lock.
+
+use super::core::blocks::BlockId;
+use super::core::reuse::ReuseGate;
 use super::sizing::PoolKind;
-use super::stats::DeviceStats;
+use super::stats::{DeviceStats, FrontMoved};
 use crate::driver::{DevicePtr, StreamId};
 use crate::sync::SpinCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -39,14 +40,14 @@ use std::sync::{Arc, Mutex};
 
 /// Blocks (held and out) a front keeps.
 pub const FRONT_SLOTS: usize = 8;
-/// Larger blocks are left to the shard's parking: held large blocks, unmerged, changed where
-/// later blocks went enough to move bert's replayed peak reserved / peak live from 1.035 to
-/// 1.063 (at 1 GiB; 1.037 at 1 MiB, the small pool's largest block).
+/// Larger blocks are left to the shard's parking: a held block stays unmerged, and large
+/// ones held so change where later blocks go enough to raise peak reserved over peak live;
+/// up to the small pool's largest block the effect stays small.
 pub const FRONT_MAX_BLOCK: u64 = 1 << 20;
 /// Adoptions counted before a front judges its reuse ...
-const ADOPTIONS_PER_REVIEW: u32 = 64;
+const ADOPTIONS_PER_REVIEW: u64 = 64;
 /// ... and if fewer than one in this many were reused, it stops adopting ...
-const ADOPTIONS_PER_REUSE: u32 = 4;
+const ADOPTIONS_PER_REUSE: u64 = 4;
 /// ... for this many frees (a loop of random sizes then pays nothing for it).
 const ADOPTION_PAUSE: u32 = 4096;
 
@@ -86,51 +87,48 @@ impl Entry {
         }
     }
 
-    /// Its weight in each of `COUNTED`.
-    fn amounts(&self) -> [i64; 5] {
+    /// Its weight in each statistic a front moves.
+    fn amounts(&self) -> FrontMoved {
         let (size, requested) = (self.size as i64, self.requested as i64);
-        [1, size, 1, size, requested]
+        FrontMoved {
+            allocation: 1,
+            allocated_bytes: size,
+            active: 1,
+            active_bytes: size,
+            requested_bytes: requested,
+        }
     }
 }
 
-/// The statistics a front moves, in `DeviceStats::front_moved` order.
-const COUNTED: usize = 5;
-
-/// What a front has handed out and taken back, per pool (small, large) and counted
-/// statistic; a statistics read adds it to the shard's (`add_to`).
+/// What a front has handed out and taken back, per pool (small, large); a statistics read
+/// adds it to the shard's (`add_to`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct FrontCounts {
     /// Net change of each statistic's current value: minus what held entries weigh.
-    current: [[i64; COUNTED]; 2],
+    current: [FrontMoved; 2],
     /// Totals handed out and taken back (the statistics' `allocated` and `freed`).
-    handed: [[i64; COUNTED]; 2],
-    returned: [[i64; COUNTED]; 2],
+    handed: [FrontMoved; 2],
+    returned: [FrontMoved; 2],
 }
 
 impl FrontCounts {
     fn hand(&mut self, e: &Entry) {
-        let p = e.pool as usize;
-        for (i, a) in e.amounts().into_iter().enumerate() {
-            self.current[p][i] += a;
-            self.handed[p][i] += a;
-        }
+        let (p, a) = (e.pool as usize, e.amounts());
+        self.current[p] += a;
+        self.handed[p] += a;
     }
 
     fn take_back(&mut self, e: &Entry) {
-        let p = e.pool as usize;
-        for (i, a) in e.amounts().into_iter().enumerate() {
-            self.current[p][i] -= a;
-            self.returned[p][i] += a;
-        }
+        let (p, a) = (e.pool as usize, e.amounts());
+        self.current[p] -= a;
+        self.returned[p] += a;
     }
 
     /// A held entry leaves for the shard, which counts its free from now on.
     fn unreturn(&mut self, e: &Entry) {
-        let p = e.pool as usize;
-        for (i, a) in e.amounts().into_iter().enumerate() {
-            self.current[p][i] += a;
-            self.returned[p][i] -= a;
-        }
+        let (p, a) = (e.pool as usize, e.amounts());
+        self.current[p] += a;
+        self.returned[p] -= a;
     }
 
     pub fn reset_accumulated(&mut self) {
@@ -141,17 +139,10 @@ impl FrontCounts {
     /// Adds these counts to `stats` (a shard's or the device's sum); `with_current` false
     /// adds only the totals (a front folded into its shard has no held entries left).
     pub fn add_to(&self, stats: &mut DeviceStats, with_current: bool) {
-        for (i, array) in stats.front_moved_mut().into_iter().enumerate() {
-            for p in 0..2 {
-                for index in [0, 1 + p] {
-                    let stat = &mut array.0[index];
-                    if with_current {
-                        stat.current += self.current[p][i];
-                    }
-                    stat.allocated += self.handed[p][i];
-                    stat.freed += self.returned[p][i];
-                }
-            }
+        for pool in [PoolKind::Small, PoolKind::Large] {
+            let p = pool as usize;
+            let current = with_current.then_some(&self.current[p]);
+            stats.add_front_counts(pool, current, &self.handed[p], &self.returned[p]);
         }
     }
 }
@@ -367,9 +358,8 @@ struct Local {
     cell: Arc<FrontCell>,
     held: u32,
     out: u32,
-    adopted: u32,
-    reused: u32,
-    paused: u32,
+    /// Adoptions and reuses, and the pause they may set.
+    gate: ReuseGate,
 }
 
 impl Drop for Local {
@@ -416,7 +406,7 @@ pub fn take(
         });
         (local.held, local.out) = census;
         if taken.is_some() {
-            local.reused += 1;
+            local.gate.note_reuse();
         }
         taken
     })
@@ -469,9 +459,7 @@ pub fn with_adopter<R>(
                     cell: fronts.register(),
                     held: 0,
                     out: 0,
-                    adopted: 0,
-                    reused: 0,
-                    paused: 0,
+                    gate: ReuseGate::default(),
                 });
                 locals.len() - 1
             }
@@ -480,21 +468,13 @@ pub fn with_adopter<R>(
             cell,
             held,
             out,
-            adopted,
-            reused,
-            paused,
+            gate,
             ..
         } = &mut locals[i];
-        let may_adopt = if *paused > 0 {
-            *paused -= 1;
+        let may_adopt = if gate.pausing() {
             false
-        } else if *adopted >= ADOPTIONS_PER_REVIEW {
-            let rarely = *reused * ADOPTIONS_PER_REUSE < *adopted;
-            (*adopted, *reused) = (0, 0);
-            if rarely {
-                *paused = ADOPTION_PAUSE;
-            }
-            !rarely
+        } else if gate.set_aside() >= ADOPTIONS_PER_REVIEW {
+            !gate.review(ADOPTIONS_PER_REUSE, ADOPTION_PAUSE)
         } else {
             true
         };
@@ -502,7 +482,7 @@ pub fn with_adopter<R>(
         let (result, census) = run(may_adopt.then_some(&**cell));
         if let Some(census) = census {
             (*held, *out) = census;
-            *adopted += 1;
+            gate.note_set_aside();
         }
         Some(result)
     });

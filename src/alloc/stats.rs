@@ -1,7 +1,6 @@
 //! Memory statistics with `torch.cuda.memory_stats()`'s names and meanings.
 
 use super::sizing::PoolKind;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
@@ -93,35 +92,17 @@ impl StatArray {
 /// Reserved bytes of a whole device, every shard's, with their peaks (all, small, large as in
 /// `StatArray`). Shards change it only when they map or release memory (the slow path), so
 /// it can be shared: the memory limit holds for the device, and the reserved peaks stay
-/// exact with several shards.
-///
-/// The memory limit counts `committed` bytes instead: memory taken from the driver (mapped,
-/// parked or in hand during a growth), claimed *before* the driver is asked, so that shards
-/// growing at the same time cannot pass the limit together.
+/// exact with several shards. (The memory limit counts memory taken from the driver, mapped
+/// or not: `driver::layers::limit`.)
 #[derive(Debug, Default)]
 pub struct DeviceReserved {
     /// Reserved bytes (all, small, large: current, peak and totals) of every shard. Changed
     /// only where memory is mapped or released, under this lock, so that a read sees one
     /// moment: all = small + large and allocated - freed = current, whatever the shards do.
     bytes: Mutex<StatArray>,
-    committed: AtomicU64,
 }
 
 impl DeviceReserved {
-    /// Claims `bytes` of device memory under `limit`; false (nothing claimed) past it.
-    pub fn try_commit(&self, bytes: u64, limit: u64) -> bool {
-        self.committed
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                c.checked_add(bytes).filter(|&n| n <= limit)
-            })
-            .is_ok()
-    }
-
-    /// Gives back a claim: memory released, or a driver that refused.
-    pub fn uncommit(&self, bytes: u64) {
-        self.committed.fetch_sub(bytes, Ordering::Relaxed);
-    }
-
     /// The counters. A panic while they were held cannot leave them half-changed (each
     /// change is a few additions), so poisoning is ignored.
     fn bytes(&self) -> MutexGuard<'_, StatArray> {
@@ -182,6 +163,41 @@ pub struct DeviceStats {
     /// What keeping reserved ≈ live costs (paged segments only; not PyTorch's).
     pub paging: PagingCounters,
 }
+
+/// A change to each statistic a thread front moves when it hands out or takes back a block
+/// (`front::FrontCounts` keeps one per pool and kind of count).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrontMoved {
+    pub allocation: i64,
+    pub allocated_bytes: i64,
+    pub active: i64,
+    pub active_bytes: i64,
+    pub requested_bytes: i64,
+}
+
+impl std::ops::AddAssign for FrontMoved {
+    fn add_assign(&mut self, o: Self) {
+        self.allocation += o.allocation;
+        self.allocated_bytes += o.allocated_bytes;
+        self.active += o.active;
+        self.active_bytes += o.active_bytes;
+        self.requested_bytes += o.requested_bytes;
+    }
+}
+
+impl std::ops::SubAssign for FrontMoved {
+    fn sub_assign(&mut self, o: Self) {
+        self.allocation -= o.allocation;
+        self.allocated_bytes -= o.allocated_bytes;
+        self.active -= o.active;
+        self.active_bytes -= o.active_bytes;
+        self.requested_bytes -= o.requested_bytes;
+    }
+}
+
+/// The peaks of the statistics fronts move (`DeviceStats::front_peaks`).
+#[derive(Clone, Copy, Debug)]
+pub struct FrontPeaks([[i64; 3]; 5]);
 
 /// Growth of paged segments, counted since the start (or `reset_accumulated`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -252,9 +268,8 @@ impl DeviceStats {
         ]
     }
 
-    /// The statistics a thread front moves when it hands out or takes back a block, in the
-    /// order of its counts (`front::FrontCounts`).
-    pub fn front_moved(&self) -> [&StatArray; 5] {
+    /// The statistics a thread front moves, in the order of `FrontPeaks`.
+    fn front_moved(&self) -> [&StatArray; 5] {
         [
             &self.allocation,
             &self.allocated_bytes,
@@ -264,7 +279,7 @@ impl DeviceStats {
         ]
     }
 
-    pub fn front_moved_mut(&mut self) -> [&mut StatArray; 5] {
+    fn front_moved_mut(&mut self) -> [&mut StatArray; 5] {
         [
             &mut self.allocation,
             &mut self.allocated_bytes,
@@ -272,6 +287,86 @@ impl DeviceStats {
             &mut self.active_bytes,
             &mut self.requested_bytes,
         ]
+    }
+
+    /// Adds a thread front's counts for `pool`: the totals it handed out and took back, and
+    /// with `current` its net change of the current values.
+    pub fn add_front_counts(
+        &mut self,
+        pool: PoolKind,
+        current: Option<&FrontMoved>,
+        handed: &FrontMoved,
+        returned: &FrontMoved,
+    ) {
+        let by_name = [
+            (
+                &mut self.allocation,
+                current.map(|c| c.allocation),
+                handed.allocation,
+                returned.allocation,
+            ),
+            (
+                &mut self.allocated_bytes,
+                current.map(|c| c.allocated_bytes),
+                handed.allocated_bytes,
+                returned.allocated_bytes,
+            ),
+            (
+                &mut self.active,
+                current.map(|c| c.active),
+                handed.active,
+                returned.active,
+            ),
+            (
+                &mut self.active_bytes,
+                current.map(|c| c.active_bytes),
+                handed.active_bytes,
+                returned.active_bytes,
+            ),
+            (
+                &mut self.requested_bytes,
+                current.map(|c| c.requested_bytes),
+                handed.requested_bytes,
+                returned.requested_bytes,
+            ),
+        ];
+        for (array, current, handed, returned) in by_name {
+            for index in [0, 1 + pool as usize] {
+                let stat = &mut array.0[index];
+                if let Some(current) = current {
+                    stat.current += current;
+                }
+                stat.allocated += handed;
+                stat.freed += returned;
+            }
+        }
+    }
+
+    /// The peaks of the statistics that thread fronts move, to compare with after a
+    /// hand-out (`front_peaks_passed`).
+    pub fn front_peaks(&self) -> FrontPeaks {
+        FrontPeaks(
+            self.front_moved()
+                .map(|array| array.0.map(|stat| stat.peak)),
+        )
+    }
+
+    /// Whether any of those statistics now stands above its peak in `before`.
+    pub fn front_peaks_passed(&self, before: &FrontPeaks) -> bool {
+        self.front_moved()
+            .iter()
+            .zip(&before.0)
+            .any(|(array, peaks)| array.0.iter().zip(peaks).any(|(s, &p)| s.current > p))
+    }
+
+    /// Sets those peaks to the larger of `before` and the current value (after the fronts'
+    /// held blocks were taken back: the true high-water mark).
+    pub fn settle_front_peaks(&mut self, before: &FrontPeaks) {
+        for (array, peaks) in self.front_moved_mut().into_iter().zip(&before.0) {
+            for (stat, &peak) in array.0.iter_mut().zip(peaks) {
+                stat.peak = peak.max(stat.current);
+            }
+        }
     }
 
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {

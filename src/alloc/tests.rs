@@ -1,9 +1,11 @@
 //! Unit tests of the allocator's behaviour on the simulated device.
 
-use super::blocks::BlockState;
+use super::core::blocks::BlockState;
 use super::sizing::{LARGE_BUFFER, SMALL_BUFFER};
+use super::stats::DeviceStats;
 use super::*;
 use crate::driver::sim::SimDriver;
+use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
@@ -71,7 +73,8 @@ fn parked_blocks_serve_their_exact_size_and_stream_and_are_bounded() {
     }
     {
         let st = a.state_of(S0);
-        assert!(st.parked.count <= 64 && st.parked.small_bytes <= 4 << 20);
+        let (count, small_bytes, _) = st.parked_figures();
+        assert!(count <= 64 && small_bytes <= 4 << 20);
     }
     for b in [keep, other_stream, other_size] {
         a.free(b).unwrap();
@@ -657,20 +660,20 @@ fn growth_behind_a_lagging_gpu_waits_once_on_a_fence_never_on_the_device() {
 
 #[test]
 fn best_place_finds_mapped_runs_inside_a_free_block() {
-    use super::paged::PagedSegment;
+    use super::paging::table::PagedSegment;
     use crate::driver::PhysHandle;
     let (base, page) = (1u64 << 30, 2 * MIB);
     let mut seg = PagedSegment::new(base, 16 * page, page, S0, sizing::PoolKind::Large);
     seg.set_chunk(
         5,
-        super::paged::Spare {
+        super::paging::table::Spare {
             handle: PhysHandle(5),
             pages: 4,
         },
     );
     seg.set_chunk(
         12,
-        super::paged::Spare {
+        super::paging::table::Spare {
             handle: PhysHandle(12),
             pages: 1,
         },
@@ -726,11 +729,11 @@ fn fences_keep_coming_through_a_long_run_without_page_moves() {
         a.free(p).unwrap();
     }
     let st = a.state_of(S0);
-    let newest = st.fences.iter().map(|f| f.seq).max().unwrap_or(0);
+    let newest = st.fences().newest_seq();
     assert!(
-        st.free_seq - newest <= 16,
+        st.free_seq() - newest <= 16,
         "newest fence covers free {newest} of {}",
-        st.free_seq
+        st.free_seq()
     );
 }
 
@@ -776,7 +779,7 @@ fn page_slack_trades_memory_for_page_moves() {
 
 #[test]
 fn growth_maps_whole_chunks_and_moves_them_whole() {
-    use super::paged::CHUNK_PAGES;
+    use super::paging::table::CHUNK_PAGES;
     let chunk = CHUNK_PAGES as u64 * 2 * MIB;
     let (sim, a) = paged(1 << 30, "");
     // Two chunks and a half: three mappings, one grant of access per run.
@@ -810,7 +813,7 @@ fn growth_maps_whole_chunks_and_moves_them_whole() {
 
 #[test]
 fn a_large_block_is_backed_by_few_large_chunks() {
-    use super::paged::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
+    use super::paging::table::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
     assert_eq!(chunk_pages_for(1), CHUNK_PAGES);
     assert_eq!(chunk_pages_for(4 * CHUNK_PAGES + 3), CHUNK_PAGES);
     assert_eq!(chunk_pages_for(40), 10);
@@ -834,7 +837,7 @@ fn a_large_block_is_backed_by_few_large_chunks() {
 
 #[test]
 fn a_chunk_under_a_live_block_is_never_moved() {
-    use super::paged::CHUNK_PAGES;
+    use super::paging::table::CHUNK_PAGES;
     let chunk = CHUNK_PAGES as u64 * 2 * MIB;
     let (sim, a) = paged(1 << 30, "");
     let p = a.malloc(chunk, S0).unwrap();
@@ -869,13 +872,14 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
         a.free(b).unwrap();
     }
     let st = a.state_of(S0);
-    assert!(st.parked.paused > 0, "parking paused");
-    assert!(st.parked.count < 64, "{} parked", st.parked.count);
+    let (count, _, paused) = st.parked_figures();
+    assert!(paused > 0, "parking paused");
+    assert!(count < 64, "{count} parked");
 }
 
 #[test]
 fn a_move_window_closes_early_only_on_a_plain_overrun() {
-    use super::paged::closes_early;
+    use super::paging::budget::closes_early;
     use std::time::Duration;
     let ms = Duration::from_millis;
     // 20 ms of moves in 40 ms (50%, 25 times the 2% budget): closes at once.
@@ -895,7 +899,7 @@ fn a_move_window_closes_early_only_on_a_plain_overrun() {
 
 #[test]
 fn extra_slack_grows_in_steps_over_budget_in_two_windows_and_decays_only_after_a_quiet_spell() {
-    use super::paged::next_extra_slack as next;
+    use super::paging::budget::next_extra_slack as next;
     let base = 1.0 / 32.0;
     // Over budget: 1.5-fold (from the base at first), 3-fold past 8 times the budget,
     // capped at 1.
@@ -936,7 +940,7 @@ fn extra_slack_grows_in_steps_over_budget_in_two_windows_and_decays_only_after_a
 
 #[test]
 fn page_bits_count_across_words() {
-    use super::paged::PageBits;
+    use super::paging::table::PageBits;
     use std::collections::BTreeSet;
     // Against a set, for ranges cutting words anywhere, over several patterns.
     let mut seed = 11u64;
@@ -977,7 +981,7 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     let keep = a.malloc(4 * MIB, S0).unwrap();
     let big = a.malloc(64 * MIB, S0).unwrap();
     a.free(big).unwrap();
-    assert_eq!(a.state_of(S0).parked.count, 1, "the large block parked");
+    assert_eq!(a.state_of(S0).parked_count(), 1, "the large block parked");
     // The same size on the same stream: the parked block, with no driver call.
     let maps = sim.counters(0).maps;
     let again = a.malloc(64 * MIB, S0).unwrap();
@@ -991,7 +995,7 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
     assert!(smaller >= big && smaller + 60 * MIB <= big + 64 * MIB);
     assert_eq!(stats(&a).reserved_bytes.all().current, reserved);
     assert_eq!(stats(&a).paging.growths, paging.growths);
-    assert_eq!(a.state_of(S0).parked.count, 0);
+    assert_eq!(a.state_of(S0).parked_count(), 0);
     a.free(smaller).unwrap();
     a.free(keep).unwrap();
 }
@@ -1060,10 +1064,9 @@ fn empty_cache_forgets_the_free_lists_of_streams_with_nothing_cached() {
     }
     let indexed = |a: &DeviceAllocator| {
         a.sum_over_states(|st| {
-            st.caches
-                .general
+            [PoolKind::Small, PoolKind::Large]
                 .iter()
-                .map(|l| l.indexed_streams())
+                .map(|&p| st.general_list(p).indexed_streams())
                 .sum::<usize>()
         })
     };

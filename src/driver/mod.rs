@@ -4,6 +4,7 @@
 
 pub(crate) mod cuda;
 pub(crate) mod host;
+pub(crate) mod layers;
 // The allocator's unit tests run on the simulated device in every build; without the `sim`
 // feature they are its only users, and use only part of it.
 #[cfg(any(test, feature = "sim"))]

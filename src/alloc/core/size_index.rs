@@ -1,13 +1,14 @@
-//! The free blocks of one stream in one pool, ordered by (size, address) for best fit, as a
-//! B-tree would order them but without one on the hot path: blocks under 2 MiB (every block
-//! of steady small-block churn) sit in exact 512-byte size classes, found through a two-level
-//! bitmap of the non-empty classes, each class a short vector sorted by (size, address);
-//! larger blocks (few: big cached blocks, a paged segment's unused remainder) stay in a
-//! B-tree, as do blocks of a class that already holds `CLASS_CAP` (thousands of free blocks
-//! of one size would make a vector's shifts slow). Queries merge the two in order. Best fit,
-//! the next fits in order, and insert/remove of a small block then cost a few word scans and
-//! a short vector shift instead of B-tree descents and node shifts (which took 46% of small
-//! churn).
+//! The free blocks of one stream in one pool, ordered by (size, address) for best fit.
+
+// As a B-tree would order them, but without one on the hot path: blocks under 2 MiB (every
+// block of steady small-block churn) sit in exact 512-byte size classes, found through a
+// two-level bitmap of the non-empty classes, each class a short vector sorted by (size,
+// address); larger blocks (few: big cached blocks, a paged segment's unused remainder) stay
+// in a B-tree, as do blocks of a class that already holds `CLASS_CAP` (thousands of free
+// blocks of one size would make a vector's shifts slow). Queries merge the two in order.
+// Best fit, the next fits in order, and insert/remove of a small block then cost a few word
+// scans and a short vector shift instead of B-tree descents and node shifts, which dominate
+// small-block churn otherwise.
 
 use crate::driver::DevicePtr;
 use std::collections::BTreeMap;

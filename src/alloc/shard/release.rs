@@ -1,28 +1,28 @@
 //! The slow path's other half: giving memory back to the driver (cache flushes, garbage
 //! collection, the OOM retries) and turning completed cross-stream events into cached blocks.
 
-use super::blocks::BlockId;
-use super::caches::PoolId;
-use super::sizing::PoolKind;
-use super::state::{AwaitingEvents, State};
-use super::{driver_error, Shard};
+use super::super::core::blocks::BlockId;
+use super::super::core::free_lists::PoolId;
+use super::super::driver_error;
+use super::super::sizing::PoolKind;
+use super::super::state::{AwaitingEvents, State};
+use super::Shard;
 use crate::driver::StreamId;
 use crate::error::Result;
 
 impl Shard {
     /// Returns a cached whole-segment block to the driver.
-    pub(super) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
-        let block = st.blocks.get(id);
-        let (addr, size, pool, owner) = (block.addr, block.size, block.pool, block.owner);
-        st.caches.list(owner, pool).remove(block);
-        st.stats.num_device_free += 1;
+    pub(in crate::alloc) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
+        let block = st.block(id);
+        let (addr, size) = (block.addr(), block.size());
+        st.unlist(id);
+        st.stats_mut().num_device_free += 1;
         if let Err(e) = self.driver.release(self.device, addr, size) {
             // Still ours: put it back so the bookkeeping stays whole.
-            st.caches.list(owner, pool).insert(st.blocks.get(id), id);
+            st.relist(id);
             return Err(driver_error(self.device, e));
         }
         st.remove_segment(id);
-        st.uncommit(size);
         Ok(())
     }
 
@@ -30,23 +30,23 @@ impl Shard {
     /// bytes could fit. As PyTorch's `release_available_cached_blocks`, only the request's
     /// own pool is searched: the small pool has no oversize blocks, so a small request goes
     /// straight to releasing everything (one retry, one synchronize counted).
-    pub(super) fn release_oversize_cached(
+    pub(in crate::alloc) fn release_oversize_cached(
         &self,
         st: &mut State,
         pool: PoolKind,
         stream: StreamId,
         rounded: u64,
     ) -> Result<bool> {
-        let max_split = st.config.max_split_size;
+        let max_split = st.config().max_split_size;
         if max_split == u64::MAX || pool != PoolKind::Large {
             return Ok(false);
         }
         let wanted = rounded.max(max_split);
-        let large = &st.caches.general[PoolKind::Large as usize];
+        let large = st.caches().general(PoolKind::Large);
         let one = large
             .best_fit(stream, wanted)
             .map(|(_, id)| id)
-            .filter(|&id| st.blocks.get(id).is_whole_plain_segment());
+            .filter(|&id| st.block(id).is_whole_plain_segment());
         let chosen = match one {
             Some(id) => vec![id],
             None => {
@@ -56,8 +56,8 @@ impl Shard {
                     if total >= wanted {
                         break;
                     }
-                    if st.blocks.get(id).is_whole_plain_segment() {
-                        total += st.blocks.get(id).size;
+                    if st.block(id).is_whole_plain_segment() {
+                        total += st.block(id).size();
                         picked.push(id);
                     }
                 }
@@ -67,7 +67,7 @@ impl Shard {
                 picked
             }
         };
-        let released: u64 = chosen.iter().map(|&id| st.blocks.get(id).size).sum();
+        let released: u64 = chosen.iter().map(|&id| st.block(id).size()).sum();
         self.sync_device(st)?;
         for id in chosen {
             self.release_segment(st, id)?;
@@ -77,35 +77,35 @@ impl Shard {
 
     /// Waits for every pending cross-stream event, then returns every unused segment (of the
     /// general cache and of private pools nobody holds).
-    pub(super) fn release_all_cached(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn release_all_cached(&self, st: &mut State) -> Result<()> {
         self.merge_set_aside(st);
-        st.stats.num_sync_all_streams += 1;
+        st.stats_mut().num_sync_all_streams += 1;
         self.drain_awaiting(st)?;
         self.sync_device(st)?;
-        let lists = st.caches.releasable();
+        let lists = st.caches().releasable();
         self.release_whole_segments(st, &lists)?;
         let released = self.release_paged_cache(st);
-        st.caches.prune();
+        st.caches_mut().prune();
         released
     }
 
     /// Releases the cached whole segments of a free list that are smaller than `size`, the
     /// segment about to be made (`Driver::releases_outgrown_segments`).
-    pub(super) fn release_outgrown(
+    pub(in crate::alloc) fn release_outgrown(
         &self,
         st: &mut State,
         owner: Option<PoolId>,
         pool: PoolKind,
         size: u64,
     ) -> Result<()> {
-        let Some(list) = st.caches.try_list(owner, pool) else {
+        let Some(list) = st.caches().try_list(owner, pool) else {
             return Ok(());
         };
         let outgrown: Vec<BlockId> = list
             .ids()
             .filter(|&id| {
-                let b = st.blocks.get(id);
-                b.is_whole_plain_segment() && b.size < size
+                let b = st.block(id);
+                b.is_whole_plain_segment() && b.size() < size
             })
             .collect();
         if outgrown.is_empty() {
@@ -120,19 +120,19 @@ impl Shard {
     }
 
     /// Releases every cached block that spans a whole segment in the given free lists.
-    pub(super) fn release_whole_segments(
+    pub(in crate::alloc) fn release_whole_segments(
         &self,
         st: &mut State,
         lists: &[(Option<PoolId>, PoolKind)],
     ) -> Result<()> {
         for &(owner, pool) in lists {
             // Releasing a pool's last segment removes the pool.
-            let Some(list) = st.caches.try_list(owner, pool) else {
+            let Some(list) = st.caches().try_list(owner, pool) else {
                 continue;
             };
             let whole: Vec<BlockId> = list
                 .ids()
-                .filter(|&id| st.blocks.get(id).is_whole_plain_segment())
+                .filter(|&id| st.block(id).is_whole_plain_segment())
                 .collect();
             for id in whole {
                 self.release_segment(st, id)?;
@@ -144,12 +144,11 @@ impl Shard {
     /// Cached blocks may still be read by kernels queued before they were freed (frees are
     /// stream-ordered), so the device finishes its work before segments go back. Afterwards
     /// every free so far is done, and so is every fence.
-    pub(super) fn sync_device(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn sync_device(&self, st: &mut State) -> Result<()> {
         self.driver
             .synchronize(self.device)
             .map_err(|e| driver_error(self.device, e))?;
-        st.synced_seq = st.free_seq;
-        self.retire_all_fences(st);
+        self.fences_synced(st);
         Ok(())
     }
 
@@ -157,19 +156,19 @@ impl Shard {
     /// Deferred blocks get their events first (`retry_deferred`).
     fn drain_awaiting(&self, st: &mut State) -> Result<()> {
         self.retry_deferred(st)?;
-        while let Some(mut pending) = st.awaiting.pop() {
+        while let Some(mut pending) = st.pop_awaiting() {
             while let Some(&event) = pending.events.last() {
                 if let Err(e) = self.driver.wait_event(self.device, event) {
                     // The block stays unusable rather than risk reuse while in use, and
                     // awaiting with the events not yet waited for: the next drain tries
                     // again.
-                    st.awaiting.push(pending);
+                    st.push_awaiting(pending);
                     return Err(driver_error(self.device, e));
                 }
                 self.driver.destroy_event(self.device, event);
                 pending.events.pop();
             }
-            let addr = st.blocks.get(pending.block).addr;
+            let addr = st.block(pending.block).addr();
             crate::history::reusable(self.device as i32, addr);
             let _ = st.cache(pending.block);
         }
@@ -177,11 +176,11 @@ impl Shard {
     }
 
     /// Caches blocks whose cross-stream events have all completed.
-    pub(super) fn poll_events(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn poll_events(&self, st: &mut State) -> Result<()> {
         let mut i = 0;
-        while i < st.awaiting.len() {
+        while let Some(events) = st.awaiting_events(i) {
             let mut done = true;
-            for &event in &st.awaiting[i].events {
+            for &event in events {
                 if !self
                     .driver
                     .event_done(self.device, event)
@@ -192,11 +191,11 @@ impl Shard {
                 }
             }
             if done {
-                let pending = st.awaiting.swap_remove(i);
+                let pending = st.take_awaiting(i);
                 for event in pending.events {
                     self.driver.destroy_event(self.device, event);
                 }
-                let addr = st.blocks.get(pending.block).addr;
+                let addr = st.block(pending.block).addr();
                 crate::history::reusable(self.device as i32, addr);
                 let _ = st.cache(pending.block);
             } else {
@@ -209,9 +208,9 @@ impl Shard {
     /// Records an event on each stream that used the block; it becomes reusable when all
     /// have completed. Without events (recording failed) the device is synchronized instead.
     /// Should neither events nor the synchronize fallback work, the block is deferred
-    /// (`State::deferred`, its streams kept): unusable, not lost; `retry_deferred` tries
+    /// (`State::defer`, its streams kept): unusable, not lost; `retry_deferred` tries
     /// again at the next empty_cache or OOM.
-    pub(super) fn await_streams(
+    pub(in crate::alloc) fn await_streams(
         &self,
         st: &mut State,
         id: BlockId,
@@ -219,20 +218,18 @@ impl Shard {
     ) -> Result<()> {
         let result = self.record_or_sync(st, id, &uses);
         if result.is_err() {
-            st.blocks.get_mut(id).stream_uses = uses;
-            st.deferred.push(id);
+            st.defer(id, uses);
         }
         result
     }
 
     /// Blocks whose events could not be recorded (or that were freed during a capture) get
     /// their events now; on a failure, the rest stay deferred.
-    pub(super) fn retry_deferred(&self, st: &mut State) -> Result<()> {
-        if st.caches.capturing() {
+    pub(in crate::alloc) fn retry_deferred(&self, st: &mut State) -> Result<()> {
+        if st.capturing() {
             return Ok(());
         }
-        while let Some(id) = st.deferred.pop() {
-            let uses = std::mem::take(&mut st.blocks.get_mut(id).stream_uses);
+        while let Some((id, uses)) = st.pop_deferred() {
             self.await_streams(st, id, uses)?;
         }
         Ok(())
@@ -258,17 +255,17 @@ impl Shard {
                     for &other in uses {
                         self.driver
                             .synchronize_stream(self.device, other)
-                            .map_err(|e| super::driver_error(self.device, e))?;
+                            .map_err(|e| super::super::driver_error(self.device, e))?;
                     }
                     break;
                 }
             }
         }
         if events.is_empty() {
-            crate::history::reusable(self.device as i32, st.blocks.get(id).addr);
+            crate::history::reusable(self.device as i32, st.block(id).addr());
             let _ = st.cache(id);
         } else {
-            st.awaiting.push(AwaitingEvents { block: id, events });
+            st.push_awaiting(AwaitingEvents { block: id, events });
         }
         Ok(())
     }
@@ -276,20 +273,20 @@ impl Shard {
     /// Above `garbage_collection_threshold` × limit (the fraction's, else the device's;
     /// PyTorch collects only under a fraction), releases the oldest cached whole segments of
     /// the large pool (at least average age) until back under it.
-    pub(super) fn collect_garbage(&self, st: &mut State) -> Result<()> {
+    pub(in crate::alloc) fn collect_garbage(&self, st: &mut State) -> Result<()> {
         let threshold =
-            (st.config.garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
+            (st.config().garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
         let reserved = st.device_reserved();
         if reserved <= threshold {
             return Ok(());
         }
         let target = reserved - threshold;
-        let large = &st.caches.general[PoolKind::Large as usize];
-        let now = large.lookups;
+        let large = st.caches().general(PoolKind::Large);
+        let now = large.lookups();
         let mut candidates: Vec<(u64, BlockId)> = large
             .ids()
-            .filter(|&id| st.blocks.get(id).is_whole_plain_segment())
-            .map(|id| (now - st.blocks.get(id).cached_at, id))
+            .filter(|&id| st.block(id).is_whole_plain_segment())
+            .map(|id| (now - st.block(id).cached_at(), id))
             .collect();
         let mut chosen = Vec::new();
         let mut reclaimed = 0;
@@ -301,10 +298,7 @@ impl Shard {
             if old.is_empty() {
                 break;
             }
-            reclaimed += old
-                .iter()
-                .map(|&(_, id)| st.blocks.get(id).size)
-                .sum::<u64>();
+            reclaimed += old.iter().map(|&(_, id)| st.block(id).size()).sum::<u64>();
             chosen.extend(old.into_iter().map(|(_, id)| id));
             candidates = young;
         }

@@ -2,16 +2,16 @@
 //! recorded path diverges after a partial replay (`setCheckpointPoolState`): every block of
 //! the pool handed out now is freed, then the saved blocks are made again at their exact
 //! addresses and sizes, and those saved as handed out stay handed out.
-//!
-//! Invariant relied on: a private pool's segments are plain and never released while the
-//! pool is held, and once none of its blocks is handed out each segment is one free block
-//! (frees merge). Carving the saved blocks from each segment's start, in address order,
-//! then gives back the saved addresses. A pool with a block still awaiting another
-//! stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
 
-use super::blocks::{BlockId, BlockState};
-use super::caches::PoolId;
-use super::state::State;
+// Invariant relied on: a private pool's segments are plain and never released while the
+// pool is held, and once none of its blocks is handed out each segment is one free block
+// (frees merge). Carving the saved blocks from each segment's start, in address order,
+// then gives back the saved addresses. A pool with a block still awaiting another
+// stream's work cannot be restored now: the call fails and the pool's blocks stay freed.
+
+use super::super::core::blocks::{BlockId, BlockState};
+use super::super::core::free_lists::PoolId;
+use super::super::state::State;
 use super::Shard;
 use crate::driver::DevicePtr;
 use crate::error::{Error, ErrorKind, Result};
@@ -43,17 +43,15 @@ fn refused(message: String) -> Error {
 impl Shard {
     /// Restores `pool`'s blocks in the segments of this shard to `saved` (every block of
     /// those segments, in address order; blocks of other shards' segments are skipped).
-    pub(super) fn restore_pool(&self, pool: PoolId, saved: &[SavedBlock]) -> Result<Restored> {
+    pub(in crate::alloc) fn restore_pool(
+        &self,
+        pool: PoolId,
+        saved: &[SavedBlock],
+    ) -> Result<Restored> {
         let mut st = self.lock()?;
         self.drain_fronts(&mut st);
         let mut done = Restored::default();
-        let live: Vec<(DevicePtr, BlockId)> = st
-            .live
-            .iter()
-            .filter(|(_, &id)| st.blocks.get(id).owner == Some(pool))
-            .map(|(&addr, &id)| (addr, id))
-            .collect();
-        for (addr, id) in live {
+        for (addr, id) in st.live_blocks_of(pool) {
             self.free_block(&mut st, id, true)?;
             done.freed.push(addr);
         }
@@ -71,7 +69,7 @@ impl Shard {
         }
         for (id, allocated) in made {
             if allocated {
-                done.allocated.push(st.blocks.get(id).addr);
+                done.allocated.push(st.block(id).addr());
             } else {
                 self.free_block(&mut st, id, false)?;
             }
@@ -99,32 +97,30 @@ impl Shard {
                     b.addr
                 )));
             }
-            if let Some(seg) = st.segments.get(&b.addr) {
+            if let Some(seg) = st.segment_at(b.addr) {
                 cursor = Some(seg.first);
                 *segments_found += 1;
             }
             let Some(id) = cursor else {
                 continue; // a segment of another shard
             };
-            let block = st.blocks.get(id);
-            if block.owner != Some(pool) || block.addr != b.addr || block.size < b.size {
+            let block = st.block(id);
+            if block.owner() != Some(pool) || block.addr() != b.addr || block.size() < b.size {
                 return Err(refused(format!(
                     "the pool's memory at {:#x} no longer matches its saved layout",
                     b.addr
                 )));
             }
-            if block.state != BlockState::Free {
+            if block.state() != BlockState::Free {
                 return Err(refused(format!(
                     "the pool's block at {:#x} is still in use by another stream's work",
                     b.addr
                 )));
             }
-            let (owner, kind) = (block.owner, block.pool);
-            let state = &mut *st;
-            state.caches.list(owner, kind).remove(state.blocks.get(id));
+            st.unlist(id);
             st.hand_out_exact(id, b.size);
             made.push((id, b.allocated));
-            cursor = st.blocks.get(id).next;
+            cursor = st.block(id).next();
         }
         Ok(())
     }

@@ -3,8 +3,9 @@
 //! to) the pool alone, so a captured graph's memory is never handed to anyone else. The pool's
 //! cache is released once every holder has called `release_pool`.
 
-use super::caches::{PoolId, PrivatePool, Route, RouteFilter};
-use super::sizing::PoolKind;
+use super::super::core::blocks::PoolId;
+use super::super::core::free_lists::{RouteFilter, Unheld};
+use super::super::sizing::PoolKind;
 use super::Shard;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -12,33 +13,14 @@ impl Shard {
     /// Opens a window routing allocations on streams accepted by `filter` to `pool`
     /// (created on first use; each begin holds it once more).
     pub fn begin_allocate_to_pool(&self, pool: PoolId, filter: RouteFilter) -> Result<()> {
-        let mut st = self.lock()?;
-        st.caches
-            .private
-            .entry(pool)
-            .and_modify(|p| p.users += 1)
-            .or_insert_with(|| PrivatePool {
-                lists: Default::default(),
-                users: 1,
-                segments: 0,
-            });
-        st.caches.routes.push(Route { pool, filter });
+        self.lock()?.caches_mut().open_window(pool, filter);
         Ok(())
     }
 
     /// Holds `pool` `users` times, as the device does (for a shard made after the pool's
     /// windows opened: `DeviceAllocator::make_shard`).
-    pub(super) fn set_pool_users(&self, pool: PoolId, users: u32) -> Result<()> {
-        let mut st = self.lock()?;
-        st.caches
-            .private
-            .entry(pool)
-            .or_insert_with(|| PrivatePool {
-                lists: Default::default(),
-                users,
-                segments: 0,
-            })
-            .users = users;
+    pub(in crate::alloc) fn set_pool_users(&self, pool: PoolId, users: u32) -> Result<()> {
+        self.lock()?.caches_mut().set_pool_users(pool, users);
         Ok(())
     }
 
@@ -46,15 +28,14 @@ impl Shard {
     /// once no window is open.
     pub fn end_allocate_to_pool(&self, pool: PoolId) -> Result<()> {
         let mut st = self.lock()?;
-        let Some(i) = st.caches.routes.iter().position(|r| r.pool == pool) else {
+        // Dropped after the lock: dropping runs the caller's release callback, which may
+        // call back into ccalloc.
+        let Some(route) = st.caches_mut().close_window(pool) else {
             return Err(Error::new(
                 ErrorKind::InvalidArgument,
                 format!("end_allocate_to_pool: no open window for pool {pool:?}"),
             ));
         };
-        // Dropped after the lock: dropping runs the caller's release callback, which may
-        // call back into ccalloc.
-        let route = st.caches.routes.remove(i);
         // Those still deferred after a failure are retried at the next window's close,
         // empty_cache or OOM.
         let result = self.retry_deferred(&mut st);
@@ -67,21 +48,17 @@ impl Shard {
     /// capture is open) and the rest as their blocks are freed and the cache is emptied.
     pub fn release_pool(&self, pool: PoolId) -> Result<()> {
         let mut st = self.lock()?;
-        let Some(p) = st.caches.private.get_mut(&pool) else {
-            return Err(Error::new(
-                ErrorKind::InvalidArgument,
-                format!("release_pool: unknown pool {pool:?}"),
-            ));
-        };
-        p.users = p.users.saturating_sub(1);
-        if p.users > 0 {
-            return Ok(());
+        match st.caches_mut().drop_user(pool) {
+            Unheld::Unknown => {
+                return Err(Error::new(
+                    ErrorKind::InvalidArgument,
+                    format!("release_pool: unknown pool {pool:?}"),
+                ))
+            }
+            Unheld::StillHeld | Unheld::Forgotten => return Ok(()),
+            Unheld::Releasable => {}
         }
-        if st.caches.pool_removable(pool) {
-            st.caches.private.remove(&pool);
-            return Ok(());
-        }
-        if !st.caches.capturing() {
+        if !st.capturing() {
             self.sync_device(&mut st)?;
             self.release_whole_segments(
                 &mut st,

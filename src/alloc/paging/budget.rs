@@ -1,0 +1,171 @@
+//! The slack controller: how many cached pages growth may keep beyond the live high-water
+//! mark, and how `page_move_budget` raises that slack while page moves take too much time.
+
+use std::time::{Duration, Instant};
+
+/// Growth may keep `page_slack` (config) times the live high-water mark as cached pages
+/// before reclaiming, but never fewer than this many pages.
+const MIN_SLACK_PAGES: u64 = 4;
+/// The window over which the share of time spent moving pages is measured: long enough that
+/// one burst of growth (a new batch shape: tens of moves of a few ms in all) does not look
+/// like a trend.
+const MOVE_WINDOW: Duration = Duration::from_secs(1);
+/// A window closes early when moves took at least this long in it (`closes_early`) ...
+const EARLY_MOVES: Duration = Duration::from_millis(5);
+/// ... and it has lasted this long. Two such windows over budget in a row raise the slack
+/// (`next_extra_slack`): a job that does little but move pages adapts within about 25 ms.
+const EARLY_WINDOW: Duration = Duration::from_millis(12);
+/// Windows in a row with moves under a quarter of the budget before the extra slack halves.
+/// Halving lets later growth release spares and move pages again, so it waits for a phase
+/// change (several seconds quiet), not for the quiet the extra slack itself bought.
+const QUIET_WINDOWS_BEFORE_DECAY: u32 = 5;
+/// The extra slack's growth per window over budget: small steps, so that it stops near the
+/// least slack that keeps moves within the budget (moves fall steeply with slack) ...
+const EXTRA_SLACK_STEP: f64 = 1.5;
+/// ... and larger ones where moves take more than this many times the budget.
+const SEVERE_OVERRUN: f64 = 8.0;
+const SEVERE_EXTRA_SLACK_STEP: f64 = 3.0;
+/// Extra slack that `page_move_budget` may add: reserved stays within twice peak live.
+const MAX_EXTRA_SLACK: f64 = 1.0;
+/// The first step of extra slack when `page_slack` is smaller.
+const MIN_EXTRA_SLACK: f64 = 1.0 / 32.0;
+
+/// Bytes of cached pages growth may keep beyond the live high-water mark `high`, with
+/// `share` the slack (a fraction of `high`) and `page` the page size.
+pub fn slack_bytes(high: u64, share: f64, page: u64) -> u64 {
+    ((high as f64 * share) as u64).max(MIN_SLACK_PAGES * page)
+}
+
+/// Time spent moving pages over a window of wall time, and the extra slack it bought.
+#[derive(Default)]
+pub struct MoveClock {
+    window_start: Option<Instant>,
+    moving: Duration,
+    /// Set when a reclaim moves chunks: only growth that moved counts as moving time.
+    reclaimed: bool,
+    /// Added to `page_slack` while moves take more than `page_move_budget` of the time.
+    extra_slack: f64,
+    /// Windows in a row with moves well under the budget (see `next_extra_slack`).
+    quiet_windows: u32,
+    /// The last window closed with moves over the budget.
+    over_budget: bool,
+}
+
+impl MoveClock {
+    /// Added to `page_slack` while moves take more than the budget.
+    pub fn extra_slack(&self) -> f64 {
+        self.extra_slack
+    }
+
+    /// A growth starts: it has moved nothing yet.
+    pub fn start_growth(&mut self) {
+        self.reclaimed = false;
+    }
+
+    /// The growth under way unmapped chunks to reuse their memory (`moved`).
+    pub fn note_moved(&mut self, moved: bool) {
+        self.reclaimed |= moved;
+    }
+
+    /// Whether the growth under way moved chunks.
+    pub fn moved(&self) -> bool {
+        self.reclaimed
+    }
+
+    /// Counts a growth that ran from `started` to `now` on a GPU, and every `MOVE_WINDOW`
+    /// (or sooner, see `closes_early`) adjusts the extra slack to the share of time moves
+    /// took (`next_extra_slack`). Growth that only mapped new memory is not a move (more
+    /// slack would not spare it), but it still closes windows, so that extra slack decays
+    /// once moves stop. Returns the window's (share, length) when the extra slack changed.
+    pub fn account(
+        &mut self,
+        started: Instant,
+        now: Instant,
+        budget: f64,
+        page_slack: f64,
+    ) -> Option<(f64, Duration)> {
+        let base = page_slack.max(MIN_EXTRA_SLACK);
+        if self.reclaimed {
+            self.moving += now - started;
+        }
+        let window = now - *self.window_start.get_or_insert(started);
+        let early = closes_early(window, self.moving, budget);
+        if window < MOVE_WINDOW && !early {
+            return None;
+        }
+        let share = self.moving.as_secs_f64() / window.as_secs_f64();
+        let before = self.extra_slack;
+        // Windows close only at growth: a long quiet gap counts for the windows it spans.
+        let spans = (window.as_secs_f64() / MOVE_WINDOW.as_secs_f64()) as u32;
+        (self.extra_slack, self.quiet_windows) = next_extra_slack(
+            before,
+            self.quiet_windows,
+            spans,
+            share,
+            budget,
+            base,
+            self.over_budget,
+        );
+        self.over_budget = share > budget;
+        self.window_start = Some(now);
+        self.moving = Duration::ZERO;
+        (self.extra_slack != before).then_some((share, window))
+    }
+}
+
+/// Whether a move window (`MoveClock::account`) that has lasted `window`, of which page moves
+/// took `moving`, closes before `MOVE_WINDOW`: once moves have plainly overrun the budget,
+/// for at least `EARLY_MOVES` and more than `SEVERE_OVERRUN` times the budget's share of at
+/// least `EARLY_WINDOW`. A job that does little but move pages (random sizes up to hundreds
+/// of MiB) then adapts within tens of ms instead of a second; a new batch shape's burst
+/// closes one such window at most, which alone raises nothing.
+pub fn closes_early(window: Duration, moving: Duration, budget: f64) -> bool {
+    window >= EARLY_WINDOW
+        && moving >= EARLY_MOVES
+        && moving.as_secs_f64() > window.as_secs_f64() * SEVERE_OVERRUN * budget
+}
+
+/// The extra slack after a window (`spans` times `MOVE_WINDOW` long) in which page moves
+/// took `share` of the time, and the count of quiet windows in a row: over `budget` in this
+/// window and the one before (`over_before`) it grows by `EXTRA_SLACK_STEP`, or
+/// `SEVERE_EXTRA_SLACK_STEP` past `SEVERE_OVERRUN` times the budget (starting from `base`,
+/// up to `MAX_EXTRA_SLACK`), so that a job adapts within a few windows; after
+/// `QUIET_WINDOWS_BEFORE_DECAY` windows' worth of time under a quarter of the budget it
+/// halves (to 0 below `base / 2`). One window over budget alone is a burst, not a trend:
+/// bursts of growth (a new batch shape) on a slow host close windows over budget now and
+/// then, and must not raise the slack for good. A budget of 0 (perhaps set at run time)
+/// drops it.
+pub fn next_extra_slack(
+    extra: f64,
+    quiet_windows: u32,
+    spans: u32,
+    share: f64,
+    budget: f64,
+    base: f64,
+    over_before: bool,
+) -> (f64, u32) {
+    if budget == 0.0 {
+        return (0.0, 0);
+    }
+    if share > budget {
+        if !over_before {
+            return (extra, 0);
+        }
+        let step = if share > SEVERE_OVERRUN * budget {
+            SEVERE_EXTRA_SLACK_STEP
+        } else {
+            EXTRA_SLACK_STEP
+        };
+        return ((extra.max(base) * step).min(MAX_EXTRA_SLACK), 0);
+    }
+    if share >= budget / 4.0 || extra == 0.0 {
+        return (extra, 0);
+    }
+    // A window closed early (`spans` 0) does not count towards the quiet spell.
+    let quiet = quiet_windows.saturating_add(spans);
+    if quiet < QUIET_WINDOWS_BEFORE_DECAY {
+        return (extra, quiet);
+    }
+    let halved = extra / 2.0;
+    (if halved < base / 2.0 { 0.0 } else { halved }, 0)
+}

@@ -1,0 +1,148 @@
+//! Where growth's memory comes from and goes: the runs of missing pages a request fills
+//! (`Plan`), and the chunks under free blocks that may be unmapped for it (`Victim`s).
+
+use super::table::{segment_at, PagedSegment, Spare};
+use crate::alloc::core::blocks::BlockArena;
+use crate::alloc::core::free_lists::Caches;
+use crate::alloc::sizing::PoolKind;
+use crate::driver::{DevicePtr, StreamId};
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// A chunk wholly under a free block: a candidate to unmap.
+pub struct Victim {
+    pub segment: DevicePtr,
+    pub first: usize,
+    pub pages: usize,
+    /// The segment's stream, and the last free on the chunk's pages (see
+    /// `Chunk::last_free`).
+    pub stream: StreamId,
+    pub last_free: u64,
+}
+
+/// Where growth maps memory: the runs of missing pages, filled chunk by chunk.
+pub struct Plan {
+    /// Unfilled runs of pages, `start..end`.
+    pub gaps: Vec<Range<usize>>,
+    /// Memory placed so far: (first page, memory).
+    pub placed: Vec<(usize, Spare)>,
+}
+
+impl Plan {
+    pub fn new(missing: &[usize]) -> Self {
+        let mut gaps: Vec<Range<usize>> = Vec::new();
+        for &i in missing {
+            match gaps.last_mut() {
+                Some(run) if run.end == i => run.end += 1,
+                _ => gaps.push(i..i + 1),
+            }
+        }
+        Self {
+            gaps,
+            placed: Vec::new(),
+        }
+    }
+
+    pub fn unfilled(&self) -> usize {
+        self.gaps.iter().map(|g| g.len()).sum()
+    }
+
+    pub fn place(&mut self, gap: usize, spare: Spare) {
+        let at = self.gaps[gap].start;
+        self.gaps[gap].start += spare.pages;
+        self.placed.push((at, spare));
+    }
+
+    /// Places what fits of `spares`, largest first, each at the start of the first gap
+    /// with room; what fits nowhere stays in `spares`.
+    pub fn fill(&mut self, spares: &mut Vec<Spare>) {
+        spares.sort_by_key(|s| std::cmp::Reverse(s.pages));
+        spares.retain(
+            |&spare| match self.gaps.iter().position(|g| g.len() >= spare.pages) {
+                Some(gap) => {
+                    self.place(gap, spare);
+                    false
+                }
+                None => true,
+            },
+        );
+    }
+
+    pub fn placed_pages(&self) -> usize {
+        self.placed.iter().map(|(_, s)| s.pages).sum()
+    }
+}
+
+/// Chunks wholly under free paged blocks, in preference order: `also` (the rest of the
+/// block being carved) first, then the largest free blocks, highest pages first. Only the
+/// free lists of (stream, pool)s in `dirty` are searched: the others held no
+/// such chunk when last searched, and none has been freed or merged into them since (see
+/// `State::mark_reclaim_dirty`), so the search costs what has changed, not what every
+/// stream holds. Returns the candidates, the (stream, pool)s found without any (to be
+/// marked clean), and the work done (blocks and chunks visited).
+pub fn reclaim_candidates(
+    blocks: &BlockArena,
+    caches: &Caches,
+    segments: &BTreeMap<DevicePtr, PagedSegment>,
+    dirty: &rustc_hash::FxHashSet<(StreamId, PoolKind)>,
+    also: Range<DevicePtr>,
+) -> (Vec<Victim>, Vec<(StreamId, PoolKind)>, u64) {
+    let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
+    if !also.is_empty() {
+        ranges.push((also.start, also.end - also.start));
+    }
+    let mut dirty: Vec<(StreamId, PoolKind)> = dirty.iter().copied().collect();
+    dirty.sort_unstable();
+    let mut steps = 0u64;
+    let mut clean = Vec::new();
+    for pool in [PoolKind::Large, PoolKind::Small] {
+        let list = caches.general(pool);
+        let start = ranges.len();
+        for &(stream, _) in dirty.iter().filter(|(_, p)| *p == pool) {
+            ranges.extend(
+                list.ids_of(stream)
+                    .map(|id| blocks.get(id))
+                    .filter(|b| b.paged())
+                    .map(|b| (b.addr(), b.size())),
+            );
+        }
+        steps += (ranges.len() - start) as u64;
+        ranges[start..].sort_by_key(|&(_, size)| std::cmp::Reverse(size));
+    }
+    let mut candidates = Vec::new();
+    let mut found: rustc_hash::FxHashSet<(StreamId, PoolKind)> = Default::default();
+    for (addr, size) in ranges {
+        let (base, seg) = segment_at(segments, addr);
+        let inside = seg.inside(addr, size);
+        for chunk in seg.chunks_over(inside.clone()).rev() {
+            steps += 1;
+            if chunk.first >= inside.start && chunk.first + chunk.pages <= inside.end {
+                found.insert((seg.stream, seg.pool));
+                candidates.push(Victim {
+                    segment: base,
+                    first: chunk.first,
+                    pages: chunk.pages,
+                    stream: seg.stream,
+                    last_free: chunk.last_free,
+                });
+            }
+        }
+    }
+    for key in dirty {
+        if !found.contains(&key) {
+            clean.push(key);
+        }
+    }
+    (candidates, clean, steps)
+}
+
+/// Moves victims from `from` into `into`, in order, until `limit` pages are taken.
+pub fn take_until(into: &mut Vec<Victim>, taken: &mut usize, from: Vec<Victim>, limit: usize) {
+    for v in from {
+        if *taken >= limit {
+            break;
+        }
+        *taken += v.pages;
+        into.push(v);
+    }
+}

@@ -1,0 +1,313 @@
+//! The page table of one paged segment: which pages are mapped, by which physical chunk, and
+//! when each chunk's pages were last freed.
+
+use crate::alloc::sizing::PoolKind;
+use crate::driver::{DevicePtr, PhysHandle, StreamId};
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+
+/// Every this many frees of paged blocks in a segment, the free records a fence: an event
+/// record costs about a microsecond, and a GPU running behind the host needs no finer marks.
+/// A count, not a clock, so that a replay comes out the same every time.
+const FREES_PER_FENCE: u32 = 16;
+/// Growth maps physical memory in chunks of this many pages (more for long runs, see
+/// `chunk_pages_for`), one handle each: the driver's cost is per mapping, not per byte
+/// (`benches/gpu/vmm_cost.cu`). A chunk is unmapped only whole, so larger chunks keep more
+/// memory behind live blocks; this is the smallest size that cuts maps well below one per
+/// page while keeping what a chunk pins small.
+pub const CHUNK_PAGES: usize = 4;
+/// The largest chunk (128 MiB with 2 MiB pages).
+pub const MAX_CHUNK_PAGES: usize = 64;
+
+/// Pages per new chunk when growth maps a run of `run` missing pages: a quarter of the run,
+/// within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. Each chunk costs a create, a map and an access
+/// grant whatever its size, so a large block is backed by a few large chunks; a chunk never
+/// exceeds a quarter of the block it was made for, so one pinned by a small live block later
+/// holds little beyond it.
+pub fn chunk_pages_for(run: usize) -> usize {
+    (run / 4).clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
+}
+
+/// One physical allocation mapped at pages `first..first+pages` of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    pub handle: PhysHandle,
+    pub first: usize,
+    pub pages: usize,
+    /// The `State::free_seq` of the last free of a block on the chunk's pages (0: none
+    /// since it was mapped): its last use on the device came before that free.
+    pub last_free: u64,
+}
+
+/// Physical memory in hand, not mapped anywhere: `pages` pages under one handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spare {
+    pub handle: PhysHandle,
+    pub pages: usize,
+}
+
+/// The page table of one paged segment.
+pub struct PagedSegment {
+    pub base: DevicePtr,
+    pub size: u64,
+    pub page: u64,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    /// The mapped chunks, by first page. A segment spans the whole device while few of its
+    /// pages are mapped: everything kept per segment is proportional to its mapped chunks
+    /// (the bitmap aside, one bit a page), so that many streams, each with its own
+    /// segments, cost memory and time in proportion to what they map.
+    chunks: BTreeMap<usize, Chunk>,
+    /// Frees since the last one that asked for a fence.
+    frees_since_fence: u32,
+    /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
+    /// counts them a word at a time (a hand-out checks every page it covers), a set walks
+    /// the few mapped pages of a free block that may span most of the segment.
+    mapped: PageBits,
+    mapped_set: BTreeSet<usize>,
+}
+
+/// A bitmap over a segment's pages.
+#[derive(Clone, Debug, Default)]
+pub struct PageBits {
+    words: Vec<u64>,
+}
+
+impl PageBits {
+    pub fn new(pages: usize) -> Self {
+        Self {
+            words: vec![0; pages.div_ceil(64)],
+        }
+    }
+
+    /// A walk over the words: only the release path asks.
+    pub fn is_empty(&self) -> bool {
+        self.words.iter().all(|&w| w == 0)
+    }
+
+    pub fn set(&mut self, i: usize) {
+        self.words[i / 64] |= 1u64 << (i % 64);
+    }
+
+    pub fn get(&self, i: usize) -> bool {
+        self.words[i / 64] & (1u64 << (i % 64)) != 0
+    }
+
+    pub fn clear(&mut self, i: usize) {
+        self.words[i / 64] &= !(1u64 << (i % 64));
+    }
+
+    /// The words overlapping `range`, each masked to the bits inside it, with its index.
+    fn masked(&self, range: Range<usize>) -> impl Iterator<Item = (usize, u64)> + '_ {
+        let words = if range.is_empty() {
+            0..0
+        } else {
+            range.start / 64..(range.end - 1) / 64 + 1
+        };
+        words.map(move |w| {
+            // The word overlaps the range: 0 <= low < 64 and 0 < high <= 64.
+            let low = range.start.saturating_sub(w * 64);
+            let high = (range.end - w * 64).min(64);
+            let mask = (u64::MAX >> (64 - high)) & (u64::MAX << low);
+            (w, self.words[w] & mask)
+        })
+    }
+
+    /// Set bits inside `range`.
+    pub fn count(&self, range: Range<usize>) -> usize {
+        self.masked(range)
+            .map(|(_, b)| b.count_ones() as usize)
+            .sum()
+    }
+}
+
+impl PagedSegment {
+    /// A segment of `size` bytes at `base` with nothing mapped.
+    pub fn new(base: DevicePtr, size: u64, page: u64, stream: StreamId, pool: PoolKind) -> Self {
+        let count = (size / page) as usize;
+        Self {
+            base,
+            size,
+            page,
+            stream,
+            pool,
+            chunks: BTreeMap::new(),
+            frees_since_fence: 0,
+            mapped: PageBits::new(count),
+            mapped_set: BTreeSet::new(),
+        }
+    }
+
+    /// Whether page `i` is mapped.
+    pub fn is_mapped(&self, i: usize) -> bool {
+        self.mapped.get(i)
+    }
+
+    /// Whether no page is mapped (a walk over the bitmap: only the release path asks).
+    pub fn nothing_mapped(&self) -> bool {
+        self.mapped.is_empty()
+    }
+
+    /// Pages of the chunk mapped from page `first`.
+    pub fn chunk_pages(&self, first: usize) -> usize {
+        self.chunks[&first].pages
+    }
+
+    /// The chunk mapped at page `i`.
+    pub fn chunk_at(&self, i: usize) -> Option<&Chunk> {
+        let (_, chunk) = self.chunks.range(..=i).next_back()?;
+        (i < chunk.first + chunk.pages).then_some(chunk)
+    }
+
+    /// The chunks overlapping pages `range`, in page order.
+    pub fn chunks_over(&self, range: Range<usize>) -> impl DoubleEndedIterator<Item = &Chunk> + '_ {
+        let range = if range.is_empty() { 0..0 } else { range };
+        let straddling = self
+            .chunk_at(range.start)
+            .filter(|c| c.first < range.start && !range.is_empty());
+        straddling
+            .into_iter()
+            .chain(self.chunks.range(range).map(|(_, c)| c))
+    }
+
+    /// Pages that `[addr, addr+len)` touches.
+    pub fn touched(&self, addr: DevicePtr, len: u64) -> Range<usize> {
+        let start = (addr - self.base) / self.page;
+        let end = (addr + len - self.base).div_ceil(self.page);
+        start as usize..end as usize
+    }
+
+    /// Pages lying wholly inside `[addr, addr+len)`.
+    pub fn inside(&self, addr: DevicePtr, len: u64) -> Range<usize> {
+        let start = (addr - self.base).div_ceil(self.page);
+        let end = (addr + len - self.base) / self.page;
+        start as usize..(end as usize).max(start as usize)
+    }
+
+    /// The mapped address ranges, in order, adjacent pages joined.
+    pub fn mapped_runs(&self) -> Vec<(DevicePtr, u64)> {
+        let mut runs: Vec<(DevicePtr, u64)> = Vec::new();
+        for &i in &self.mapped_set {
+            let va = self.va(i);
+            match runs.last_mut() {
+                Some((start, len)) if *start + *len == va => *len += self.page,
+                _ => runs.push((va, self.page)),
+            }
+        }
+        runs
+    }
+
+    /// Bytes of `[addr, addr+len)` that lie on mapped pages.
+    pub fn mapped_bytes_in(&self, addr: DevicePtr, len: u64) -> u64 {
+        self.touched(addr, len)
+            .filter(|&i| self.mapped.get(i))
+            .map(|i| {
+                let (start, end) = (self.va(i), self.va(i) + self.page);
+                end.min(addr + len) - start.max(addr)
+            })
+            .sum()
+    }
+
+    /// How many pages `[addr, addr+len)` touches that are not mapped.
+    pub fn unmapped_pages(&self, addr: DevicePtr, len: u64) -> usize {
+        let touched = self.touched(addr, len);
+        touched.len() - self.mapped.count(touched)
+    }
+
+    /// Where in the free block `[start, end)` a block of `len` bytes needs the fewest new
+    /// pages: (pages missing, address). Some best place starts at the block's start or end,
+    /// or at the start of a run of mapped pages (sliding a window onto a run start never
+    /// loses a mapped page), so only those are tried, the first `MAX_RUNS` runs at most.
+    pub fn best_place(&self, start: DevicePtr, end: DevicePtr, len: u64) -> (usize, DevicePtr) {
+        const MAX_RUNS: usize = 64;
+        let mut best = (self.unmapped_pages(start, len), start);
+        if best.0 == 0 || end - start == len {
+            return best;
+        }
+        let consider = |best: &mut (usize, DevicePtr), at: DevicePtr| {
+            let missing = self.unmapped_pages(at, len);
+            if missing < best.0 {
+                *best = (missing, at);
+            }
+        };
+        consider(&mut best, end - len);
+        let mut runs = 0;
+        let mut previous: Option<usize> = None;
+        for &i in self.mapped_set.range(self.touched(start, end - start)) {
+            let run_start = previous != Some(i.wrapping_sub(1));
+            previous = Some(i);
+            let at = self.va(i);
+            if !run_start || at <= start {
+                continue;
+            }
+            if at + len > end || runs == MAX_RUNS || best.0 == 0 {
+                break;
+            }
+            runs += 1;
+            consider(&mut best, at);
+        }
+        best
+    }
+
+    /// A block `[addr, addr+len)` was freed at `seq`. Returns whether this free should record
+    /// a fence: the first, then every `FREES_PER_FENCE`-th.
+    pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
+        let touched = self.touched(addr, len);
+        let firsts: Vec<usize> = self.chunks_over(touched).map(|c| c.first).collect();
+        for first in firsts {
+            self.chunks.get_mut(&first).expect("listed").last_free = seq;
+        }
+        let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
+        self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
+        due
+    }
+
+    /// `spare` is now mapped at pages `first..`.
+    pub fn set_chunk(&mut self, first: usize, spare: Spare) {
+        let chunk = Chunk {
+            handle: spare.handle,
+            first,
+            pages: spare.pages,
+            last_free: 0,
+        };
+        self.chunks.insert(first, chunk);
+        for i in first..first + spare.pages {
+            self.mapped.set(i);
+            self.mapped_set.insert(i);
+        }
+    }
+
+    /// The chunk starting at page `first` is no longer mapped: its memory.
+    pub fn take_chunk(&mut self, first: usize) -> Spare {
+        let chunk = self.chunks.remove(&first).expect("chunks are taken whole");
+        for i in first..first + chunk.pages {
+            self.mapped.clear(i);
+            self.mapped_set.remove(&i);
+        }
+        Spare {
+            handle: chunk.handle,
+            pages: chunk.pages,
+        }
+    }
+
+    pub fn va(&self, page: usize) -> DevicePtr {
+        self.base + page as u64 * self.page
+    }
+}
+
+/// Pages in `spares`.
+pub fn pages_of(spares: &[Spare]) -> usize {
+    spares.iter().map(|s| s.pages).sum()
+}
+
+/// The paged segment holding `addr` (which must lie in one), with its base address.
+pub fn segment_at(
+    segments: &BTreeMap<DevicePtr, PagedSegment>,
+    addr: DevicePtr,
+) -> (DevicePtr, &PagedSegment) {
+    let (&base, seg) = segments
+        .range(..=addr)
+        .next_back()
+        .expect("a paged block has a segment");
+    (base, seg)
+}

@@ -1,0 +1,485 @@
+//! The driver I/O of paged segments: creating their address ranges, mapping and unmapping
+//! chunks, and releasing them, as `paging`'s page table, plan and budget decide.
+
+use super::super::paging::budget::slack_bytes;
+use super::super::paging::plan::{take_until, Plan, Victim};
+use super::super::paging::table::{chunk_pages_for, pages_of, Spare};
+use super::super::sizing::PoolKind;
+use super::super::state::State;
+use super::super::{driver_error, Shard};
+use crate::driver::{DevicePtr, PhysHandle, StreamId};
+use crate::error::Result;
+use std::ops::Range;
+use std::time::Instant;
+
+impl Shard {
+    /// The page size when requests of this kind use paged segments.
+    pub(in crate::alloc) fn paging(&self, st: &State, private: bool) -> Option<u64> {
+        if private || !st.config().expandable_segments {
+            return None;
+        }
+        self.driver.vmm_granularity(self.device)
+    }
+
+    /// Creates the paged segment of (stream, pool): address space the size of the device,
+    /// cached as one free block with nothing mapped. False when no address space is left.
+    pub(in crate::alloc) fn add_paged_segment(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        pool: PoolKind,
+        page: u64,
+    ) -> Result<bool> {
+        let size = self.total_memory.div_ceil(page) * page;
+        let base = match self.driver.reserve_address(self.device, size) {
+            Ok(base) => base,
+            Err(e) => {
+                tracing::warn!(
+                    device = self.device,
+                    "address reservation failed ({e}); using plain segments"
+                );
+                return Ok(false);
+            }
+        };
+        st.add_paged_segment(base, size, page, stream, pool);
+        Ok(true)
+    }
+
+    /// Maps every page `[addr, addr+len)` touches. Physical memory comes from new chunks
+    /// while reserved stays within live + slack, else from chunks under free blocks. Returns
+    /// false when the device (or the memory limit) cannot supply the pages.
+    /// `rest` is the part of the block being handed out that stays free: its chunks are the
+    /// first to move (they are in no free list yet).
+    pub(in crate::alloc) fn map_pages(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        addr: DevicePtr,
+        len: u64,
+        rest: Range<DevicePtr>,
+    ) -> Result<bool> {
+        let (base, seg) = st.paged_segment(addr);
+        let page = seg.page;
+        if seg.unmapped_pages(addr, len) == 0 {
+            return Ok(true);
+        }
+        // Parked (and held) blocks' pages become reclaimable (and the OOM path sees them
+        // merged).
+        self.merge_set_aside(st);
+        let seg = st.paged_at(base);
+        let missing: Vec<usize> = seg
+            .touched(addr, len)
+            .filter(|&i| !seg.is_mapped(i))
+            .collect();
+        if missing.is_empty() {
+            return Ok(true);
+        }
+        // Every page mapped here counts as reserved; parked chunks already do.
+        let high = st.raise_live_high_water(len);
+        let share = st.page_slack();
+        let slack = slack_bytes(high, share, page);
+        let started = Instant::now();
+        st.moves_mut().start_growth();
+        let budget = (high + slack).min(self.hard_limit(st));
+        let mut plan = Plan::new(&missing);
+        let mut spares = self.unpark_all(st, page);
+        let gathered = self.gather(
+            st,
+            stream,
+            &mut plan,
+            &mut spares,
+            page,
+            budget,
+            slack,
+            rest,
+        );
+        // Later growth may need the chunks freed until now: a fence lets it know when the
+        // device is past them, instead of waiting.
+        self.record_fence(st, stream);
+        let in_hand: Vec<Spare> = plan.placed.iter().map(|&(_, s)| s).collect();
+        if let Err(e) = gathered {
+            // Memory in hand stays ccalloc's (and reserved): parked for the next request.
+            for spare in in_hand.into_iter().chain(spares) {
+                self.park(st, spare, page);
+            }
+            self.account_growth(st, started);
+            return Err(e);
+        }
+        let refused = plan.unfilled() > 0;
+        if refused {
+            // Give back what was gathered, leaving reserved no higher than before.
+            spares.extend(in_hand);
+        }
+        // Spares that fit nowhere: kept for later growth while the budget allows.
+        let mut released = Ok(());
+        for spare in spares {
+            let room = st.reserved() + (plan.placed_pages() + spare.pages) as u64 * page;
+            if !refused && room <= budget {
+                self.park(st, spare, page);
+            } else {
+                released = released.and(self.release_chunk(st, spare, page));
+            }
+        }
+        if refused {
+            // A growth too, if a failed one: its time (and waits) was spent all the same.
+            self.account_growth(st, started);
+        }
+        released?;
+        if refused {
+            return Ok(false);
+        }
+        plan.placed.sort_by_key(|&(first, _)| first);
+        let mut done = 0;
+        let mapped = self.map_plan(st, base, &plan.placed, &missing, &mut done);
+        self.account_growth(st, started);
+        if let Err(e) = mapped {
+            // Undo this request's mappings so nothing it touched stays reserved. (A chunk
+            // that will not unmap stays mapped under the free block: reserved, reclaimable.
+            // One that will not release is parked.)
+            for &(first, _) in &plan.placed[..done] {
+                if let Ok(spare) = self.unmap_chunk(st, base, first) {
+                    let _ = self.release_chunk(st, spare, page);
+                }
+            }
+            let unmapped = plan.placed[done..].iter().map(|&(_, s)| s);
+            let _ = self.release_chunks(st, unmapped, page);
+            return Err(e);
+        }
+        Ok(true)
+    }
+
+    /// Counts one growth (`PagingCounters`) that started at `started` (gathering, waiting,
+    /// mapping), failed ones included. On a GPU its time also feeds the move clock
+    /// (`MoveClock::account`): a workload whose page moves cost more than `page_move_budget`
+    /// gets a larger cache instead, while one that moves little keeps reserved ≈ live.
+    fn account_growth(&self, st: &mut State, started: Instant) {
+        let now = Instant::now();
+        let took = now - started;
+        let moved = st.moves().moved();
+        let paging = &mut st.stats_mut().paging;
+        paging.growths += 1;
+        paging.growth_ns += took.as_nanos() as u64;
+        if moved {
+            paging.moving_growths += 1;
+            paging.moving_ns += took.as_nanos() as u64;
+        }
+        // The sim's clock says nothing about a GPU's: replays stay the same every time.
+        if !self.times_page_moves {
+            return;
+        }
+        let budget = st.config().page_move_budget;
+        let page_slack = st.config().page_slack;
+        if let Some((share, window)) = st.moves_mut().account(started, now, budget, page_slack) {
+            tracing::info!(
+                device = self.device,
+                "page moves took {:.1}% of the last {:.0} ms (budget {:.1}%): page slack now {:.3} of peak live",
+                share * 100.0,
+                window.as_secs_f64() * 1e3,
+                budget * 100.0,
+                st.page_slack()
+            );
+        }
+    }
+
+    /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved
+    /// stays within `budget`; past it, growth is paid for with chunks from under free blocks
+    /// (never much more than this request maps: shrinking is left to empty_cache and the OOM
+    /// path). A wait for the device buys a batch of `slack` more, parked for the next
+    /// requests. While a CUDA graph is being captured nothing may wait or move: only parked
+    /// and new chunks are used. `spares` ends with the memory in hand that fit nowhere.
+    #[allow(clippy::too_many_arguments)]
+    fn gather(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        plan: &mut Plan,
+        spares: &mut Vec<Spare>,
+        page: u64,
+        budget: u64,
+        slack: u64,
+        rest: Range<DevicePtr>,
+    ) -> Result<()> {
+        let capturing = st.capturing();
+        plan.fill(spares);
+        let in_hand = |plan: &Plan, spares: &[Spare]| plan.placed_pages() + pages_of(spares);
+        // Pages past the budget were everything in hand mapped and the rest made new.
+        let over_budget = |st: &State, plan: &Plan, spares: &[Spare]| {
+            let after = st.reserved() + (in_hand(plan, spares) + plan.unfilled()) as u64 * page;
+            after.saturating_sub(budget).div_ceil(page) as usize
+        };
+        // Parked chunks that fit nowhere are the first memory to give up.
+        self.release_smallest(st, spares, over_budget(st, plan, spares), page)?;
+        let over = over_budget(st, plan, spares).min(plan.unfilled()) as u64;
+        if over > 0 && !capturing {
+            let batch = (slack / page) as usize;
+            let fit = plan.gaps.iter().map(|g| g.len()).max().unwrap_or(0);
+            let taken = self.reclaim(st, over as usize, batch, fit, rest.clone(), Some(stream))?;
+            spares.extend(taken);
+            plan.fill(spares);
+            // What fits nowhere goes back to the device before new memory is made.
+            let surplus = pages_of(spares).saturating_sub(batch);
+            self.release_smallest(st, spares, surplus, page)?;
+        }
+        self.add_new_chunks(st, plan, page)?;
+        if plan.unfilled() > 0 && !capturing {
+            // Out of memory: take every reclaimable chunk, then the plain cache too.
+            let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Some(stream))?;
+            spares.extend(all);
+            plan.fill(spares);
+            self.release_chunks(st, spares.drain(..), page)?;
+            self.add_new_chunks(st, plan, page)?;
+            if plan.unfilled() > 0 {
+                self.release_all_cached(st)?;
+                st.count_alloc_retry();
+                self.add_new_chunks(st, plan, page)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases spares, smallest first, until `pages` pages are gone.
+    fn release_smallest(
+        &self,
+        st: &mut State,
+        spares: &mut Vec<Spare>,
+        pages: usize,
+        page: u64,
+    ) -> Result<()> {
+        spares.sort_by_key(|s| std::cmp::Reverse(s.pages));
+        let mut released = 0;
+        while released < pages {
+            let Some(spare) = spares.pop() else { break };
+            released += spare.pages;
+            self.release_chunk(st, spare, page)?;
+        }
+        Ok(())
+    }
+
+    /// Maps the planned chunks, then grants access one contiguous run of `missing` at a time.
+    /// `done` counts the chunks mapped, for the caller's rollback.
+    fn map_plan(
+        &self,
+        st: &mut State,
+        base: DevicePtr,
+        placed: &[(usize, Spare)],
+        missing: &[usize],
+        done: &mut usize,
+    ) -> Result<()> {
+        let page = st.paged_at(base).page;
+        for &(first, spare) in placed {
+            let va = st.paged_at(base).va(first);
+            self.driver
+                .map(self.device, va, spare.pages as u64 * page, spare.handle)
+                .map_err(|e| driver_error(self.device, e))?;
+            st.chunk_mapped(base, first, spare);
+            *done += 1;
+        }
+        let seg = st.paged_at(base);
+        for run in Plan::new(missing).gaps {
+            self.driver
+                .set_access(self.device, seg.va(run.start), run.len() as u64 * page)
+                .map_err(|e| driver_error(self.device, e))?;
+        }
+        Ok(())
+    }
+
+    /// Fills the plan's gaps with new chunks (`chunk_pages_for` each gap) while the device and
+    /// the limit allow (pages gathered but not yet mapped count against the limit: see
+    /// `driver::layers::limit`). A chunk the device refuses is tried again in halves, down to
+    /// one page.
+    fn add_new_chunks(&self, st: &mut State, plan: &mut Plan, page: u64) -> Result<()> {
+        for gap in 0..plan.gaps.len() {
+            let mut size = chunk_pages_for(plan.gaps[gap].len());
+            while !plan.gaps[gap].is_empty() {
+                let pages = size.min(plan.gaps[gap].len());
+                match self.new_chunk(st, pages, page)? {
+                    Some(handle) => plan.place(gap, Spare { handle, pages }),
+                    None if pages > 1 => size = pages / 2,
+                    None => return Ok(()),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps unmapped memory for later growth (it stays reserved).
+    fn park(&self, st: &mut State, spare: Spare, page: u64) {
+        st.keep_spare(spare, page);
+    }
+
+    /// Takes every parked chunk (no longer counted until mapped).
+    fn unpark_all(&self, st: &mut State, page: u64) -> Vec<Spare> {
+        st.take_spares(page)
+    }
+
+    /// Unmaps the chunk at page `first` of a paged segment; its memory is no longer reserved.
+    fn unmap_chunk(&self, st: &mut State, base: DevicePtr, first: usize) -> Result<Spare> {
+        let seg = st.paged_at(base);
+        let pages = seg.chunk_pages(first) as u64;
+        self.driver
+            .unmap(self.device, seg.va(first), pages * seg.page)
+            .map_err(|e| driver_error(self.device, e))?;
+        Ok(st.chunk_unmapped(base, first))
+    }
+
+    pub(in crate::alloc) fn hard_limit(&self, st: &State) -> u64 {
+        st.limit().min(self.total_memory)
+    }
+
+    /// A fresh physical chunk of `pages` pages, counted as reserved by no pool until mapped;
+    /// `None` when the device or the limit refuses.
+    fn new_chunk(&self, st: &mut State, pages: usize, page: u64) -> Result<Option<PhysHandle>> {
+        let bytes = pages as u64 * page;
+        // Pages in hand (gathered, not yet mapped) count against the limit already: the
+        // limit layer counts physical memory from its creation to its release.
+        match self.driver.create_physical(self.device, bytes) {
+            Ok(handle) => {
+                st.stats_mut().num_device_alloc += 1;
+                Ok(Some(handle))
+            }
+            Err(e) => self.refused(e),
+        }
+    }
+
+    /// Gives `spare` back to the device. Should the driver refuse, it is parked instead
+    /// (still ccalloc's and reserved; the next empty_cache tries again) and the error
+    /// returned.
+    fn release_chunk(&self, st: &mut State, spare: Spare, page: u64) -> Result<()> {
+        match self
+            .driver
+            .release_physical(self.device, spare.handle, spare.pages as u64 * page)
+        {
+            Ok(()) => {
+                st.stats_mut().num_device_free += 1;
+                Ok(())
+            }
+            Err(e) => {
+                self.park(st, spare, page);
+                Err(driver_error(self.device, e))
+            }
+        }
+    }
+
+    /// Releases every spare (see `release_chunk`), going on past failures; returns the
+    /// first.
+    fn release_chunks(
+        &self,
+        st: &mut State,
+        spares: impl IntoIterator<Item = Spare>,
+        page: u64,
+    ) -> Result<()> {
+        let mut result = Ok(());
+        for spare in spares {
+            result = result.and(self.release_chunk(st, spare, page));
+        }
+        result
+    }
+
+    /// Unmaps chunks lying wholly under free blocks, about `want` pages' worth. Kernels
+    /// queued before a block's free may still use its pages, so chunks the device is known
+    /// to be done with (see `Fence`) go first; for the rest the host waits on the oldest
+    /// fence that covers them, which leaves the device the work queued since. Among equals,
+    /// victims come from the largest free blocks, highest addresses first: blocks are carved
+    /// from the low end of a free block, so its high pages are the least likely to be needed
+    /// again soon. With `batch` > 0, up to that many more pages that need no further wait are
+    /// taken. Chunks of at most `fit` pages go first. `caller`: the stream of the malloc asking (alive, so a fence may be recorded on
+    /// it); `None` when the caller has synchronized the device.
+    pub(in crate::alloc) fn reclaim(
+        &self,
+        st: &mut State,
+        want: usize,
+        batch: usize,
+        fit: usize,
+        also: Range<DevicePtr>,
+        caller: Option<StreamId>,
+    ) -> Result<Vec<Spare>> {
+        let mut candidates = st.reclaim_candidates(also);
+        // Chunks that fit where the memory is wanted move; larger ones would be released.
+        candidates.sort_by_key(|v| v.pages > fit);
+        if candidates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let limit = want.saturating_add(batch);
+        let all_done = match caller {
+            None => true,
+            // Everything is wanted (the OOM path): one wait for the whole device.
+            Some(_) if want == usize::MAX => {
+                self.sync_before_moves(st)?;
+                true
+            }
+            Some(_) => {
+                self.poll_fences(st, None)?;
+                false
+            }
+        };
+        let (done, mut pending): (Vec<Victim>, Vec<Victim>) = candidates
+            .into_iter()
+            .partition(|v| all_done || st.fences().is_done(v.stream, v.last_free));
+        let mut victims = Vec::new();
+        let mut taken = 0;
+        take_until(&mut victims, &mut taken, done, limit);
+        if let (true, Some(caller)) = (taken < want && !pending.is_empty(), caller) {
+            // The oldest frees first: the device is likeliest to be past them.
+            pending.sort_by_key(|v| v.last_free);
+            let mut newest: Vec<(StreamId, u64)> = Vec::new();
+            let mut short = want - taken;
+            for v in &pending {
+                if short == 0 {
+                    break;
+                }
+                short = short.saturating_sub(v.pages);
+                match newest.iter_mut().find(|(s, _)| *s == v.stream) {
+                    Some((_, seq)) => *seq = (*seq).max(v.last_free),
+                    None => newest.push((v.stream, v.last_free)),
+                }
+            }
+            for (stream, seq) in newest {
+                self.wait_for_free(st, stream, seq, caller)?;
+            }
+            let now_done: Vec<Victim> = pending
+                .into_iter()
+                .filter(|v| st.fences().is_done(v.stream, v.last_free))
+                .collect();
+            take_until(&mut victims, &mut taken, now_done, limit);
+        }
+        let mut spares = Vec::with_capacity(victims.len());
+        for v in victims {
+            match self.unmap_chunk(st, v.segment, v.first) {
+                Ok(spare) => spares.push(spare),
+                Err(e) => {
+                    // Keep what was already unmapped (reserved, parked) rather than lose it.
+                    let page = st.paged_at(v.segment).page;
+                    for spare in spares {
+                        self.park(st, spare, page);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        st.moves_mut().note_moved(!spares.is_empty());
+        Ok(spares)
+    }
+
+    /// Gives back every page under free blocks and every paged segment left wholly free.
+    /// The caller has synchronized the device.
+    pub(in crate::alloc) fn release_paged_cache(&self, st: &mut State) -> Result<()> {
+        let Some(page) = st.page_size() else {
+            return Ok(());
+        };
+        let idle = self.unpark_all(st, page);
+        let released_idle = self.release_chunks(st, idle, page);
+        let reclaimed = self.reclaim(st, usize::MAX, 0, usize::MAX, 0..0, None)?;
+        released_idle.and(self.release_chunks(st, reclaimed, page))?;
+        let mut result = Ok(());
+        for (base, size) in st.empty_paged_segments() {
+            // The range goes first: should the driver refuse, the segment stays (empty,
+            // cached) and the next empty_cache tries again.
+            if let Err(e) = self.driver.free_address(self.device, base, size) {
+                result = result.and(Err(driver_error(self.device, e)));
+                continue;
+            }
+            st.remove_paged_segment(base);
+        }
+        result
+    }
+}

@@ -1,0 +1,122 @@
+//! Taking blocks back from callers and caching them: merged with free neighbours, listed,
+//! and marked for the reclaim search.
+
+use super::State;
+use crate::alloc::core::blocks::{BlockId, BlockState};
+use crate::driver::StreamId;
+
+impl State {
+    /// The caller gave the block back: it stops counting as allocated (it stays active until
+    /// cached). Returns the streams it was recorded on.
+    pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
+        let block = self.book.blocks.get_mut(id);
+        let (pool, size, oversize) = (block.pool(), block.size(), block.counted_oversize());
+        let uses = block.mark_awaiting();
+        self.book.live.remove(&block.addr());
+        let s = &mut self.stats;
+        s.allocation.decrease(pool, 1);
+        s.allocated_bytes.decrease(pool, size);
+        if oversize {
+            s.oversize_allocations.decrease(1);
+        }
+        uses
+    }
+
+    /// Returns a no-longer-used block to its free list, merging free neighbours.
+    /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
+    pub fn cache(&mut self, id: BlockId) -> bool {
+        let (pool, paged) = (
+            self.book.blocks.get(id).pool(),
+            self.book.blocks.get(id).paged(),
+        );
+        let fence_due = self.end_use(id);
+        let (net_blocks, net_bytes) = self.merge_and_list(id);
+        if !paged {
+            self.stats.inactive_split.adjust(pool, net_blocks);
+            self.stats.inactive_split_bytes.adjust(pool, net_bytes);
+        }
+        fence_due
+    }
+
+    /// A freed block stops being active, and a paged one notes its free on its pages (the
+    /// clock of fences). Returns whether a fence is due (see `PagedSegment::note_free`).
+    pub(super) fn end_use(&mut self, id: BlockId) -> bool {
+        let block = self.book.blocks.get(id);
+        let (addr, size, pool) = (block.addr(), block.size(), block.pool());
+        let (paged, requested) = (block.paged(), block.requested());
+        let s = &mut self.stats;
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, size);
+        s.requested_bytes.decrease(pool, requested);
+        if !paged {
+            return false;
+        }
+        self.paging.free_seq += 1;
+        let seq = self.paging.free_seq;
+        self.paged_segment_mut(addr).note_free(addr, size, seq)
+    }
+
+    /// Puts back a paged block taken from the cache but never handed out. Its neighbours may
+    /// have been freed meanwhile: they merge, so no two free blocks stay side by side.
+    pub fn return_untouched(&mut self, id: BlockId) {
+        debug_assert!(
+            self.book.blocks.get(id).paged(),
+            "only paged blocks skip split stats"
+        );
+        self.merge_and_list(id);
+    }
+
+    /// Merges free neighbours into `id`, marks it free and lists it in its cache. Returns the
+    /// net change in free split pieces (count, bytes).
+    pub(super) fn merge_and_list(&mut self, id: BlockId) -> (i64, i64) {
+        let block = self.book.blocks.get(id);
+        let (pool, owner) = (block.pool(), block.owner());
+        let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
+        for neighbour in [block.prev(), block.next()].into_iter().flatten() {
+            if self.book.blocks.get(neighbour).state() != BlockState::Free {
+                continue;
+            }
+            let absorbed = self.absorb(id, neighbour);
+            net_blocks -= 1;
+            net_bytes -= absorbed as i64;
+        }
+        let list = self.book.caches.list(owner, pool);
+        let block = self.book.blocks.get_mut(id);
+        block.mark_free(list.lookups());
+        list.insert(block, id);
+        if block.is_split() {
+            net_blocks += 1;
+            net_bytes += block.size() as i64;
+        }
+        self.mark_reclaim_dirty(id);
+        (net_blocks, net_bytes)
+    }
+
+    /// The free block `id` grew (freed, merged): a chunk may now lie wholly under it, so
+    /// its (stream, pool) is searched at the next reclaim. Only this makes such chunks:
+    /// chunks are mapped under the block being handed out, and splits only shrink free
+    /// blocks.
+    pub(super) fn mark_reclaim_dirty(&mut self, id: BlockId) {
+        let b = self.book.blocks.get(id);
+        if b.paged() && b.owner().is_none() {
+            self.paging.reclaim_dirty.insert((b.stream(), b.pool()));
+        }
+    }
+
+    /// Merges the free `neighbour` into `id`; returns the bytes taken over.
+    pub(super) fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> u64 {
+        let (other, starts_segment) = self.book.blocks.absorb(id, neighbour);
+        self.book
+            .caches
+            .list(other.owner(), other.pool())
+            .remove(&other);
+        if starts_segment {
+            let segment = self.book.segments.get_mut(&other.addr());
+            segment
+                .expect("a chain's first block starts a segment")
+                .first = id;
+        }
+        self.mark_reclaim_dirty(id);
+        other.size()
+    }
+}
