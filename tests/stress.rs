@@ -226,3 +226,65 @@ fn threads_freeing_each_others_blocks_through_their_fronts() {
     assert_eq!(s.reserved_bytes.all().current, 0);
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+/// Statistics read while other threads make and release segments stay consistent: no more
+/// bytes allocated than reserved, on one shard and on a shard per stream. (Each
+/// allocation here needs a new plain segment, and every few steps the cache is emptied, so
+/// reserved bytes move all the time.)
+#[test]
+fn stats_read_mid_run_never_show_more_allocated_than_reserved() {
+    for conf in [
+        "expandable_segments:False",
+        "expandable_segments:False,per_stream_shards:True",
+    ] {
+        let sim = Arc::new(SimDriver::new(1, 8 << 30));
+        let mut config = Config::default();
+        config.apply(conf).unwrap();
+        let a = Arc::new(DeviceAllocator::new(0, sim, config).unwrap());
+        let done = Arc::new(AtomicBool::new(false));
+        let workers: Vec<_> = (0..3u64)
+            .map(|t| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let mut rng = Rng(0x9e37_79b9 + t);
+                    for step in 0..4_000 {
+                        let size = (4 + rng.next() % 60) << 20;
+                        let p = a.malloc(size, StreamId(t + 1)).unwrap();
+                        a.free(p).unwrap();
+                        if step % 4 == 3 {
+                            a.empty_cache().unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let reader = {
+            let (a, done) = (a.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut reads = 0u64;
+                while !done.load(Ordering::Relaxed) {
+                    let s = a.stats().unwrap();
+                    let (allocated, reserved) = (
+                        s.allocated_bytes.all().current,
+                        s.reserved_bytes.all().current,
+                    );
+                    assert!(
+                        allocated <= reserved,
+                        "{conf}: read {reads}: {allocated} bytes allocated, {reserved} reserved"
+                    );
+                    assert!(
+                        s.reserved_bytes.all().peak >= reserved,
+                        "{conf}: peak below current"
+                    );
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        for w in workers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        assert!(reader.join().unwrap() > 0);
+    }
+}

@@ -563,9 +563,8 @@ impl DeviceAllocator {
     }
 
     /// The device's statistics: every shard's summed, each read under its own lock (not one
-    /// snapshot of all). Currents and totals are exact, and so are reserved bytes (kept
-    /// device-wide, under a lock of their own, and read at one moment: they change only
-    /// where memory is mapped or released). The other peaks are exact while
+    /// snapshot of all). Currents and totals are exact; the reserved peak is the device-wide
+    /// count's, exact across shards. The other peaks are exact while
     /// the device has one shard; once a second stream has allocated under
     /// `per_stream_shards`, each is the sum of the shards' peaks, which bounds the device's
     /// from above: an exact one would need a counter that every stream writes on every
@@ -582,7 +581,16 @@ impl DeviceAllocator {
                 shard.stats()?
             });
         }
-        sum.reserved_bytes = self.device_reserved.read();
+        // Current reserved bytes are the shards' own, each read under the lock that also
+        // guarded its allocated bytes, so a reader never sees more allocated than reserved
+        // while other threads grow or release segments. Peaks and totals come from the
+        // device-wide count, which alone keeps an exact peak across shards.
+        let mut reserved = self.device_reserved.read();
+        for (total, shards) in reserved.0.iter_mut().zip(sum.reserved_bytes.0) {
+            total.current = shards.current;
+            total.peak = total.peak.max(shards.current);
+        }
+        sum.reserved_bytes = reserved;
         Ok(sum)
     }
 
