@@ -69,7 +69,8 @@ pub struct DeviceAllocator {
     device_reserved: Arc<DeviceReserved>,
     slots: [OnceCell<Slot>; MAX_SHARDS],
     setup: Mutex<Setup>,
-    shut_down: AtomicBool,
+    /// Whether `shutdown` has run: the device's one record of it (see `Lifecycle`).
+    lifecycle: Arc<Lifecycle>,
     /// Whether a `begin_allocate_to_pool` window is open: allocations then run the windows'
     /// filters before taking any lock (`malloc_routed`).
     routing: AtomicBool,
@@ -115,7 +116,7 @@ impl DeviceAllocator {
                 windows: Vec::new(),
                 pools: HashMap::new(),
             }),
-            shut_down: AtomicBool::new(false),
+            lifecycle: Arc::default(),
             routing: AtomicBool::new(false),
         })
     }
@@ -147,18 +148,8 @@ impl DeviceAllocator {
         })
     }
 
-    fn shut_down_error(&self) -> Error {
-        Error::new(
-            ErrorKind::ShutDown,
-            format!("device {}: the allocator has been shut down", self.device),
-        )
-    }
-
     fn check_open(&self) -> Result<()> {
-        if self.shut_down.load(Ordering::Acquire) {
-            return Err(self.shut_down_error());
-        }
-        Ok(())
+        self.lifecycle.check_open(self.device)
     }
 
     /// The shard of `stream` and its slot, made on its first use.
@@ -199,6 +190,7 @@ impl DeviceAllocator {
             setup.config.clone(),
             self.device_reserved.clone(),
             self.fronts.clone(),
+            self.lifecycle.clone(),
         );
         // The device's holds, not one per window (a pool may be released while its window
         // is open).
@@ -392,8 +384,8 @@ impl DeviceAllocator {
                 Ok(None) => {}
             }
         }
-        if self.shut_down.load(Ordering::Acquire) {
-            return self.shut_down_error();
+        if let Err(shut_down) = self.check_open() {
+            return shut_down;
         }
         Error::new(
             ErrorKind::UnknownPointer,
@@ -470,7 +462,7 @@ impl DeviceAllocator {
         let open = fronts_open(
             &setup.config,
             !setup.windows.is_empty(),
-            self.shut_down.load(Ordering::Acquire),
+            self.lifecycle.is_shut_down(),
         );
         self.fronts.open.store(open, Ordering::Release);
     }
@@ -823,10 +815,8 @@ impl DeviceAllocator {
         for (shard, st) in shards.iter().zip(locked.iter_mut()) {
             shard.release_all_cached(st)?;
         }
-        for st in &mut locked {
-            st.set_shut_down(true);
-        }
-        self.shut_down.store(true, Ordering::Release);
+        // Set while every shard is held: a shard's next holder sees it (`Shard::lock`).
+        self.lifecycle.set_shut_down(true);
         self.set_fronts_open(&setup);
         Ok(())
     }
@@ -834,11 +824,41 @@ impl DeviceAllocator {
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
         let setup = self.setup.lock();
-        self.shards().for_each(Shard::reopen);
-        self.shut_down.store(false, Ordering::Release);
+        self.lifecycle.set_shut_down(false);
         if let Ok(setup) = setup {
             self.set_fronts_open(&setup);
         }
+    }
+}
+
+/// Whether a device's allocator is shut down: its one record, shared by the device and its
+/// shards. The device sets it (`shutdown`, `reopen`) while it holds its settings and, for a
+/// shutdown, every shard's lock; shards read it each time they are locked (`Shard::lock`)
+/// and the device before each call; the fronts' `open` is derived from it
+/// (`set_fronts_open`).
+#[derive(Debug, Default)]
+pub(in crate::alloc) struct Lifecycle {
+    shut_down: AtomicBool,
+}
+
+impl Lifecycle {
+    pub(in crate::alloc) fn is_shut_down(&self) -> bool {
+        self.shut_down.load(Ordering::Acquire)
+    }
+
+    fn set_shut_down(&self, shut_down: bool) {
+        self.shut_down.store(shut_down, Ordering::Release);
+    }
+
+    /// `Ok` until shutdown; then the `ShutDown` error every call of `device` gets.
+    pub(in crate::alloc) fn check_open(&self, device: usize) -> Result<()> {
+        if self.is_shut_down() {
+            return Err(Error::new(
+                ErrorKind::ShutDown,
+                format!("device {device}: the allocator has been shut down"),
+            ));
+        }
+        Ok(())
     }
 }
 

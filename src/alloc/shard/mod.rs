@@ -12,6 +12,7 @@ mod release;
 pub mod restore;
 
 use super::blocks::{BlockId, PoolId};
+use super::device::Lifecycle;
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State};
 use super::stats::{self, DeviceStats};
@@ -48,6 +49,8 @@ pub(crate) struct Shard {
     /// The device's thread fronts (`front`): a layer over the shards that hands out and
     /// takes back blocks the shard counts as live; the shard drains them (`drain_fronts`).
     fronts: Arc<front::Fronts>,
+    /// The device's shutdown record, read each time the shard is locked.
+    lifecycle: Arc<Lifecycle>,
     /// `Driver::min_free_fence_interval`, `Driver::times_page_moves` and
     /// `Driver::releases_outgrown_segments`, read once.
     free_fence_interval: std::time::Duration,
@@ -63,6 +66,7 @@ impl Shard {
         config: Config,
         device_reserved: Arc<stats::DeviceReserved>,
         fronts: Arc<front::Fronts>,
+        lifecycle: Arc<Lifecycle>,
     ) -> Self {
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
@@ -74,6 +78,7 @@ impl Shard {
             driver,
             state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
             fronts,
+            lifecycle,
             free_fence_interval,
             times_page_moves,
             releases_outgrown,
@@ -91,12 +96,7 @@ impl Shard {
                 ),
             )
         })?;
-        if state.is_shut_down() {
-            return Err(Error::new(
-                ErrorKind::ShutDown,
-                format!("device {}: the allocator has been shut down", self.device),
-            ));
-        }
+        self.lifecycle.check_open(self.device)?;
         Ok(state)
     }
 
@@ -538,12 +538,5 @@ impl Shard {
         // Blocks held in fronts are free: shown merged into the cache, as they are then.
         self.drain_fronts(&mut st);
         Ok(st.segment_views())
-    }
-
-    /// Undoes `shutdown` (when shutting down several devices fails part-way).
-    pub fn reopen(&self) {
-        if let Ok(mut st) = self.state.lock_blocking() {
-            st.set_shut_down(false);
-        }
     }
 }
