@@ -27,6 +27,7 @@ use crate::config::Config;
 use crate::driver::layers::limit::Limit;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::{lock, poisoned};
 use crate::DeviceStats;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
@@ -137,15 +138,9 @@ impl DeviceAllocator {
     }
 
     fn setup(&self) -> Result<MutexGuard<'_, Setup>> {
-        self.setup.lock().map_err(|_| {
-            Error::new(
-                ErrorKind::Internal,
-                format!(
-                    "device {}: allocator settings poisoned by an earlier panic",
-                    self.device
-                ),
-            )
-        })
+        self.setup
+            .lock()
+            .map_err(|_| poisoned(&format!("device {}'s allocator settings", self.device)))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -246,10 +241,10 @@ impl DeviceAllocator {
             .iter()
             .map(|filter| {
                 let _running = InFilter::enter();
-                let accepted = filter.lock().is_ok_and(|f| f(stream));
-                (Arc::as_ptr(filter) as usize, stream, accepted)
+                let accepted = lock(filter, "a pool stream filter")?(stream);
+                Ok((Arc::as_ptr(filter) as usize, stream, accepted))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let result = {
             let _answers = Answers::set(answers);
             self.malloc_in_shard(size, stream)
@@ -577,7 +572,7 @@ impl DeviceAllocator {
         // guarded its allocated bytes, so a reader never sees more allocated than reserved
         // while other threads grow or release segments. Peaks and totals come from the
         // device-wide count, which alone keeps an exact peak across shards.
-        let mut reserved = self.device_reserved.read();
+        let mut reserved = self.device_reserved.read()?;
         for (total, shards) in reserved.0.iter_mut().zip(sum.reserved_bytes.0) {
             total.current = shards.current;
             total.peak = total.peak.max(shards.current);
@@ -598,13 +593,13 @@ impl DeviceAllocator {
 
     pub fn reset_peak_stats(&self) -> Result<()> {
         self.check_open()?;
-        self.device_reserved.reset_peaks();
+        self.device_reserved.reset_peaks()?;
         self.each_shard(Shard::reset_peak_stats)
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         self.check_open()?;
-        self.device_reserved.reset_accumulated();
+        self.device_reserved.reset_accumulated()?;
         self.each_shard(Shard::reset_accumulated_stats)
     }
 
@@ -823,6 +818,8 @@ impl DeviceAllocator {
 
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
+        // No way to report: with the settings poisoned, the fronts stay as they are (every
+        // later call that needs the settings reports the poisoning).
         let setup = self.setup.lock();
         self.lifecycle.set_shut_down(false);
         if let Ok(setup) = setup {
@@ -942,8 +939,40 @@ fn route_to(filter: &Arc<Mutex<RouteFilter>>) -> RouteFilter {
     })
 }
 
+/// A lock of the device's, for `DeviceAllocator::poison` (tests).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum LockOf {
+    Settings,
+    ReservedBytes,
+    FrontRegistry,
+    ShardState,
+}
+
 #[cfg(test)]
 impl DeviceAllocator {
+    /// Poisons one of the device's locks: a thread panics while it holds it.
+    pub(crate) fn poison(&self, which: LockOf, stream: StreamId) {
+        let (_, shard) = self.shard(stream).unwrap();
+        let panicked = std::thread::scope(|s| {
+            s.spawn(|| match which {
+                LockOf::Settings => {
+                    let _held = self.setup.lock();
+                    panic!("poisoning the settings");
+                }
+                LockOf::ReservedBytes => self.device_reserved.hold_while(|| panic!("poisoning")),
+                LockOf::FrontRegistry => self.fronts.hold_while(|| panic!("poisoning")),
+                LockOf::ShardState => {
+                    let _held = shard.state.lock();
+                    panic!("poisoning the shard's state");
+                }
+            })
+            .join()
+            .is_err()
+        });
+        assert!(panicked);
+    }
+
     /// The locked state of `stream`'s shard.
     pub(crate) fn state_of(&self, stream: StreamId) -> MutexGuard<'_, super::state::State> {
         self.shard(stream).unwrap().1.state.lock().unwrap()

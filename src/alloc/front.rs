@@ -304,32 +304,36 @@ static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
 
 impl Fronts {
     /// The registered fronts (a copy: the registry lock is not held while they are used).
-    pub fn all(&self) -> Vec<Arc<FrontCell>> {
-        self.cells().clone()
+    pub fn all(&self) -> crate::error::Result<Vec<Arc<FrontCell>>> {
+        Ok(self.cells()?.clone())
     }
 
-    /// The registry, locked. A panic while it was held leaves a list that is still whole
-    /// (every change to it is a single push or retain), so poisoning is ignored.
-    fn cells(&self) -> std::sync::MutexGuard<'_, Vec<Arc<FrontCell>>> {
-        self.cells
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// The registry, locked; a panic while it was held is the `sync::poisoned` error.
+    fn cells(&self) -> crate::error::Result<std::sync::MutexGuard<'_, Vec<Arc<FrontCell>>>> {
+        crate::sync::lock(&self.cells, "the thread fronts' registry")
+    }
+
+    /// Runs `f` with the registry locked (tests: a panic in `f` poisons it).
+    #[cfg(test)]
+    pub fn hold_while(&self, f: impl FnOnce()) {
+        let _held = self.cells.lock();
+        f();
     }
 
     /// A new front for the calling thread.
-    pub fn register(&self) -> Arc<FrontCell> {
+    pub fn register(&self) -> crate::error::Result<Arc<FrontCell>> {
         let cell = Arc::new(FrontCell {
             id: NEXT_FRONT.fetch_add(1, Ordering::Relaxed),
             front: SpinCell::new(Front::default()),
             orphaned: AtomicBool::new(false),
         });
-        self.cells().push(cell.clone());
-        cell
+        self.cells()?.push(cell.clone());
+        Ok(cell)
     }
 
     /// The front with this id, if still registered.
-    pub fn find(&self, id: u64) -> Option<Arc<FrontCell>> {
-        self.cells().iter().find(|c| c.id == id).cloned()
+    pub fn find(&self, id: u64) -> crate::error::Result<Option<Arc<FrontCell>>> {
+        Ok(self.cells()?.iter().find(|c| c.id == id).cloned())
     }
 
     /// Drops fronts whose thread exited and that hold nothing (folded by the caller).
@@ -337,7 +341,10 @@ impl Fronts {
         if gone.is_empty() {
             return;
         }
-        self.cells().retain(|c| !gone.contains(&c.id));
+        // No way to report (a drain): with the registry poisoned the fronts stay registered,
+        // empty, and the next call that needs the registry reports the poisoning.
+        let Ok(mut cells) = self.cells() else { return };
+        cells.retain(|c| !gone.contains(&c.id));
         self.orphans.fetch_sub(gone.len(), Ordering::AcqRel);
     }
 
@@ -453,10 +460,13 @@ pub fn with_adopter<R>(
                 if locals.len() == LOCALS {
                     locals.remove(0);
                 }
+                // A poisoned registry gives no front: the free goes to the shard, which
+                // reports the poisoning wherever it needs the registry.
+                let cell = fronts.register().ok()?;
                 locals.push(Local {
                     device_key,
                     fronts: fronts.clone(),
-                    cell: fronts.register(),
+                    cell,
                     held: 0,
                     out: 0,
                     gate: ReuseGate::default(),

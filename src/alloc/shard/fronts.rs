@@ -25,7 +25,7 @@ impl Shard {
         }
         let held = self
             .fronts
-            .find(front)
+            .find(front)?
             .and_then(|cell| cell.front.with(|f| f.detach(ptr)));
         if held == Some(true) {
             return Err(already_freed(self.device, ptr));
@@ -79,8 +79,12 @@ impl Shard {
         if st.front_blocks() == 0 && orphans == 0 {
             return;
         }
+        // No way to report (the slow paths drain as they go): with the registry poisoned the
+        // fronts keep their blocks, which stay live to the shard, so nothing is handed out
+        // twice; the next call that needs the registry reports the poisoning.
+        let Ok(cells) = self.fronts.all() else { return };
         let mut gone = Vec::new();
-        for cell in self.fronts.all() {
+        for cell in cells {
             let (drained, empty, counts) = cell
                 .front
                 .with(|f| (f.drain_held(), f.is_empty(), *f.counts()));

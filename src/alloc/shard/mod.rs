@@ -20,7 +20,7 @@ use super::{driver_error, front, limit_for, SegmentView};
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
-use crate::sync::{Guard, SpinThenBlock};
+use crate::sync::{poisoned, Guard, SpinThenBlock};
 use std::sync::Arc;
 
 /// What `Shard::free` did.
@@ -86,16 +86,11 @@ impl Shard {
     }
 
     pub(in crate::alloc) fn lock(&self) -> Result<Guard<'_, State>> {
-        // A panic while holding the lock leaves bookkeeping we can no longer trust.
-        let state = self.state.lock().map_err(|_| {
-            Error::new(
-                ErrorKind::Internal,
-                format!(
-                    "device {}: allocator state poisoned by an earlier panic",
-                    self.device
-                ),
-            )
-        })?;
+        // A panic while holding the lock leaves bookkeeping that can no longer be trusted.
+        let state = self
+            .state
+            .lock()
+            .map_err(|_| poisoned(&format!("device {}'s allocator state", self.device)))?;
         self.lifecycle.check_open(self.device)?;
         Ok(state)
     }
@@ -270,10 +265,18 @@ impl Shard {
         st.count_oom();
         // Parked (and held) blocks are cached free memory too: the message counts them merged.
         self.merge_set_aside(st);
-        Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
+        match self.oom_message(st, size, needed) {
+            Ok(message) => Error::new(ErrorKind::OutOfMemory, message),
+            Err(e) => e,
+        }
     }
 
-    pub(in crate::alloc) fn oom_message(&self, st: &State, size: u64, segment_size: u64) -> String {
+    pub(in crate::alloc) fn oom_message(
+        &self,
+        st: &State,
+        size: u64,
+        segment_size: u64,
+    ) -> Result<String> {
         let elsewhere = st.oom_final().unwrap_or_default();
         let allocated = st.stats().allocated_bytes.all().current as u64 + elsewhere.live;
         let (cached, largest) = st.cached_free();
@@ -289,7 +292,8 @@ impl Shard {
         } else {
             String::new()
         };
-        let held = if st.reserved_elsewhere() > 0 {
+        let elsewhere_reserved = st.reserved_elsewhere()?;
+        let held = if elsewhere_reserved > 0 {
             let emptied = if elsewhere.second_try {
                 ", whose caches were emptied first"
             } else {
@@ -297,13 +301,13 @@ impl Shard {
             };
             format!(
                 "{} reserved ({} of it for other streams{emptied}):",
-                human_bytes(st.device_reserved()),
-                human_bytes(st.reserved_elsewhere())
+                human_bytes(st.device_reserved()?),
+                human_bytes(elsewhere_reserved)
             )
         } else {
             format!("{} reserved:", human_bytes(st.reserved()))
         };
-        format!(
+        Ok(format!(
             "CUDA out of memory on device {}. Tried to allocate {} (needing {} more from the device). The device has {} in all.{} \
              ccalloc holds {} {} live in allocations, {} cached free, largest free block {}. \
              If reserved is much larger than live, fragmentation is the cause: try CCALLOC_CONF=max_split_size_mb:<MB>.",
@@ -316,7 +320,7 @@ impl Shard {
             human_bytes(allocated),
             human_bytes(cached),
             human_bytes(largest),
-        )
+        ))
     }
 
     /// Asks the driver for a segment; `None` when the device or the limit says no.
@@ -455,6 +459,8 @@ impl Shard {
     }
 
     /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).
+    /// `false` when the shard cannot be locked (shut down, or poisoned: no way to report
+    /// here, and the caller's next call that needs the shard reports it).
     pub fn holds(&self, ptr: DevicePtr) -> bool {
         let Ok(st) = self.lock() else { return false };
         st.segment_of(ptr).is_some()
@@ -493,7 +499,7 @@ impl Shard {
     pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
         let st = self.lock()?;
         let mut stats = *st.stats();
-        for cell in self.fronts.all() {
+        for cell in self.fronts.all()? {
             cell.front.with(|f| f.counts().add_to(&mut stats, true));
         }
         Ok(stats)
@@ -515,7 +521,7 @@ impl Shard {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
-        for cell in self.fronts.all() {
+        for cell in self.fronts.all()? {
             cell.front.with(|f| f.counts_mut().reset_accumulated());
         }
         st.stats_mut().reset_accumulated();

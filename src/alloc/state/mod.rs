@@ -142,13 +142,13 @@ impl State {
     }
 
     /// Reserved on the whole device: this shard's and its other shards'.
-    pub fn device_reserved(&self) -> u64 {
+    pub fn device_reserved(&self) -> crate::error::Result<u64> {
         self.device_reserved.all()
     }
 
     /// What the device's other shards reserve.
-    pub fn reserved_elsewhere(&self) -> u64 {
-        self.device_reserved().saturating_sub(self.reserved())
+    pub fn reserved_elsewhere(&self) -> crate::error::Result<u64> {
+        Ok(self.device_reserved()?.saturating_sub(self.reserved()))
     }
 
     /// Counts `bytes` more reserved in `pool`, here and in the device's total.
