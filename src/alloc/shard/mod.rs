@@ -499,9 +499,7 @@ impl Shard {
     pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
         let st = self.lock()?;
         let mut stats = *st.stats();
-        for cell in self.fronts.all()? {
-            cell.front.with(|f| f.counts().add_to(&mut stats, true));
-        }
+        self.fronts.add_counts_to(&mut stats)?;
         Ok(stats)
     }
 
@@ -521,9 +519,7 @@ impl Shard {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
-        for cell in self.fronts.all()? {
-            cell.front.with(|f| f.counts_mut().reset_accumulated());
-        }
+        self.fronts.reset_accumulated()?;
         st.stats_mut().reset_accumulated();
         Ok(())
     }
@@ -533,7 +529,6 @@ impl Shard {
     pub fn largest_free_block(&self) -> Result<u64> {
         let mut st = self.lock()?;
         // Blocks held in fronts or parked are cached too: counted merged, as they are then.
-        self.drain_fronts(&mut st);
         self.merge_set_aside(&mut st);
         Ok(st.cached_free().1)
     }
