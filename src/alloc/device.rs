@@ -27,6 +27,7 @@ use crate::config::Config;
 use crate::driver::layers::limit::Limit;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
+use crate::sync::{lock, poisoned};
 use crate::DeviceStats;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
@@ -69,7 +70,8 @@ pub struct DeviceAllocator {
     device_reserved: Arc<DeviceReserved>,
     slots: [OnceCell<Slot>; MAX_SHARDS],
     setup: Mutex<Setup>,
-    shut_down: AtomicBool,
+    /// Whether `shutdown` has run: the device's one record of it (see `Lifecycle`).
+    lifecycle: Arc<Lifecycle>,
     /// Whether a `begin_allocate_to_pool` window is open: allocations then run the windows'
     /// filters before taking any lock (`malloc_routed`).
     routing: AtomicBool,
@@ -115,7 +117,7 @@ impl DeviceAllocator {
                 windows: Vec::new(),
                 pools: HashMap::new(),
             }),
-            shut_down: AtomicBool::new(false),
+            lifecycle: Arc::default(),
             routing: AtomicBool::new(false),
         })
     }
@@ -136,29 +138,13 @@ impl DeviceAllocator {
     }
 
     fn setup(&self) -> Result<MutexGuard<'_, Setup>> {
-        self.setup.lock().map_err(|_| {
-            Error::new(
-                ErrorKind::Internal,
-                format!(
-                    "device {}: allocator settings poisoned by an earlier panic",
-                    self.device
-                ),
-            )
-        })
-    }
-
-    fn shut_down_error(&self) -> Error {
-        Error::new(
-            ErrorKind::ShutDown,
-            format!("device {}: the allocator has been shut down", self.device),
-        )
+        self.setup
+            .lock()
+            .map_err(|_| poisoned(&format!("device {}'s allocator settings", self.device)))
     }
 
     fn check_open(&self) -> Result<()> {
-        if self.shut_down.load(Ordering::Acquire) {
-            return Err(self.shut_down_error());
-        }
-        Ok(())
+        self.lifecycle.check_open(self.device)
     }
 
     /// The shard of `stream` and its slot, made on its first use.
@@ -199,6 +185,7 @@ impl DeviceAllocator {
             setup.config.clone(),
             self.device_reserved.clone(),
             self.fronts.clone(),
+            self.lifecycle.clone(),
         );
         // The device's holds, not one per window (a pool may be released while its window
         // is open).
@@ -254,10 +241,10 @@ impl DeviceAllocator {
             .iter()
             .map(|filter| {
                 let _running = InFilter::enter();
-                let accepted = filter.lock().is_ok_and(|f| f(stream));
-                (Arc::as_ptr(filter) as usize, stream, accepted)
+                let accepted = lock(filter, "a pool stream filter")?(stream);
+                Ok((Arc::as_ptr(filter) as usize, stream, accepted))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let result = {
             let _answers = Answers::set(answers);
             self.malloc_in_shard(size, stream)
@@ -392,8 +379,8 @@ impl DeviceAllocator {
                 Ok(None) => {}
             }
         }
-        if self.shut_down.load(Ordering::Acquire) {
-            return self.shut_down_error();
+        if let Err(shut_down) = self.check_open() {
+            return shut_down;
         }
         Error::new(
             ErrorKind::UnknownPointer,
@@ -470,7 +457,7 @@ impl DeviceAllocator {
         let open = fronts_open(
             &setup.config,
             !setup.windows.is_empty(),
-            self.shut_down.load(Ordering::Acquire),
+            self.lifecycle.is_shut_down(),
         );
         self.fronts.open.store(open, Ordering::Release);
     }
@@ -585,7 +572,7 @@ impl DeviceAllocator {
         // guarded its allocated bytes, so a reader never sees more allocated than reserved
         // while other threads grow or release segments. Peaks and totals come from the
         // device-wide count, which alone keeps an exact peak across shards.
-        let mut reserved = self.device_reserved.read();
+        let mut reserved = self.device_reserved.read()?;
         for (total, shards) in reserved.0.iter_mut().zip(sum.reserved_bytes.0) {
             total.current = shards.current;
             total.peak = total.peak.max(shards.current);
@@ -606,13 +593,13 @@ impl DeviceAllocator {
 
     pub fn reset_peak_stats(&self) -> Result<()> {
         self.check_open()?;
-        self.device_reserved.reset_peaks();
+        self.device_reserved.reset_peaks()?;
         self.each_shard(Shard::reset_peak_stats)
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         self.check_open()?;
-        self.device_reserved.reset_accumulated();
+        self.device_reserved.reset_accumulated()?;
         self.each_shard(Shard::reset_accumulated_stats)
     }
 
@@ -823,22 +810,52 @@ impl DeviceAllocator {
         for (shard, st) in shards.iter().zip(locked.iter_mut()) {
             shard.release_all_cached(st)?;
         }
-        for st in &mut locked {
-            st.set_shut_down(true);
-        }
-        self.shut_down.store(true, Ordering::Release);
+        // Set while every shard is held: a shard's next holder sees it (`Shard::lock`).
+        self.lifecycle.set_shut_down(true);
         self.set_fronts_open(&setup);
         Ok(())
     }
 
     /// Undoes `shutdown` (when shutting down several devices fails part-way).
     pub fn reopen(&self) {
+        // No way to report: with the settings poisoned, the fronts stay as they are (every
+        // later call that needs the settings reports the poisoning).
         let setup = self.setup.lock();
-        self.shards().for_each(Shard::reopen);
-        self.shut_down.store(false, Ordering::Release);
+        self.lifecycle.set_shut_down(false);
         if let Ok(setup) = setup {
             self.set_fronts_open(&setup);
         }
+    }
+}
+
+/// Whether a device's allocator is shut down: its one record, shared by the device and its
+/// shards. The device sets it (`shutdown`, `reopen`) while it holds its settings and, for a
+/// shutdown, every shard's lock; shards read it each time they are locked (`Shard::lock`)
+/// and the device before each call; the fronts' `open` is derived from it
+/// (`set_fronts_open`).
+#[derive(Debug, Default)]
+pub(in crate::alloc) struct Lifecycle {
+    shut_down: AtomicBool,
+}
+
+impl Lifecycle {
+    pub(in crate::alloc) fn is_shut_down(&self) -> bool {
+        self.shut_down.load(Ordering::Acquire)
+    }
+
+    fn set_shut_down(&self, shut_down: bool) {
+        self.shut_down.store(shut_down, Ordering::Release);
+    }
+
+    /// `Ok` until shutdown; then the `ShutDown` error every call of `device` gets.
+    pub(in crate::alloc) fn check_open(&self, device: usize) -> Result<()> {
+        if self.is_shut_down() {
+            return Err(Error::new(
+                ErrorKind::ShutDown,
+                format!("device {device}: the allocator has been shut down"),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -922,8 +939,40 @@ fn route_to(filter: &Arc<Mutex<RouteFilter>>) -> RouteFilter {
     })
 }
 
+/// A lock of the device's, for `DeviceAllocator::poison` (tests).
+#[cfg(test)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum LockOf {
+    Settings,
+    ReservedBytes,
+    FrontRegistry,
+    ShardState,
+}
+
 #[cfg(test)]
 impl DeviceAllocator {
+    /// Poisons one of the device's locks: a thread panics while it holds it.
+    pub(crate) fn poison(&self, which: LockOf, stream: StreamId) {
+        let (_, shard) = self.shard(stream).unwrap();
+        let panicked = std::thread::scope(|s| {
+            s.spawn(|| match which {
+                LockOf::Settings => {
+                    let _held = self.setup.lock();
+                    panic!("poisoning the settings");
+                }
+                LockOf::ReservedBytes => self.device_reserved.hold_while(|| panic!("poisoning")),
+                LockOf::FrontRegistry => self.fronts.hold_while(|| panic!("poisoning")),
+                LockOf::ShardState => {
+                    let _held = shard.state.lock();
+                    panic!("poisoning the shard's state");
+                }
+            })
+            .join()
+            .is_err()
+        });
+        assert!(panicked);
+    }
+
     /// The locked state of `stream`'s shard.
     pub(crate) fn state_of(&self, stream: StreamId) -> MutexGuard<'_, super::state::State> {
         self.shard(stream).unwrap().1.state.lock().unwrap()

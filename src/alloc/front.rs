@@ -7,8 +7,8 @@
 // thread, behind a `SpinCell` that only its own thread takes on the fast path: one atomic
 // per call, and a few word compares.
 //
-// To the shard, a block in a front stays handed out (live, counted as allocated), and it
-// knows which front has it (`Block::front`). A front holds two kinds of entry:
+// To the shard, a block in a front stays handed out (live, counted as allocated). A front
+// holds two kinds of entry:
 // - *held*: freed by the caller, waiting for a request of the same size and stream;
 // - *out*: handed out again by the front, so that its free finds it without the shard.
 //
@@ -17,17 +17,30 @@
 // shard's figures include held blocks as allocated, so they never fall below the true
 // ones, and the shard keeps its figures at or under the peaks. When an allocation would
 // lift the shard's figures past a peak while fronts hold blocks, it first takes the held
-// blocks back (`Shard::drain_fronts`), so the new peak is the true one. Every path that
-// must see the real free memory drains them too: growth, `empty_cache`, snapshots, peak
-// resets, settings, shutdown. While a capture routes allocations, fronts are closed
+// blocks back (a drain), so the new peak is the true one. Every path that must see the
+// real free memory drains them too: growth, `empty_cache`, snapshots, peak resets,
+// settings, shutdown. While a capture routes allocations, fronts are closed
 // (`Fronts::open`): they neither hand out nor take blocks. A statistics read adds the
 // fronts' counts under the shard's lock, which every move of counts between a front and
 // the shard (a drain, an eviction, the fold of an exited thread's front) also holds.
 //
-// Another thread touches a front only from the shard's slow paths, under the shard's lock
-// (lock order: shard, then registry, then front): to drain it, or to detach a block that
-// it frees or records on a stream. Fronts serve devices with one shard (the default); with
-// `per_stream_shards` each stream's shard already has its own lock.
+// The boundary with the shard is narrow. The fast path (`take`, `give_back`) never reaches
+// the shard. The shard reaches the fronts only from its slow paths, under its lock (lock
+// order: shard, then registry, then front), and only through `Fronts`: `drain`, the one way
+// held blocks and exited threads' counts go back (called from `Shard::drain_fronts` alone,
+// whose comment lists when); `FrontCell::adopt`, a slow free's block taken as held;
+// `detach`, a block freed by another path or recorded on a stream; and the statistics'
+// `add_counts_to` / `reset_accumulated`.
+//
+// Each handed-out block names the front holding it (`Block::front`, 0 for none): a block
+// handed out by one thread's front may be freed by another thread (or recorded on a
+// stream), and that slow free must take it out of exactly that front. Without the name it
+// would visit every front's cell, one compare-and-swap each, on every slow free of the
+// device; with it, the free looks once in the shard's block it has already found, and
+// visits a cell only when the block is in one.
+//
+// Fronts serve devices with one shard (the default); with `per_stream_shards` each
+// stream's shard already has its own lock.
 
 use super::core::blocks::BlockId;
 use super::core::reuse::ReuseGate;
@@ -283,9 +296,34 @@ impl Front {
 /// A front shared between its thread (the fast path) and the shard's slow paths.
 pub struct FrontCell {
     pub id: u64,
-    pub front: SpinCell<Front>,
+    front: SpinCell<Front>,
     /// Its thread has exited: drained and folded into the shard once empty.
-    pub orphaned: AtomicBool,
+    orphaned: AtomicBool,
+}
+
+impl FrontCell {
+    /// Takes `entry`, a block its thread just freed through the shard, as held, while
+    /// `fronts` are open. Returns the entry evicted to make room (for the shard to free)
+    /// and the front's (held, out) census; `None` (nothing changed) when closed or full of
+    /// blocks out.
+    pub fn adopt(&self, fronts: &Fronts, entry: Entry) -> Option<(Option<Entry>, (u32, u32))> {
+        self.front.with(|f| {
+            if !fronts.open.load(Ordering::Relaxed) {
+                return None;
+            }
+            let evicted = f.adopt(entry).ok()?;
+            Some((evicted, f.census()))
+        })
+    }
+}
+
+/// What a drain (`Fronts::drain`) gives the shard.
+pub enum Drained {
+    /// A held block: the shard frees it (to the shard it was live until now).
+    Held(Entry),
+    /// The counts of an exited thread's front that holds nothing: the shard adds them to
+    /// its statistics, and the front is dropped.
+    Folded(FrontCounts),
 }
 
 /// A device's fronts, and whether they may be used now.
@@ -297,48 +335,98 @@ pub struct Fronts {
     /// inside the front's cell, so that a drain that follows a change sees no later use.
     pub open: AtomicBool,
     /// Fronts whose thread exited (or gave them up), not yet folded into the statistics.
-    pub orphans: AtomicUsize,
+    orphans: AtomicUsize,
 }
 
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
 
 impl Fronts {
     /// The registered fronts (a copy: the registry lock is not held while they are used).
-    pub fn all(&self) -> Vec<Arc<FrontCell>> {
-        self.cells().clone()
+    fn all(&self) -> crate::error::Result<Vec<Arc<FrontCell>>> {
+        Ok(self.cells()?.clone())
     }
 
-    /// The registry, locked. A panic while it was held leaves a list that is still whole
-    /// (every change to it is a single push or retain), so poisoning is ignored.
-    fn cells(&self) -> std::sync::MutexGuard<'_, Vec<Arc<FrontCell>>> {
-        self.cells
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// The registry, locked; a panic while it was held is the `sync::poisoned` error.
+    fn cells(&self) -> crate::error::Result<std::sync::MutexGuard<'_, Vec<Arc<FrontCell>>>> {
+        crate::sync::lock(&self.cells, "the thread fronts' registry")
+    }
+
+    /// Runs `f` with the registry locked (tests: a panic in `f` poisons it).
+    #[cfg(test)]
+    pub fn hold_while(&self, f: impl FnOnce()) {
+        let _held = self.cells.lock();
+        f();
     }
 
     /// A new front for the calling thread.
-    pub fn register(&self) -> Arc<FrontCell> {
+    pub fn register(&self) -> crate::error::Result<Arc<FrontCell>> {
         let cell = Arc::new(FrontCell {
             id: NEXT_FRONT.fetch_add(1, Ordering::Relaxed),
             front: SpinCell::new(Front::default()),
             orphaned: AtomicBool::new(false),
         });
-        self.cells().push(cell.clone());
-        cell
+        self.cells()?.push(cell.clone());
+        Ok(cell)
     }
 
-    /// The front with this id, if still registered.
-    pub fn find(&self, id: u64) -> Option<Arc<FrontCell>> {
-        self.cells().iter().find(|c| c.id == id).cloned()
+    /// Whether a drain has work beyond held blocks: fronts of exited threads to fold.
+    pub fn has_orphans(&self) -> bool {
+        self.orphans.load(Ordering::Acquire) > 0
     }
 
-    /// Drops fronts whose thread exited and that hold nothing (folded by the caller).
-    pub fn retire(&self, gone: &[u64]) {
+    /// The one way blocks leave the fronts for the shard: every front gives up its held
+    /// blocks, and fronts of exited threads that then hold nothing give up their counts and
+    /// are dropped, each through `give`. The shard calls it under its lock (`drain_fronts`).
+    /// No way to report: with the registry poisoned it gives nothing, and the fronts keep
+    /// their blocks, which stay live to the shard, so nothing is handed out twice; the next
+    /// call that needs the registry reports the poisoning.
+    pub fn drain(&self, mut give: impl FnMut(Drained)) {
+        let Ok(cells) = self.all() else { return };
+        let mut gone = Vec::new();
+        for cell in cells {
+            let (drained, empty, counts) = cell
+                .front
+                .with(|f| (f.drain_held(), f.is_empty(), *f.counts()));
+            for entry in drained {
+                give(Drained::Held(entry));
+            }
+            if empty && cell.orphaned.load(Ordering::Acquire) {
+                give(Drained::Folded(counts));
+                gone.push(cell.id);
+            }
+        }
         if gone.is_empty() {
             return;
         }
-        self.cells().retain(|c| !gone.contains(&c.id));
+        // With the registry poisoned the folded fronts stay registered, empty: a later
+        // drain would fold them again, but every call that reads them reports the poisoning.
+        let Ok(mut cells) = self.cells() else { return };
+        cells.retain(|c| !gone.contains(&c.id));
         self.orphans.fetch_sub(gone.len(), Ordering::AcqRel);
+    }
+
+    /// For a shard path that frees `ptr` or records it on a stream, in front `id` (the one
+    /// its block names): removes it if it is out (`Some(false)`: the shard takes it from
+    /// here); `Some(true)` if it is held (freed already); `None` if it is not there.
+    pub fn detach(&self, id: u64, ptr: DevicePtr) -> crate::error::Result<Option<bool>> {
+        let cell = self.cells()?.iter().find(|c| c.id == id).cloned();
+        Ok(cell.and_then(|cell| cell.front.with(|f| f.detach(ptr))))
+    }
+
+    /// Adds every front's counts (held entries included) to `stats`.
+    pub fn add_counts_to(&self, stats: &mut DeviceStats) -> crate::error::Result<()> {
+        for cell in self.all()? {
+            cell.front.with(|f| f.counts().add_to(stats, true));
+        }
+        Ok(())
+    }
+
+    /// Clears every front's totals (`reset_accumulated_stats`).
+    pub fn reset_accumulated(&self) -> crate::error::Result<()> {
+        for cell in self.all()? {
+            cell.front.with(|f| f.counts_mut().reset_accumulated());
+        }
+        Ok(())
     }
 
     /// `cell`'s thread no longer uses it.
@@ -453,10 +541,13 @@ pub fn with_adopter<R>(
                 if locals.len() == LOCALS {
                     locals.remove(0);
                 }
+                // A poisoned registry gives no front: the free goes to the shard, which
+                // reports the poisoning wherever it needs the registry.
+                let cell = fronts.register().ok()?;
                 locals.push(Local {
                     device_key,
                     fronts: fronts.clone(),
-                    cell: fronts.register(),
+                    cell,
                     held: 0,
                     out: 0,
                     gate: ReuseGate::default(),

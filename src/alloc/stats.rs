@@ -1,7 +1,8 @@
 //! Memory statistics with `torch.cuda.memory_stats()`'s names and meanings.
 
 use super::sizing::PoolKind;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use crate::error::Result;
+use std::sync::{Mutex, MutexGuard};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -103,35 +104,53 @@ pub struct DeviceReserved {
 }
 
 impl DeviceReserved {
-    /// The counters. A panic while they were held cannot leave them half-changed (each
-    /// change is a few additions), so poisoning is ignored.
-    fn bytes(&self) -> MutexGuard<'_, StatArray> {
-        self.bytes.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The counters; a panic while they were held is the `sync::poisoned` error.
+    fn bytes(&self) -> Result<MutexGuard<'_, StatArray>> {
+        crate::sync::lock(&self.bytes, "the device's reserved-byte counters")
     }
 
+    /// Counts memory a shard just mapped or took from the driver. No way to report: the
+    /// memory is the shard's already. With the counters poisoned it changes nothing; every
+    /// later read of them (statistics, the OOM path, garbage collection) reports the
+    /// poisoning.
     pub fn increase(&self, pool: PoolKind, bytes: u64) {
-        self.bytes().increase(pool, bytes);
+        if let Ok(mut counts) = self.bytes() {
+            counts.increase(pool, bytes);
+        }
     }
 
+    /// Counts memory a shard just released (as `increase`, nothing with the counters
+    /// poisoned).
     pub fn decrease(&self, pool: PoolKind, bytes: u64) {
-        self.bytes().decrease(pool, bytes);
+        if let Ok(mut counts) = self.bytes() {
+            counts.decrease(pool, bytes);
+        }
     }
 
-    pub fn all(&self) -> u64 {
-        self.bytes().all().current as u64
+    pub fn all(&self) -> Result<u64> {
+        Ok(self.bytes()?.all().current as u64)
     }
 
     /// The device's reserved bytes, all read at one moment.
-    pub fn read(&self) -> StatArray {
-        *self.bytes()
+    pub fn read(&self) -> Result<StatArray> {
+        Ok(*self.bytes()?)
     }
 
-    pub fn reset_peaks(&self) {
-        self.bytes().for_each(Stat::reset_peak);
+    pub fn reset_peaks(&self) -> Result<()> {
+        self.bytes()?.for_each(Stat::reset_peak);
+        Ok(())
     }
 
-    pub fn reset_accumulated(&self) {
-        self.bytes().for_each(Stat::reset_accumulated);
+    pub fn reset_accumulated(&self) -> Result<()> {
+        self.bytes()?.for_each(Stat::reset_accumulated);
+        Ok(())
+    }
+
+    /// Runs `f` with the counters locked (tests: a panic in `f` poisons them).
+    #[cfg(test)]
+    pub fn hold_while(&self, f: impl FnOnce()) {
+        let _held = self.bytes.lock();
+        f();
     }
 }
 

@@ -1223,3 +1223,47 @@ fn pointers_never_handed_out_are_unknown_not_double_frees() {
         assert_eq!(kind(p), ErrorKind::UnknownPointer, "{conf:?}");
     }
 }
+
+/// A poisoned lock fails the calls that need it with `Internal` (`CCALLOC_INTERNAL_ERROR`),
+/// naming what it guards (`sync::poisoned`), instead of going on with what it guards.
+#[test]
+fn a_poisoned_lock_fails_the_calls_that_need_it_naming_what_it_guards() {
+    use super::device::LockOf;
+    type Call = fn(&DeviceAllocator) -> Result<(), Error>;
+    let cases: [(LockOf, &str, Call); 5] = [
+        (LockOf::Settings, "device 0's allocator settings", |a| {
+            a.memory_fraction().map(drop)
+        }),
+        (
+            LockOf::ReservedBytes,
+            "the device's reserved-byte counters",
+            |a| a.stats().map(drop),
+        ),
+        (
+            LockOf::ReservedBytes,
+            "the device's reserved-byte counters",
+            |a| a.reset_peak_stats(),
+        ),
+        (LockOf::FrontRegistry, "the thread fronts' registry", |a| {
+            a.stats().map(drop)
+        }),
+        (LockOf::ShardState, "device 0's allocator state", |a| {
+            a.malloc(4096, S0).map(drop)
+        }),
+    ];
+    for (lock, what, call) in cases {
+        let (_sim, a) = paged(1 << 30, "");
+        // A block in this thread's front, so that statistics read the registry.
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        call(&a).unwrap();
+        a.poison(lock, S0);
+        let e = call(&a).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Internal, "{lock:?}: {e:?}");
+        assert!(
+            e.message.starts_with(&format!("{what} is unusable")),
+            "{lock:?}: {}",
+            e.message
+        );
+    }
+}

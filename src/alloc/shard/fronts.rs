@@ -23,10 +23,7 @@ impl Shard {
         if front == 0 {
             return Ok(());
         }
-        let held = self
-            .fronts
-            .find(front)
-            .and_then(|cell| cell.front.with(|f| f.detach(ptr)));
+        let held = self.fronts.detach(front, ptr)?;
         if held == Some(true) {
             return Err(already_freed(self.device, ptr));
         }
@@ -54,15 +51,7 @@ impl Shard {
             return None;
         }
         let entry = front::Entry::new(b.addr(), b.size(), b.requested(), b.stream(), b.pool(), id);
-        let open = &self.fronts.open;
-        let adopted = cell.front.with(|f| {
-            if !open.load(std::sync::atomic::Ordering::Relaxed) {
-                return None;
-            }
-            let evicted = f.adopt(entry).ok()?;
-            Some((evicted, f.census()))
-        });
-        let (evicted, census) = adopted?;
+        let (evicted, census) = cell.adopt(&self.fronts, entry)?;
         st.join_front(id, cell.id);
         if let Some(old) = evicted {
             self.free_drained(st, old);
@@ -70,29 +59,27 @@ impl Shard {
         Some(census)
     }
 
-    /// Frees blocks that fronts held, in the shard: every front's held blocks (and folds
-    /// fronts of exited threads into the statistics once they hold nothing). Every path
-    /// that must see the real free memory calls this first.
+    /// The shard's one drain of its fronts (`front::Fronts::drain`): every held block is
+    /// freed here, and exited threads' fronts are folded into the statistics.
+    ///
+    /// The invariant: a block held by a front is live to the shard (allocated, in no free
+    /// list), so nothing else can take it and a double free of it is still refused. Before
+    /// any operation that needs every free block visible, or figures without held blocks,
+    /// the fronts drain; each situation calls this from one place:
+    /// - slow paths that must see all free memory (growth, mapping pages, a second look for
+    ///   a fit, the OOM report, releasing the cache: `empty_cache`, the OOM retry,
+    ///   shutdown): `merge_set_aside`;
+    /// - an allocation that would pass a peak (`malloc`), a peak reset, new settings (held
+    ///   blocks were sized under the old ones), a snapshot (`segments`), restoring a pool's
+    ///   layout: the operation itself.
     pub(in crate::alloc) fn drain_fronts(&self, st: &mut State) {
-        use std::sync::atomic::Ordering;
-        let orphans = self.fronts.orphans.load(Ordering::Acquire);
-        if st.front_blocks() == 0 && orphans == 0 {
+        if st.front_blocks() == 0 && !self.fronts.has_orphans() {
             return;
         }
-        let mut gone = Vec::new();
-        for cell in self.fronts.all() {
-            let (drained, empty, counts) = cell
-                .front
-                .with(|f| (f.drain_held(), f.is_empty(), *f.counts()));
-            for entry in drained {
-                self.free_drained(st, entry);
-            }
-            if empty && cell.orphaned.load(Ordering::Acquire) {
-                counts.add_to(st.stats_mut(), false);
-                gone.push(cell.id);
-            }
-        }
-        self.fronts.retire(&gone);
+        self.fronts.drain(|drained| match drained {
+            front::Drained::Held(entry) => self.free_drained(st, entry),
+            front::Drained::Folded(counts) => counts.add_to(st.stats_mut(), false),
+        });
     }
 
     /// Frees a block that left a front (drained or evicted): the front no longer counts it.

@@ -12,6 +12,7 @@ mod release;
 pub mod restore;
 
 use super::blocks::{BlockId, PoolId};
+use super::device::Lifecycle;
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State};
 use super::stats::{self, DeviceStats};
@@ -19,7 +20,7 @@ use super::{driver_error, front, limit_for, SegmentView};
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
-use crate::sync::{Guard, SpinThenBlock};
+use crate::sync::{poisoned, Guard, SpinThenBlock};
 use std::sync::Arc;
 
 /// What `Shard::free` did.
@@ -48,6 +49,8 @@ pub(crate) struct Shard {
     /// The device's thread fronts (`front`): a layer over the shards that hands out and
     /// takes back blocks the shard counts as live; the shard drains them (`drain_fronts`).
     fronts: Arc<front::Fronts>,
+    /// The device's shutdown record, read each time the shard is locked.
+    lifecycle: Arc<Lifecycle>,
     /// `Driver::min_free_fence_interval`, `Driver::times_page_moves` and
     /// `Driver::releases_outgrown_segments`, read once.
     free_fence_interval: std::time::Duration,
@@ -63,6 +66,7 @@ impl Shard {
         config: Config,
         device_reserved: Arc<stats::DeviceReserved>,
         fronts: Arc<front::Fronts>,
+        lifecycle: Arc<Lifecycle>,
     ) -> Self {
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
@@ -74,6 +78,7 @@ impl Shard {
             driver,
             state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
             fronts,
+            lifecycle,
             free_fence_interval,
             times_page_moves,
             releases_outgrown,
@@ -81,22 +86,12 @@ impl Shard {
     }
 
     pub(in crate::alloc) fn lock(&self) -> Result<Guard<'_, State>> {
-        // A panic while holding the lock leaves bookkeeping we can no longer trust.
-        let state = self.state.lock().map_err(|_| {
-            Error::new(
-                ErrorKind::Internal,
-                format!(
-                    "device {}: allocator state poisoned by an earlier panic",
-                    self.device
-                ),
-            )
-        })?;
-        if state.is_shut_down() {
-            return Err(Error::new(
-                ErrorKind::ShutDown,
-                format!("device {}: the allocator has been shut down", self.device),
-            ));
-        }
+        // A panic while holding the lock leaves bookkeeping that can no longer be trusted.
+        let state = self
+            .state
+            .lock()
+            .map_err(|_| poisoned(&format!("device {}'s allocator state", self.device)))?;
+        self.lifecycle.check_open(self.device)?;
         Ok(state)
     }
 
@@ -270,10 +265,18 @@ impl Shard {
         st.count_oom();
         // Parked (and held) blocks are cached free memory too: the message counts them merged.
         self.merge_set_aside(st);
-        Error::new(ErrorKind::OutOfMemory, self.oom_message(st, size, needed))
+        match self.oom_message(st, size, needed) {
+            Ok(message) => Error::new(ErrorKind::OutOfMemory, message),
+            Err(e) => e,
+        }
     }
 
-    pub(in crate::alloc) fn oom_message(&self, st: &State, size: u64, segment_size: u64) -> String {
+    pub(in crate::alloc) fn oom_message(
+        &self,
+        st: &State,
+        size: u64,
+        segment_size: u64,
+    ) -> Result<String> {
         let elsewhere = st.oom_final().unwrap_or_default();
         let allocated = st.stats().allocated_bytes.all().current as u64 + elsewhere.live;
         let (cached, largest) = st.cached_free();
@@ -289,7 +292,8 @@ impl Shard {
         } else {
             String::new()
         };
-        let held = if st.reserved_elsewhere() > 0 {
+        let elsewhere_reserved = st.reserved_elsewhere()?;
+        let held = if elsewhere_reserved > 0 {
             let emptied = if elsewhere.second_try {
                 ", whose caches were emptied first"
             } else {
@@ -297,13 +301,13 @@ impl Shard {
             };
             format!(
                 "{} reserved ({} of it for other streams{emptied}):",
-                human_bytes(st.device_reserved()),
-                human_bytes(st.reserved_elsewhere())
+                human_bytes(st.device_reserved()?),
+                human_bytes(elsewhere_reserved)
             )
         } else {
             format!("{} reserved:", human_bytes(st.reserved()))
         };
-        format!(
+        Ok(format!(
             "CUDA out of memory on device {}. Tried to allocate {} (needing {} more from the device). The device has {} in all.{} \
              ccalloc holds {} {} live in allocations, {} cached free, largest free block {}. \
              If reserved is much larger than live, fragmentation is the cause: try CCALLOC_CONF=max_split_size_mb:<MB>.",
@@ -316,7 +320,7 @@ impl Shard {
             human_bytes(allocated),
             human_bytes(cached),
             human_bytes(largest),
-        )
+        ))
     }
 
     /// Asks the driver for a segment; `None` when the device or the limit says no.
@@ -455,6 +459,8 @@ impl Shard {
     }
 
     /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).
+    /// `false` when the shard cannot be locked (shut down, or poisoned: no way to report
+    /// here, and the caller's next call that needs the shard reports it).
     pub fn holds(&self, ptr: DevicePtr) -> bool {
         let Ok(st) = self.lock() else { return false };
         st.segment_of(ptr).is_some()
@@ -493,9 +499,7 @@ impl Shard {
     pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
         let st = self.lock()?;
         let mut stats = *st.stats();
-        for cell in self.fronts.all() {
-            cell.front.with(|f| f.counts().add_to(&mut stats, true));
-        }
+        self.fronts.add_counts_to(&mut stats)?;
         Ok(stats)
     }
 
@@ -515,9 +519,7 @@ impl Shard {
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
-        for cell in self.fronts.all() {
-            cell.front.with(|f| f.counts_mut().reset_accumulated());
-        }
+        self.fronts.reset_accumulated()?;
         st.stats_mut().reset_accumulated();
         Ok(())
     }
@@ -527,7 +529,6 @@ impl Shard {
     pub fn largest_free_block(&self) -> Result<u64> {
         let mut st = self.lock()?;
         // Blocks held in fronts or parked are cached too: counted merged, as they are then.
-        self.drain_fronts(&mut st);
         self.merge_set_aside(&mut st);
         Ok(st.cached_free().1)
     }
@@ -538,12 +539,5 @@ impl Shard {
         // Blocks held in fronts are free: shown merged into the cache, as they are then.
         self.drain_fronts(&mut st);
         Ok(st.segment_views())
-    }
-
-    /// Undoes `shutdown` (when shutting down several devices fails part-way).
-    pub fn reopen(&self) {
-        if let Ok(mut st) = self.state.lock_blocking() {
-            st.set_shut_down(false);
-        }
     }
 }

@@ -276,7 +276,7 @@ impl Shard {
     pub(in crate::alloc) fn collect_garbage(&self, st: &mut State) -> Result<()> {
         let threshold =
             (st.config().garbage_collection_threshold * self.hard_limit(st) as f64) as u64;
-        let reserved = st.device_reserved();
+        let reserved = st.device_reserved()?;
         if reserved <= threshold {
             return Ok(());
         }

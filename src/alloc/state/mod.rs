@@ -107,7 +107,6 @@ pub struct State {
     /// Reserved bytes on the whole device, every shard's (`add_reserved`): the memory
     /// limit is the device's.
     device_reserved: Arc<DeviceReserved>,
-    shut_down: bool,
     /// What the device's other shards hold, when an OOM now is final (counted, and reported
     /// with their figures); `None` when the device may still avoid it by emptying their
     /// caches (`DeviceAllocator::malloc` retries then).
@@ -133,7 +132,6 @@ impl State {
             events: Events::default(),
             stats: DeviceStats::default(),
             device_reserved,
-            shut_down: false,
             oom_final: Some(Elsewhere::default()),
             front_blocks: 0,
         }
@@ -144,13 +142,13 @@ impl State {
     }
 
     /// Reserved on the whole device: this shard's and its other shards'.
-    pub fn device_reserved(&self) -> u64 {
+    pub fn device_reserved(&self) -> crate::error::Result<u64> {
         self.device_reserved.all()
     }
 
     /// What the device's other shards reserve.
-    pub fn reserved_elsewhere(&self) -> u64 {
-        self.device_reserved().saturating_sub(self.reserved())
+    pub fn reserved_elsewhere(&self) -> crate::error::Result<u64> {
+        Ok(self.device_reserved()?.saturating_sub(self.reserved()))
     }
 
     /// Counts `bytes` more reserved in `pool`, here and in the device's total.
@@ -181,14 +179,6 @@ impl State {
     pub fn set_config(&mut self, config: Config, limit: u64) {
         self.limit = limit;
         self.config = config;
-    }
-
-    pub fn is_shut_down(&self) -> bool {
-        self.shut_down
-    }
-
-    pub fn set_shut_down(&mut self, shut_down: bool) {
-        self.shut_down = shut_down;
     }
 
     #[inline]
