@@ -549,35 +549,39 @@ impl DeviceAllocator {
         Ok(self.config()?.max_split_size)
     }
 
-    /// The device's statistics: every shard's summed, each read under its own lock (not one
-    /// snapshot of all). Currents and totals are exact; the reserved peak is the device-wide
-    /// count's, exact across shards. The other peaks are exact while
-    /// the device has one shard; once a second stream has allocated under
-    /// `per_stream_shards`, each is the sum of the shards' peaks, which bounds the device's
-    /// from above: an exact one would need a counter that every stream writes on every
-    /// allocation, which is what shards avoid.
+    /// The device's statistics. With one shard (the default) they are one moment's, read
+    /// under its lock, reserved bytes included: a reader never sees more bytes allocated
+    /// than reserved. With several (`per_stream_shards`), each shard's are read under its
+    /// own lock and summed, and reserved bytes come from the device-wide count, read at one
+    /// moment so that memory moving between shards is never counted twice; a read that
+    /// races a segment's release can then show more allocated than reserved (holding every
+    /// shard's lock would stall all streams behind one shard's driver call). Currents and
+    /// totals are exact, and so is the reserved peak. The other peaks are exact while the
+    /// device has one shard; with several, each is the sum of the shards' peaks, which
+    /// bounds the device's from above: an exact one would need a counter that every stream
+    /// writes on every allocation, which is what shards avoid.
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
+        let shards: Vec<&Shard> = self.shards().collect();
+        if let [only] = shards[..] {
+            // Reserved bytes change only under this shard's lock.
+            let st = only.lock()?;
+            let mut stats = only.stats_with_fronts_locked(&st)?;
+            stats.reserved_bytes = self.device_reserved.read()?;
+            return Ok(stats);
+        }
         let mut sum = DeviceStats::default();
-        // Fronts serve only single-shard devices: the first shard adds their counts, read
-        // under its lock (what the fronts handed out and took back, past its view).
-        for (i, shard) in self.shards().enumerate() {
+        // Fronts serve only single-shard devices; counts they hold from before a second
+        // shard was made are the first shard's.
+        for (i, shard) in shards.into_iter().enumerate() {
+            let st = shard.lock()?;
             sum.add(&if i == 0 {
-                shard.stats_with_fronts()?
+                shard.stats_with_fronts_locked(&st)?
             } else {
-                shard.stats()?
+                *st.stats()
             });
         }
-        // Current reserved bytes are the shards' own, each read under the lock that also
-        // guarded its allocated bytes, so a reader never sees more allocated than reserved
-        // while other threads grow or release segments. Peaks and totals come from the
-        // device-wide count, which alone keeps an exact peak across shards.
-        let mut reserved = self.device_reserved.read()?;
-        for (total, shards) in reserved.0.iter_mut().zip(sum.reserved_bytes.0) {
-            total.current = shards.current;
-            total.peak = total.peak.max(shards.current);
-        }
-        sum.reserved_bytes = reserved;
+        sum.reserved_bytes = self.device_reserved.read()?;
         Ok(sum)
     }
 

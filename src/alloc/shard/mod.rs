@@ -490,14 +490,9 @@ impl Shard {
         Ok(())
     }
 
-    pub fn stats(&self) -> Result<DeviceStats> {
-        Ok(*self.lock()?.stats())
-    }
-
-    /// This shard's statistics plus the fronts' counts, read under the shard's lock: drains,
+    /// This shard's statistics plus the fronts' counts, with its lock held (`st`): drains,
     /// evictions and folds (which move counts between the two) take that lock too.
-    pub fn stats_with_fronts(&self) -> Result<DeviceStats> {
-        let st = self.lock()?;
+    pub(in crate::alloc) fn stats_with_fronts_locked(&self, st: &State) -> Result<DeviceStats> {
         let mut stats = *st.stats();
         self.fronts.add_counts_to(&mut stats)?;
         Ok(stats)
