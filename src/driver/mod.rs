@@ -2,6 +2,151 @@
 //! (`cuda`) and a simulated device (`sim`, only with the `sim` feature) for tests, replay and
 //! machines without a GPU.
 
+/// Writes `Driver` methods that pass the call unchanged to `self.inner`, for adaptors
+/// (`traced`, `layers`) that change a few calls and forward the rest: each forwarded
+/// method is named, so that a new trait method without a default fails to compile in every
+/// adaptor until it says what to do with it.
+macro_rules! forward_to_inner {
+    ($($method:ident),* $(,)?) => { $( forward_to_inner!(@ $method); )* };
+    (@ name) => { fn name(&self) -> &'static str { self.inner.name() } };
+    (@ device_count) => { fn device_count(&self) -> usize { self.inner.device_count() } };
+    (@ total_memory) => {
+        fn total_memory(&self, device: usize) -> $crate::driver::DriverResult<u64> {
+            self.inner.total_memory(device)
+        }
+    };
+    (@ allocate) => {
+        fn allocate(&self, device: usize, size: u64) -> $crate::driver::DriverResult<$crate::driver::DevicePtr> {
+            self.inner.allocate(device, size)
+        }
+    };
+    (@ release) => {
+        fn release(&self, device: usize, ptr: $crate::driver::DevicePtr, size: u64) -> $crate::driver::DriverResult<()> {
+            self.inner.release(device, ptr, size)
+        }
+    };
+    (@ record_event) => {
+        fn record_event(&self, device: usize, stream: $crate::driver::StreamId) -> $crate::driver::DriverResult<$crate::driver::EventId> {
+            self.inner.record_event(device, stream)
+        }
+    };
+    (@ event_done) => {
+        fn event_done(&self, device: usize, event: $crate::driver::EventId) -> $crate::driver::DriverResult<bool> {
+            self.inner.event_done(device, event)
+        }
+    };
+    (@ wait_event) => {
+        fn wait_event(&self, device: usize, event: $crate::driver::EventId) -> $crate::driver::DriverResult<()> {
+            self.inner.wait_event(device, event)
+        }
+    };
+    (@ destroy_event) => {
+        fn destroy_event(&self, device: usize, event: $crate::driver::EventId) {
+            self.inner.destroy_event(device, event)
+        }
+    };
+    (@ synchronize) => {
+        fn synchronize(&self, device: usize) -> $crate::driver::DriverResult<()> {
+            self.inner.synchronize(device)
+        }
+    };
+    (@ min_free_fence_interval) => {
+        fn min_free_fence_interval(&self) -> std::time::Duration {
+            self.inner.min_free_fence_interval()
+        }
+    };
+    (@ times_page_moves) => { fn times_page_moves(&self) -> bool { self.inner.times_page_moves() } };
+    (@ releases_outgrown_segments) => {
+        fn releases_outgrown_segments(&self) -> bool {
+            self.inner.releases_outgrown_segments()
+        }
+    };
+    (@ synchronize_stream) => {
+        fn synchronize_stream(&self, device: usize, stream: $crate::driver::StreamId) -> $crate::driver::DriverResult<()> {
+            self.inner.synchronize_stream(device, stream)
+        }
+    };
+    (@ vmm_granularity) => {
+        fn vmm_granularity(&self, device: usize) -> Option<u64> {
+            self.inner.vmm_granularity(device)
+        }
+    };
+    (@ reserve_address) => {
+        fn reserve_address(&self, device: usize, size: u64) -> $crate::driver::DriverResult<$crate::driver::DevicePtr> {
+            self.inner.reserve_address(device, size)
+        }
+    };
+    (@ free_address) => {
+        fn free_address(&self, device: usize, ptr: $crate::driver::DevicePtr, size: u64) -> $crate::driver::DriverResult<()> {
+            self.inner.free_address(device, ptr, size)
+        }
+    };
+    (@ create_physical) => {
+        fn create_physical(&self, device: usize, size: u64) -> $crate::driver::DriverResult<$crate::driver::PhysHandle> {
+            self.inner.create_physical(device, size)
+        }
+    };
+    (@ release_physical) => {
+        fn release_physical(&self, device: usize, handle: $crate::driver::PhysHandle, size: u64) -> $crate::driver::DriverResult<()> {
+            self.inner.release_physical(device, handle, size)
+        }
+    };
+    (@ map) => {
+        fn map(&self, device: usize, va: $crate::driver::DevicePtr, size: u64, handle: $crate::driver::PhysHandle) -> $crate::driver::DriverResult<()> {
+            self.inner.map(device, va, size, handle)
+        }
+    };
+    (@ set_access) => {
+        fn set_access(&self, device: usize, va: $crate::driver::DevicePtr, size: u64) -> $crate::driver::DriverResult<()> {
+            self.inner.set_access(device, va, size)
+        }
+    };
+    (@ unmap) => {
+        fn unmap(&self, device: usize, va: $crate::driver::DevicePtr, size: u64) -> $crate::driver::DriverResult<()> {
+            self.inner.unmap(device, va, size)
+        }
+    };
+    (@ host_memory) => {
+        fn host_memory(&self, kind: $crate::driver::HostKind) -> $crate::driver::DriverResult<u64> {
+            self.inner.host_memory(kind)
+        }
+    };
+    (@ host_allocate) => {
+        fn host_allocate(&self, kind: $crate::driver::HostKind, size: u64) -> $crate::driver::DriverResult<$crate::driver::DevicePtr> {
+            self.inner.host_allocate(kind, size)
+        }
+    };
+    (@ host_release) => {
+        fn host_release(&self, kind: $crate::driver::HostKind, ptr: $crate::driver::DevicePtr, size: u64) -> $crate::driver::DriverResult<()> {
+            self.inner.host_release(kind, ptr, size)
+        }
+    };
+    (@ prefetch) => {
+        fn prefetch(
+            &self,
+            ptr: $crate::driver::DevicePtr,
+            size: u64,
+            to: $crate::driver::Location,
+            stream_device: usize,
+            stream: $crate::driver::StreamId,
+        ) -> $crate::driver::DriverResult<()> {
+            self.inner.prefetch(ptr, size, to, stream_device, stream)
+        }
+    };
+    (@ advise) => {
+        fn advise(
+            &self,
+            ptr: $crate::driver::DevicePtr,
+            size: u64,
+            advice: $crate::driver::Advice,
+            location: $crate::driver::Location,
+        ) -> $crate::driver::DriverResult<()> {
+            self.inner.advise(ptr, size, advice, location)
+        }
+    };
+}
+pub(crate) use forward_to_inner;
+
 pub(crate) mod cuda;
 pub(crate) mod host;
 pub(crate) mod layers;

@@ -4,12 +4,9 @@
 //! (`crate::history`). It only calls downward; with both off it adds a relaxed atomic load
 //! and tracing's level check to the calls it watches, which are the slow path.
 
-use super::{
-    Advice, DevicePtr, Driver, DriverResult, EventId, HostKind, Location, PhysHandle, StreamId,
-};
+use super::{DevicePtr, Driver, DriverResult, HostKind, PhysHandle};
 use crate::history::{self, Action};
 use std::sync::Arc;
-use std::time::Duration;
 
 pub(crate) struct Traced {
     inner: Arc<dyn Driver>,
@@ -40,15 +37,6 @@ fn announce(action: Action, device: usize, addr: u64, size: u64) {
 }
 
 impl Driver for Traced {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn device_count(&self) -> usize {
-        self.inner.device_count()
-    }
-    fn total_memory(&self, device: usize) -> DriverResult<u64> {
-        self.inner.total_memory(device)
-    }
     fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
         let result = self.inner.allocate(device, size);
         match result {
@@ -61,54 +49,9 @@ impl Driver for Traced {
         announce(Action::SegmentFree, device, ptr, size);
         self.inner.release(device, ptr, size)
     }
-    fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
-        self.inner.record_event(device, stream)
-    }
-    fn event_done(&self, device: usize, event: EventId) -> DriverResult<bool> {
-        self.inner.event_done(device, event)
-    }
-    fn wait_event(&self, device: usize, event: EventId) -> DriverResult<()> {
-        self.inner.wait_event(device, event)
-    }
-    fn destroy_event(&self, device: usize, event: EventId) {
-        self.inner.destroy_event(device, event)
-    }
-    fn synchronize(&self, device: usize) -> DriverResult<()> {
-        self.inner.synchronize(device)
-    }
-    fn min_free_fence_interval(&self) -> Duration {
-        self.inner.min_free_fence_interval()
-    }
-    fn times_page_moves(&self) -> bool {
-        self.inner.times_page_moves()
-    }
-    fn releases_outgrown_segments(&self) -> bool {
-        self.inner.releases_outgrown_segments()
-    }
-    fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
-        self.inner.synchronize_stream(device, stream)
-    }
-    fn vmm_granularity(&self, device: usize) -> Option<u64> {
-        self.inner.vmm_granularity(device)
-    }
-    fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
-        self.inner.reserve_address(device, size)
-    }
-    fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.free_address(device, ptr, size)
-    }
-    fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
-        self.inner.create_physical(device, size)
-    }
-    fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
-        self.inner.release_physical(device, handle, size)
-    }
     fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
         let result = self.inner.map(device, va, size, handle);
         traced(result, Action::SegmentMap, device, va, size)
-    }
-    fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.set_access(device, va, size)
     }
     fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
         announce(Action::SegmentUnmap, device, va, size);
@@ -118,29 +61,28 @@ impl Driver for Traced {
     fn host_memory(&self, kind: HostKind) -> DriverResult<u64> {
         self.inner.host_memory(kind)
     }
-    fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
-        self.inner.host_allocate(kind, size)
-    }
-    fn host_release(&self, kind: HostKind, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.host_release(kind, ptr, size)
-    }
-    fn prefetch(
-        &self,
-        ptr: DevicePtr,
-        size: u64,
-        to: Location,
-        stream_device: usize,
-        stream: StreamId,
-    ) -> DriverResult<()> {
-        self.inner.prefetch(ptr, size, to, stream_device, stream)
-    }
-    fn advise(
-        &self,
-        ptr: DevicePtr,
-        size: u64,
-        advice: Advice,
-        location: Location,
-    ) -> DriverResult<()> {
-        self.inner.advise(ptr, size, advice, location)
-    }
+    crate::driver::forward_to_inner!(
+        name,
+        device_count,
+        total_memory,
+        record_event,
+        event_done,
+        wait_event,
+        destroy_event,
+        synchronize,
+        min_free_fence_interval,
+        times_page_moves,
+        releases_outgrown_segments,
+        synchronize_stream,
+        vmm_granularity,
+        reserve_address,
+        free_address,
+        create_physical,
+        release_physical,
+        set_access,
+        host_allocate,
+        host_release,
+        prefetch,
+        advise
+    );
 }

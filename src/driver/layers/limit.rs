@@ -2,13 +2,9 @@
 //! claimed from one count before the driver below is asked for it, and given back when it
 //! is released or the driver refuses it.
 
-use crate::driver::{
-    Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location, PhysHandle,
-    StreamId,
-};
+use crate::driver::{DevicePtr, Driver, DriverError, DriverResult, HostKind, PhysHandle};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Limits the memory one device's allocator takes from `inner`. Every shard of the device
 /// allocates through the same `Limit`, so that shards growing at the same time cannot pass
@@ -80,57 +76,12 @@ impl Limit {
 }
 
 impl Driver for Limit {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn device_count(&self) -> usize {
-        self.inner.device_count()
-    }
-    fn total_memory(&self, device: usize) -> DriverResult<u64> {
-        self.inner.total_memory(device)
-    }
     fn allocate(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
         let limit = self.limit.load(Ordering::Relaxed);
         self.claimed(size, limit, || self.inner.allocate(device, size))
     }
     fn release(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
         self.released(size, self.inner.release(device, ptr, size))
-    }
-    fn record_event(&self, device: usize, stream: StreamId) -> DriverResult<EventId> {
-        self.inner.record_event(device, stream)
-    }
-    fn event_done(&self, device: usize, event: EventId) -> DriverResult<bool> {
-        self.inner.event_done(device, event)
-    }
-    fn wait_event(&self, device: usize, event: EventId) -> DriverResult<()> {
-        self.inner.wait_event(device, event)
-    }
-    fn destroy_event(&self, device: usize, event: EventId) {
-        self.inner.destroy_event(device, event)
-    }
-    fn synchronize(&self, device: usize) -> DriverResult<()> {
-        self.inner.synchronize(device)
-    }
-    fn min_free_fence_interval(&self) -> Duration {
-        self.inner.min_free_fence_interval()
-    }
-    fn times_page_moves(&self) -> bool {
-        self.inner.times_page_moves()
-    }
-    fn releases_outgrown_segments(&self) -> bool {
-        self.inner.releases_outgrown_segments()
-    }
-    fn synchronize_stream(&self, device: usize, stream: StreamId) -> DriverResult<()> {
-        self.inner.synchronize_stream(device, stream)
-    }
-    fn vmm_granularity(&self, device: usize) -> Option<u64> {
-        self.inner.vmm_granularity(device)
-    }
-    fn reserve_address(&self, device: usize, size: u64) -> DriverResult<DevicePtr> {
-        self.inner.reserve_address(device, size)
-    }
-    fn free_address(&self, device: usize, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.free_address(device, ptr, size)
     }
     fn create_physical(&self, device: usize, size: u64) -> DriverResult<PhysHandle> {
         let limit = self.limit.load(Ordering::Relaxed).min(self.total_memory);
@@ -139,44 +90,34 @@ impl Driver for Limit {
     fn release_physical(&self, device: usize, handle: PhysHandle, size: u64) -> DriverResult<()> {
         self.released(size, self.inner.release_physical(device, handle, size))
     }
-    fn map(&self, device: usize, va: DevicePtr, size: u64, handle: PhysHandle) -> DriverResult<()> {
-        self.inner.map(device, va, size, handle)
-    }
-    fn set_access(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.set_access(device, va, size)
-    }
-    fn unmap(&self, device: usize, va: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.unmap(device, va, size)
-    }
     // Host-side memory is not the device's: not under its limit.
     fn host_memory(&self, kind: HostKind) -> DriverResult<u64> {
         self.inner.host_memory(kind)
     }
-    fn host_allocate(&self, kind: HostKind, size: u64) -> DriverResult<DevicePtr> {
-        self.inner.host_allocate(kind, size)
-    }
-    fn host_release(&self, kind: HostKind, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.host_release(kind, ptr, size)
-    }
-    fn prefetch(
-        &self,
-        ptr: DevicePtr,
-        size: u64,
-        to: Location,
-        stream_device: usize,
-        stream: StreamId,
-    ) -> DriverResult<()> {
-        self.inner.prefetch(ptr, size, to, stream_device, stream)
-    }
-    fn advise(
-        &self,
-        ptr: DevicePtr,
-        size: u64,
-        advice: Advice,
-        location: Location,
-    ) -> DriverResult<()> {
-        self.inner.advise(ptr, size, advice, location)
-    }
+    crate::driver::forward_to_inner!(
+        name,
+        device_count,
+        total_memory,
+        record_event,
+        event_done,
+        wait_event,
+        destroy_event,
+        synchronize,
+        min_free_fence_interval,
+        times_page_moves,
+        releases_outgrown_segments,
+        synchronize_stream,
+        vmm_granularity,
+        reserve_address,
+        free_address,
+        map,
+        set_access,
+        unmap,
+        host_allocate,
+        host_release,
+        prefetch,
+        advise
+    );
 }
 
 #[cfg(test)]
