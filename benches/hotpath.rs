@@ -1,6 +1,6 @@
 //! Hot-path benchmarks on the simulated device, the same patterns as the GPU harness
 //! (shared/bench/hotpath.cpp): same-size alloc+free pairs, steady churn (small and mixed
-//! sizes), and several threads each on its own stream.
+//! sizes), several threads each on its own stream, and two sharing one.
 //! Run: `cargo bench --features sim --bench hotpath`.
 
 use ccalloc::SimDriver;
@@ -42,7 +42,7 @@ fn pair_same(c: &mut Criterion) {
     let mut group = c.benchmark_group("pair_same");
     group.throughput(Throughput::Elements(1));
     for (mode, conf) in modes() {
-        for size in [4u64 << 10, 1 << 20, 32 << 20] {
+        for size in [4u64 << 10, 1 << 20, 32 << 20, 512 << 20] {
             let a = allocator(conf);
             let s = StreamId(0);
             group.bench_with_input(BenchmarkId::new(mode, size), &size, |b, &size| {
@@ -99,16 +99,22 @@ fn churn(c: &mut Criterion) {
     group.finish();
 }
 
-/// Wall time per step over all threads, each churning small blocks on its own stream; also
-/// with an allocator per stream (`per_stream_shards`).
+/// Wall time per step over all threads, each churning small blocks on its own stream, and
+/// two threads sharing one stream (PyTorch's forward on the Python thread and backward on
+/// the autograd thread); also with an allocator per stream (`per_stream_shards`).
 fn threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("threads");
     group.throughput(Throughput::Elements(1));
     let shards = ("shards", "per_stream_shards:True");
     for (mode, conf) in modes().into_iter().chain([shards]) {
-        for n in [1usize, 4, 8] {
+        for (label, n, one_stream) in [
+            ("1", 1usize, false),
+            ("4", 4, false),
+            ("8", 8, false),
+            ("2_one_stream", 2, true),
+        ] {
             let a = allocator(conf);
-            group.bench_function(BenchmarkId::new(mode, n), |b| {
+            group.bench_function(BenchmarkId::new(mode, label), |b| {
                 b.iter_custom(|iters| {
                     let per_thread = (iters / n as u64).max(1);
                     let barrier = Arc::new(Barrier::new(n + 1));
@@ -119,7 +125,7 @@ fn threads(c: &mut Criterion) {
                                 barrier.wait();
                                 churn_steps(
                                     &a,
-                                    StreamId(100 + t as u64),
+                                    StreamId(100 + if one_stream { 0 } else { t as u64 }),
                                     500,
                                     per_thread,
                                     (1u64 << 20) as f64,
