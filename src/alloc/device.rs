@@ -562,24 +562,22 @@ impl DeviceAllocator {
     /// writes on every allocation, which is what shards avoid.
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
-        let shards: Vec<&Shard> = self.shards().collect();
-        if let [only] = shards[..] {
-            // Reserved bytes change only under this shard's lock.
-            let st = only.lock()?;
-            let mut stats = only.stats_with_fronts_locked(&st)?;
-            stats.reserved_bytes = self.device_reserved.read()?;
-            return Ok(stats);
-        }
         let mut sum = DeviceStats::default();
-        // Fronts serve only single-shard devices; counts they hold from before a second
-        // shard was made are the first shard's.
-        for (i, shard) in shards.into_iter().enumerate() {
+        // Reserved bytes change only under a shard's lock, so the device-wide count is read
+        // with the last shard still held: with one shard, the same moment as its allocated
+        // bytes. Locks are taken one at a time, never two at once.
+        let mut last = None;
+        for (i, shard) in self.shards().enumerate() {
+            drop(last.take());
             let st = shard.lock()?;
+            // Fronts serve only single-shard devices; counts they hold from before a second
+            // shard was made are the first shard's.
             sum.add(&if i == 0 {
                 shard.stats_with_fronts_locked(&st)?
             } else {
                 *st.stats()
             });
+            last = Some(st);
         }
         sum.reserved_bytes = self.device_reserved.read()?;
         Ok(sum)
