@@ -183,21 +183,9 @@ impl Runtime {
 
     /// The allocator of `device`, created on first use.
     pub fn device(&self, device: i64) -> Result<&DeviceAllocator> {
-        let cell = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or_else(|| {
-                Error::new(
-                    ErrorKind::InvalidDevice,
-                    format!(
-                        "device {device} does not exist ({} backend has {} devices)",
-                        self.backend(),
-                        self.devices.len()
-                    ),
-                )
-            })?;
-        self.start(cell, |config| {
-            DeviceAllocator::new(device as usize, self.driver.clone(), config.clone())
+        let device = self.check_device_index(device)?;
+        self.start(&self.devices[device], |config| {
+            DeviceAllocator::new(device, self.driver.clone(), config.clone())
         })
     }
 
@@ -397,6 +385,7 @@ impl Runtime {
         }
     }
 
+    /// `device` as an index of `devices`, or the error that names the devices there are.
     fn check_device_index(&self, device: i64) -> Result<usize> {
         usize::try_from(device)
             .ok()
