@@ -154,6 +154,20 @@ impl DeviceReserved {
     }
 }
 
+/// The PyTorch names of the per-pool counters (`DeviceStats` and the C `ccalloc_stats` list
+/// them in this order).
+pub const ARRAY_NAMES: [&str; 9] = [
+    "allocation",
+    "segment",
+    "active",
+    "inactive_split",
+    "allocated_bytes",
+    "reserved_bytes",
+    "active_bytes",
+    "inactive_split_bytes",
+    "requested_bytes",
+];
+
 /// Everything PyTorch's `memory_stats()` reports for one device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceStats {
@@ -273,18 +287,20 @@ impl DeviceStats {
         self.paging.add(&o.paging);
     }
 
+    /// Every per-pool counter with its PyTorch name (`ARRAY_NAMES`' order).
     pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
-        [
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-            ("active", &self.active),
-            ("inactive_split", &self.inactive_split),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("requested_bytes", &self.requested_bytes),
-        ]
+        let arrays = [
+            &self.allocation,
+            &self.segment,
+            &self.active,
+            &self.inactive_split,
+            &self.allocated_bytes,
+            &self.reserved_bytes,
+            &self.active_bytes,
+            &self.inactive_split_bytes,
+            &self.requested_bytes,
+        ];
+        std::array::from_fn(|i| (ARRAY_NAMES[i], arrays[i]))
     }
 
     /// The statistics a thread front moves, in the order of `FrontPeaks`.

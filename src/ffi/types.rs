@@ -180,17 +180,18 @@ impl From<&StatArray> for ccalloc_stat_array {
 impl ccalloc_stats {
     /// Every per-pool counter with its PyTorch name, for checks that run over all of them.
     pub fn arrays(&self) -> [(&'static str, &ccalloc_stat_array); 9] {
-        [
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-            ("active", &self.active),
-            ("inactive_split", &self.inactive_split),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("requested_bytes", &self.requested_bytes),
-        ]
+        let arrays = [
+            &self.allocation,
+            &self.segment,
+            &self.active,
+            &self.inactive_split,
+            &self.allocated_bytes,
+            &self.reserved_bytes,
+            &self.active_bytes,
+            &self.inactive_split_bytes,
+            &self.requested_bytes,
+        ];
+        std::array::from_fn(|i| (crate::alloc::stats::ARRAY_NAMES[i], arrays[i]))
     }
 
     pub fn new(s: &DeviceStats, max_split_size: u64) -> Self {
