@@ -150,6 +150,18 @@ def _checked_index(index: int) -> int:
     return index
 
 
+def _size(size: Any) -> int:
+    """`size` as a C size_t: an int (not a bool) in [0, 2**64)."""
+    if isinstance(size, bool):
+        raise TypeError("size must be an int, not bool")
+    size = operator.index(size)
+    if size < 0:
+        raise ValueError(f"size must be >= 0, got {size}")
+    if size >= 1 << 64:
+        raise OverflowError(f"size {size} does not fit in size_t")
+    return size
+
+
 def _device_index(device: Any) -> int:
     """An ``int`` device index from ``int`` / ``None`` / ``torch.device`` / ``"cuda:N"``."""
     if device is None:
@@ -549,13 +561,7 @@ def malloc(size: int, device: Any = None, stream: Any = 0) -> int:
     ``stream`` is a ``cudaStream_t`` value (an ``int``, 0 = the legacy default stream), a
     ``torch.cuda.Stream`` or a CuPy stream. Free the block with :func:`free`.
     """
-    if isinstance(size, bool):
-        raise TypeError("size must be an int, not bool")
-    size = operator.index(size)
-    if size < 0:
-        raise ValueError(f"size must be >= 0, got {size}")
-    if size >= 1 << 64:
-        raise OverflowError(f"size {size} does not fit in size_t")
+    size = _size(size)
     index = _device_index(device)
     out = ctypes.c_void_p()
     _call("ccalloc_malloc", size, index, _stream_handle(stream), ctypes.byref(out))

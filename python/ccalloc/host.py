@@ -28,7 +28,7 @@ import operator
 import struct
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
-from . import _call, _device_index, _lib, _pointer, _stream_handle
+from . import _call, _device_index, _lib, _pointer, _size, _stream_handle
 
 __all__ = [
     "Advice",
@@ -61,17 +61,6 @@ class Advice(enum.IntEnum):
     UNSET_PREFERRED_LOCATION = 4
     SET_ACCESSED_BY = 5
     UNSET_ACCESSED_BY = 6
-
-
-def _size(size: Any) -> int:
-    if isinstance(size, bool):
-        raise TypeError("size must be an int, not bool")
-    size = operator.index(size)
-    if size < 0:
-        raise ValueError(f"size must be >= 0, got {size}")
-    if size >= 1 << 64:
-        raise OverflowError(f"size {size} does not fit in size_t")
-    return size
 
 
 def _location(device: Any) -> int:
