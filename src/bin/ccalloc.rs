@@ -99,17 +99,17 @@ fn main() -> ExitCode {
                 }
             }
             let printed = if json {
-                let shown: Vec<ReplayReport> = if stats {
-                    reports.clone()
+                let text = if stats {
+                    serde_json::to_string_pretty(&reports)
                 } else {
-                    reports
+                    let shown: Vec<ReplayReport> = reports
                         .iter()
                         .cloned()
                         .map(ReplayReport::without_stats)
-                        .collect()
+                        .collect();
+                    serde_json::to_string_pretty(&shown)
                 };
-                serde_json::to_string_pretty(&shown)
-                    .map_err(std::io::Error::other)
+                text.map_err(std::io::Error::other)
                     .and_then(|text| writeln!(std::io::stdout().lock(), "{text}"))
             } else {
                 print_table(&mut std::io::stdout().lock(), &reports)
