@@ -85,6 +85,7 @@ fn main() {
         host_waits: after.host_waits - before.host_waits,
         growth_ns: after.growth_ns - before.growth_ns,
         moving_ns: after.moving_ns - before.moving_ns,
+        wait_ns: after.wait_ns - before.wait_ns,
         reclaim_steps: after.reclaim_steps - before.reclaim_steps,
     };
     let stats = a.stats().unwrap();

@@ -143,6 +143,10 @@ typedef struct {
   // Wall time spent in growth, and in growth that moved pages, in nanoseconds.
   uint64_t growth_ns;
   uint64_t moving_ns;
+  // Of that time, the host's waits for the device (`host_waits`), in nanoseconds: the
+  // device was running the work queued before the moved pages were freed, so these
+  // waits are not what `page_move_budget` limits.
+  uint64_t wait_ns;
   // The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
   // `page_move_budget` has added).
   double page_slack;

@@ -27,6 +27,9 @@ struct Faulty {
     set_access_fails: std::sync::atomic::AtomicBool,
     /// Each map takes this long and page moves are timed, as on a GPU.
     slow_map: Option<Duration>,
+    /// Each host wait for the device (`wait_event`, `synchronize`) takes this long, as
+    /// when the device is busy with work queued earlier.
+    slow_wait: Duration,
     releases_fail: std::sync::atomic::AtomicBool,
     allocate_panics: std::sync::atomic::AtomicBool,
 }
@@ -74,6 +77,7 @@ impl Driver for Faulty {
         if self.wait_fails() {
             return Err(injected("wait_event"));
         }
+        std::thread::sleep(self.slow_wait);
         self.sim.wait_event(d, e)
     }
     fn destroy_event(&self, d: usize, e: EventId) {
@@ -83,6 +87,7 @@ impl Driver for Faulty {
         if self.wait_fails() {
             return Err(injected("synchronize"));
         }
+        std::thread::sleep(self.slow_wait);
         self.sim.synchronize(d)
     }
     fn synchronize_stream(&self, d: usize, s: StreamId) -> DriverResult<()> {
@@ -153,7 +158,23 @@ fn faulty_with(
     fence_interval: Duration,
     slow_map: Option<Duration>,
 ) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
-    let sim = Arc::new(SimDriver::new(1, capacity));
+    faulty_on(
+        SimDriver::new(1, capacity),
+        conf,
+        fence_interval,
+        slow_map,
+        Duration::ZERO,
+    )
+}
+
+fn faulty_on(
+    sim: SimDriver,
+    conf: &str,
+    fence_interval: Duration,
+    slow_map: Option<Duration>,
+    slow_wait: Duration,
+) -> (Arc<SimDriver>, Arc<Faulty>, DeviceAllocator) {
+    let sim = Arc::new(sim);
     let f = Arc::new(Faulty {
         sim: sim.clone(),
         unmaps: 0.into(),
@@ -166,6 +187,7 @@ fn faulty_with(
         fail_map_at: 0.into(),
         set_access_fails: false.into(),
         slow_map,
+        slow_wait,
         releases_fail: false.into(),
         allocate_panics: false.into(),
     });
@@ -458,6 +480,57 @@ fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
         "steps in 1.5 s: {loose_steps} with the budget, {tight_steps} without; \
          unmaps in the last 0.5 s: {loose_moves} and {tight_moves}"
     );
+}
+
+#[test]
+fn waits_for_a_busy_device_do_not_count_as_page_move_time() {
+    // The churn above, with driver calls that cost nothing but each wait for the device
+    // 3 ms long (a device busy with work queued before the frees): growth spends most of
+    // its time waiting, but moving costs little, so the slack must stay where it is.
+    let sim = SimDriver::new(1, 1 << 32).with_event_lag(2);
+    let (_sim, _f, a) = faulty_on(
+        sim,
+        "",
+        Duration::ZERO,
+        Some(Duration::ZERO),
+        Duration::from_millis(3),
+    );
+    let base = a.page_slack().unwrap();
+    let mut seed = 11u64;
+    let mut size = || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (4 + (seed >> 33) % 61) * MIB
+    };
+    let mut live: Vec<u64> = (0..8)
+        .map(|_| a.malloc(size(), StreamId(0)).unwrap())
+        .collect();
+    let start = std::time::Instant::now();
+    let mut step = 0;
+    while start.elapsed() < Duration::from_millis(1200) {
+        let i = step % live.len();
+        a.free(live[i]).unwrap();
+        live[i] = a.malloc(size(), StreamId(0)).unwrap();
+        step += 1;
+    }
+    let paging = a.stats().unwrap().paging;
+    for p in live {
+        a.free(p).unwrap();
+    }
+    eprintln!(
+        "{step} steps, {paging:?}, slack {}",
+        a.page_slack().unwrap()
+    );
+    assert!(
+        paging.host_waits > 20,
+        "the device was waited on: {paging:?}"
+    );
+    assert!(
+        paging.wait_ns * 2 > paging.moving_ns,
+        "waits took most of the moving growths' time: {paging:?}"
+    );
+    assert_eq!(a.page_slack().unwrap(), base, "{paging:?}");
 }
 
 #[test]

@@ -391,7 +391,8 @@ def paging_stats(device: Any = None) -> Dict[str, Any]:
     such figures): ``growths`` (requests that had to map pages), ``moving_growths`` (those
     that moved pages from under free blocks), ``chunks_mapped``, ``chunks_unmapped``,
     ``host_waits`` (the host waited for the device), ``growth_ns`` and ``moving_ns`` (wall
-    time in growth, and in growth that moved pages), and ``page_slack`` (the share of peak
+    time in growth, and in growth that moved pages), ``wait_ns`` (of that, the host's waits
+    for the device), and ``page_slack`` (the share of peak
     live bytes that may now be kept beyond it: ``page_slack`` plus what ``page_move_budget``
     added). Counts and times restart at :func:`reset_accumulated_memory_stats`.
     """

@@ -311,6 +311,7 @@ class ccalloc_paging_stats(ctypes.Structure):
         ("host_waits", c_uint64),
         ("growth_ns", c_uint64),
         ("moving_ns", c_uint64),
+        ("wait_ns", c_uint64),
         ("page_slack", c_double),
     ]
 

@@ -246,6 +246,8 @@ pub struct PagingCounters {
     /// Wall time spent in growth (gathering, waiting, mapping), and in growth that moved.
     pub growth_ns: u64,
     pub moving_ns: u64,
+    /// Of the growth time, the host's waits for the device (`host_waits`).
+    pub wait_ns: u64,
     /// Free blocks and chunks that searches for chunks to unmap visited: the work of
     /// reclaiming, which grows with what changed since the last search, not with the
     /// number of streams.
@@ -261,6 +263,7 @@ impl PagingCounters {
         self.host_waits += o.host_waits;
         self.growth_ns += o.growth_ns;
         self.moving_ns += o.moving_ns;
+        self.wait_ns += o.wait_ns;
         self.reclaim_steps += o.reclaim_steps;
     }
 }

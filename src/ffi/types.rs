@@ -110,6 +110,10 @@ pub struct ccalloc_paging_stats {
     /// Wall time spent in growth, and in growth that moved pages, in nanoseconds.
     pub growth_ns: u64,
     pub moving_ns: u64,
+    /// Of that time, the host's waits for the device (`host_waits`), in nanoseconds: the
+    /// device was running the work queued before the moved pages were freed, so these
+    /// waits are not what `page_move_budget` limits.
+    pub wait_ns: u64,
     /// The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
     /// `page_move_budget` has added).
     pub page_slack: f64,
@@ -125,6 +129,7 @@ impl ccalloc_paging_stats {
             host_waits: p.host_waits,
             growth_ns: p.growth_ns,
             moving_ns: p.moving_ns,
+            wait_ns: p.wait_ns,
             page_slack,
         }
     }

@@ -37,12 +37,23 @@ pub fn slack_bytes(high: u64, share: f64, page: u64) -> u64 {
 }
 
 /// Time spent moving pages over a window of wall time, and the extra slack it bought.
+///
+/// A move's cost is the host time of the growth that made it, less the host's waits for
+/// the device (`note_wait`). A wait blocks the host until the device has run the work
+/// queued before the pages were freed; the device keeps running that work meanwhile, so
+/// the wait delays the job by no more than the device's idle time after it (until the host
+/// queues the next kernel), not by its length. On a job the device limits, waits are long
+/// and nearly free; counted as move time, they would buy extra slack (memory) that saves
+/// nothing. The driver calls of a move (unmap, map, grant access) hold the host, and the
+/// device starves once its queue runs dry: that is the cost the budget bounds.
 #[derive(Default)]
 pub struct MoveClock {
     window_start: Option<Instant>,
     moving: Duration,
     /// Set when a reclaim moves chunks: only growth that moved counts as moving time.
     reclaimed: bool,
+    /// The host's waits for the device during the growth under way.
+    waited: Duration,
     /// Added to `page_slack` while moves take more than `page_move_budget` of the time.
     extra_slack: f64,
     /// Windows in a row with moves well under the budget (see `next_extra_slack`).
@@ -57,9 +68,15 @@ impl MoveClock {
         self.extra_slack
     }
 
-    /// A growth starts: it has moved nothing yet.
+    /// A growth starts: it has moved nothing and waited for nothing yet.
     pub fn start_growth(&mut self) {
         self.reclaimed = false;
+        self.waited = Duration::ZERO;
+    }
+
+    /// The growth under way waited `waited` for the device (see `MoveClock`).
+    pub fn note_wait(&mut self, waited: Duration) {
+        self.waited += waited;
     }
 
     /// The growth under way unmapped chunks to reuse their memory (`moved`).
@@ -72,7 +89,8 @@ impl MoveClock {
         self.reclaimed
     }
 
-    /// Counts a growth that ran from `started` to `now` on a GPU, and every `MOVE_WINDOW`
+    /// Counts a growth that ran from `started` to `now` on a GPU (its waits left out: see
+    /// `MoveClock`), and every `MOVE_WINDOW`
     /// (or sooner, see `closes_early`) adjusts the extra slack to the share of time moves
     /// took (`next_extra_slack`). Growth that only mapped new memory is not a move (more
     /// slack would not spare it), but it still closes windows, so that extra slack decays
@@ -86,7 +104,7 @@ impl MoveClock {
     ) -> Option<(f64, Duration)> {
         let base = page_slack.max(MIN_EXTRA_SLACK);
         if self.reclaimed {
-            self.moving += now - started;
+            self.moving += (now - started).saturating_sub(self.waited);
         }
         let window = now - *self.window_start.get_or_insert(started);
         let early = closes_early(window, self.moving, budget);

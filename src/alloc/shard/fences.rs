@@ -5,6 +5,7 @@ use super::super::state::State;
 use super::super::{driver_error, Shard};
 use crate::driver::StreamId;
 use crate::error::Result;
+use std::time::Instant;
 
 impl Shard {
     /// Records a fence on `stream` (alive: the caller allocates on it, or has just freed a
@@ -94,17 +95,29 @@ impl Shard {
             },
             None => return self.sync_before_moves(st),
         };
-        st.stats_mut().paging.host_waits += 1;
-        self.driver
-            .wait_event(self.device, st.fences().event_at(i))
-            .map_err(|e| driver_error(self.device, e))?;
+        let started = Instant::now();
+        let waited = self.driver.wait_event(self.device, st.fences().event_at(i));
+        self.note_wait(st, started);
+        waited.map_err(|e| driver_error(self.device, e))?;
         // It and the stream's older fences are done now.
         self.poll_fences(st, Some(stream))
     }
 
     /// A device synchronize so that pages may move (a host wait, for the paging stats).
     pub(in crate::alloc) fn sync_before_moves(&self, st: &mut State) -> Result<()> {
-        st.stats_mut().paging.host_waits += 1;
-        self.sync_device(st)
+        let started = Instant::now();
+        let synced = self.sync_device(st);
+        self.note_wait(st, started);
+        synced
+    }
+
+    /// Counts a host wait for the device that began at `started`: in the paging statistics,
+    /// and as time the growth under way did not spend moving (`MoveClock`).
+    fn note_wait(&self, st: &mut State, started: Instant) {
+        let waited = started.elapsed();
+        let paging = &mut st.stats_mut().paging;
+        paging.host_waits += 1;
+        paging.wait_ns += waited.as_nanos() as u64;
+        st.moves_mut().note_wait(waited);
     }
 }
