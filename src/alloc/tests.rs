@@ -8,6 +8,7 @@ use crate::driver::sim::SimDriver;
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(0x51de);
 
@@ -1266,4 +1267,46 @@ fn a_poisoned_lock_fails_the_calls_that_need_it_naming_what_it_guards() {
             e.message
         );
     }
+}
+
+#[test]
+fn a_request_no_free_address_range_fits_gets_another_paged_segment_not_new_memory() {
+    // Small live blocks scattered over the address range (the device's size), with large
+    // blocks between them freed: the memory is there (the freed blocks' pages), but no
+    // free range holds 300 MiB. Each 100 MiB block is freed and its range taken again by
+    // 96 MiB and 4 MiB blocks (best fit puts both there).
+    let (sim, a) = paged(GIB, "");
+    let whole: Vec<_> = (0..10).map(|_| a.malloc(100 * MIB, S0).unwrap()).collect();
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    for p in whole {
+        a.free(p).unwrap();
+        large.push(a.malloc(96 * MIB, S0).unwrap());
+        small.push(a.malloc(4 * MIB, S0).unwrap());
+    }
+    for p in large {
+        a.free(p).unwrap();
+    }
+    let big = a.malloc(300 * MIB, S0).unwrap();
+    let counters = sim.counters(0);
+    assert_eq!(counters.allocate_calls, 0, "no plain segment (cudaMalloc)");
+    assert_eq!(counters.live_reservations, 2, "a second address range");
+    let stats = a.stats().unwrap();
+    let reserved = stats.reserved_bytes.all().current as u64;
+    let live = stats.allocated_bytes.all().current as u64;
+    assert!(
+        within_default_slack(reserved, stats.allocated_bytes.all().peak as u64),
+        "reserved {reserved} for {live} live"
+    );
+    a.free(big).unwrap();
+    for p in small {
+        a.free(p).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+    assert_eq!(
+        sim.counters(0).live_reservations,
+        0,
+        "both ranges went back"
+    );
 }

@@ -23,6 +23,12 @@ use crate::error::{human_bytes, Error, ErrorKind, Result};
 use crate::sync::{poisoned, Guard, SpinThenBlock};
 use std::sync::Arc;
 
+/// Paged segments a (stream, pool) may have. Each spans the device's size in addresses, so
+/// a request finds no free range only when live blocks are scattered across it; a few more
+/// ranges are cheap (a page table each), and past them requests fall back to plain
+/// segments.
+const MAX_PAGED_SEGMENTS: usize = 4;
+
 /// What `Shard::free` did.
 #[derive(Debug)]
 pub(in crate::alloc) enum Freed {
@@ -183,7 +189,11 @@ impl Shard {
             }
             return Err(self.out_of_memory(st, size, size));
         }
-        if found.is_none() && !st.has_paged_segment(stream, pool) {
+        // No free block fits: with paging, that means no free address range does. Address
+        // space is not memory: another paged segment gives the request a range, and its
+        // pages come from the same reserve (moved from under free blocks past the slack),
+        // where a plain segment would reserve the whole request anew and keep it cached.
+        if found.is_none() && st.paged_segments_of(stream, pool) < MAX_PAGED_SEGMENTS {
             if let Some(page) = self.paging(st, owner.is_some()) {
                 if self.add_paged_segment(st, stream, pool, page)? {
                     found = st.take_cached(owner, pool, stream, rounded);

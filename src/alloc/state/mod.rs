@@ -19,7 +19,7 @@ use super::SegmentView;
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use parked::Parked;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// A block freed while other streams may still use it; reusable once every event completes.
@@ -64,9 +64,9 @@ struct Book {
 /// The paging state: paged segments' page tables, spare chunks, fences and the move clock.
 #[derive(Default)]
 struct Paging {
-    /// Paged segments by base address, and which one serves each (stream, pool).
+    /// Paged segments by base address, and how many serve each (stream, pool).
     segments: BTreeMap<DevicePtr, PagedSegment>,
-    serving: HashSet<(StreamId, PoolKind)>,
+    serving: HashMap<(StreamId, PoolKind), usize>,
     /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
     /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
     reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,

@@ -206,9 +206,13 @@ impl State {
 
 /// The paging part, as the shard's driver I/O reads and changes it.
 impl State {
-    /// Whether (stream, pool) has its paged segment.
-    pub fn has_paged_segment(&self, stream: StreamId, pool: PoolKind) -> bool {
-        self.paging.serving.contains(&(stream, pool))
+    /// How many paged segments serve (stream, pool).
+    pub fn paged_segments_of(&self, stream: StreamId, pool: PoolKind) -> usize {
+        self.paging
+            .serving
+            .get(&(stream, pool))
+            .copied()
+            .unwrap_or(0)
     }
 
     /// The paged segment at base address `base`.
@@ -250,7 +254,7 @@ impl State {
         self.paging
             .segments
             .insert(base, PagedSegment::new(base, size, page, stream, pool));
-        self.paging.serving.insert((stream, pool));
+        *self.paging.serving.entry((stream, pool)).or_default() += 1;
         self.stats.segment.increase(pool, 1);
     }
 
@@ -279,7 +283,13 @@ impl State {
         self.forget_used(base, base + seg.size);
         let block = self.book.blocks.remove(segment.first);
         self.book.caches.list(None, seg.pool).remove(&block);
-        self.paging.serving.remove(&(seg.stream, seg.pool));
+        let key = (seg.stream, seg.pool);
+        if let Some(count) = self.paging.serving.get_mut(&key) {
+            *count -= 1;
+            if *count == 0 {
+                self.paging.serving.remove(&key);
+            }
+        }
         self.stats.segment.decrease(seg.pool, 1);
     }
 
