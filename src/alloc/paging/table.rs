@@ -253,9 +253,13 @@ impl PagedSegment {
     /// a fence: the first, then every `FREES_PER_FENCE`-th.
     pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
         let touched = self.touched(addr, len);
-        let firsts: Vec<usize> = self.chunks_over(touched).map(|c| c.first).collect();
-        for first in firsts {
-            self.chunks.get_mut(&first).expect("listed").last_free = seq;
+        // Chunks are disjoint: walking down from the last one starting before the end, they
+        // overlap the block until one ends at or before its start.
+        for (_, chunk) in self.chunks.range_mut(..touched.end).rev() {
+            if chunk.first + chunk.pages <= touched.start {
+                break;
+            }
+            chunk.last_free = seq;
         }
         let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
         self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
@@ -310,4 +314,46 @@ pub fn segment_at(
         .next_back()
         .expect("a paged block has a segment");
     (base, seg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A free stamps exactly the chunks its pages touch (`chunks_over`), whatever the chunk
+    /// sizes and gaps between them.
+    #[test]
+    fn note_free_stamps_the_chunks_the_block_touches() {
+        const PAGE: u64 = 1 << 21;
+        let mut seg = PagedSegment::new(0, 64 * PAGE, PAGE, StreamId(0), PoolKind::Large);
+        let mut first = 1;
+        for (i, pages) in [4, 1, 8, 4, 2, 4].into_iter().enumerate() {
+            seg.set_chunk(
+                first,
+                Spare {
+                    handle: PhysHandle(i as u64),
+                    pages,
+                },
+            );
+            first += pages + i % 2;
+        }
+        let mut seq = 0;
+        for start in (0..30 * PAGE).step_by(PAGE as usize / 2) {
+            for len in [512, PAGE / 2, PAGE, 3 * PAGE + 512, 9 * PAGE] {
+                seq += 1;
+                let want: Vec<usize> = seg
+                    .chunks_over(seg.touched(start, len))
+                    .map(|c| c.first)
+                    .collect();
+                seg.note_free(start, len, seq);
+                let stamped: Vec<usize> = seg
+                    .chunks
+                    .values()
+                    .filter(|c| c.last_free == seq)
+                    .map(|c| c.first)
+                    .collect();
+                assert_eq!(stamped, want, "[{start:#x}, +{len:#x})");
+            }
+        }
+    }
 }
