@@ -304,16 +304,65 @@ pub fn pages_of(spares: &[Spare]) -> usize {
     spares.iter().map(|s| s.pages).sum()
 }
 
+/// A shard's paged segments, sorted by base address. There are few (one per stream and
+/// pool in use) and every paged free and fit looks one up by an address inside it: a
+/// binary search over a short vector costs less than a B-tree's range descent.
+#[derive(Default)]
+pub struct PagedSegments {
+    sorted: Vec<PagedSegment>,
+}
+
+impl PagedSegments {
+    /// The index of the last segment starting at or below `addr`.
+    fn last_at_or_below(&self, addr: DevicePtr) -> Option<usize> {
+        self.sorted.partition_point(|s| s.base <= addr).checked_sub(1)
+    }
+
+    fn index_of(&self, base: DevicePtr) -> Option<usize> {
+        self.sorted.binary_search_by_key(&base, |s| s.base).ok()
+    }
+
+    /// The segment holding `addr` (which must lie in one).
+    pub fn holding_mut(&mut self, addr: DevicePtr) -> &mut PagedSegment {
+        let i = self
+            .last_at_or_below(addr)
+            .expect("a paged block has a segment");
+        &mut self.sorted[i]
+    }
+
+    /// The segment starting at `base`.
+    pub fn get(&self, base: DevicePtr) -> Option<&PagedSegment> {
+        self.index_of(base).map(|i| &self.sorted[i])
+    }
+
+    pub fn get_mut(&mut self, base: DevicePtr) -> Option<&mut PagedSegment> {
+        self.index_of(base).map(|i| &mut self.sorted[i])
+    }
+
+    /// Adds a segment; its base must be new (address ranges are the driver's, disjoint).
+    pub fn insert(&mut self, seg: PagedSegment) {
+        let at = self.sorted.partition_point(|s| s.base < seg.base);
+        debug_assert!(self.sorted.get(at).is_none_or(|s| s.base != seg.base));
+        self.sorted.insert(at, seg);
+    }
+
+    pub fn remove(&mut self, base: DevicePtr) -> Option<PagedSegment> {
+        self.index_of(base).map(|i| self.sorted.remove(i))
+    }
+
+    /// Every segment, by base address.
+    pub fn iter(&self) -> impl Iterator<Item = &PagedSegment> + '_ {
+        self.sorted.iter()
+    }
+}
+
 /// The paged segment holding `addr` (which must lie in one), with its base address.
-pub fn segment_at(
-    segments: &BTreeMap<DevicePtr, PagedSegment>,
-    addr: DevicePtr,
-) -> (DevicePtr, &PagedSegment) {
-    let (&base, seg) = segments
-        .range(..=addr)
-        .next_back()
+pub fn segment_at(segments: &PagedSegments, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
+    let i = segments
+        .last_at_or_below(addr)
         .expect("a paged block has a segment");
-    (base, seg)
+    let seg = &segments.sorted[i];
+    (seg.base, seg)
 }
 
 #[cfg(test)]

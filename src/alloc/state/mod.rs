@@ -12,7 +12,7 @@ use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
 use super::paging::budget::MoveClock;
 use super::paging::fences::Fences;
-use super::paging::table::{PagedSegment, Spare};
+use super::paging::table::{PagedSegments, Spare};
 use super::sizing::PoolKind;
 use super::stats::{DeviceReserved, DeviceStats};
 use super::SegmentView;
@@ -65,7 +65,7 @@ struct Book {
 #[derive(Default)]
 struct Paging {
     /// Paged segments by base address, and which one serves each (stream, pool).
-    segments: BTreeMap<DevicePtr, PagedSegment>,
+    segments: PagedSegments,
     serving: HashSet<(StreamId, PoolKind)>,
     /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
     /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
@@ -378,7 +378,7 @@ impl State {
                     private_pool: first.owner(),
                     blocks,
                     requested,
-                    mapped: self.paging.segments.get(&addr).map(|p| p.mapped_runs()),
+                    mapped: self.paging.segments.get(addr).map(|p| p.mapped_runs()),
                 }
             })
             .collect()
