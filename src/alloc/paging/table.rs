@@ -315,7 +315,9 @@ pub struct PagedSegments {
 impl PagedSegments {
     /// The index of the last segment starting at or below `addr`.
     fn last_at_or_below(&self, addr: DevicePtr) -> Option<usize> {
-        self.sorted.partition_point(|s| s.base <= addr).checked_sub(1)
+        self.sorted
+            .partition_point(|s| s.base <= addr)
+            .checked_sub(1)
     }
 
     fn index_of(&self, base: DevicePtr) -> Option<usize> {

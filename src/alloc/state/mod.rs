@@ -59,6 +59,11 @@ struct Book {
     /// ones joined; a segment's part is dropped when it goes back to the device): tells a
     /// double free from a pointer ccalloc never handed out (`diagnose_not_live`).
     used: BTreeMap<DevicePtr, DevicePtr>,
+    /// A range lying inside one of `used`'s (empty when none is known): most hand-outs
+    /// fall inside the range the last one found or made, and skip the B-tree. Ranges
+    /// there only grow and join while handing out, so it stays inside until a range is cut
+    /// (`forget_used` empties it).
+    used_hint: (DevicePtr, DevicePtr),
 }
 
 /// The paging state: paged segments' page tables, spare chunks, fences and the move clock.
@@ -126,6 +131,7 @@ impl State {
                 live: Default::default(),
                 segments: BTreeMap::new(),
                 used: BTreeMap::new(),
+                used_hint: (0, 0),
             },
             paging: Paging::default(),
             parked: Parked::default(),

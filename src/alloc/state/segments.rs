@@ -70,6 +70,7 @@ impl State {
 
     /// A segment `[start, end)` went back to the device: nothing in it was handed out.
     pub fn forget_used(&mut self, start: DevicePtr, end: DevicePtr) {
+        self.book.used_hint = (0, 0);
         let mut cut: Vec<(DevicePtr, DevicePtr)> = self
             .book
             .used
@@ -208,7 +209,10 @@ impl State {
 
     /// The paged segment at base address `base`.
     pub fn paged_at(&self, base: DevicePtr) -> &PagedSegment {
-        self.paging.segments.get(base).expect("a paged segment starts there")
+        self.paging
+            .segments
+            .get(base)
+            .expect("a paged segment starts there")
     }
 
     /// The page size of the paged segments, if there are any.
