@@ -199,6 +199,7 @@ impl State {
             if let Some(next) = self.book.blocks.get(rest_id).next() {
                 if paged && self.book.blocks.get(next).state() == BlockState::Free {
                     self.absorb(rest_id, next);
+                    self.mark_reclaim_dirty(rest_id);
                 }
             }
             self.book
