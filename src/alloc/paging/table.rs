@@ -170,17 +170,38 @@ impl PagedSegment {
             .chain(self.chunks.range(range).map(|(_, c)| c))
     }
 
+    /// Whole pages in `bytes` (a shift for the power-of-two page sizes drivers use: every
+    /// paged free and fit converts addresses to pages).
+    #[inline]
+    fn pages_floor(&self, bytes: u64) -> u64 {
+        if self.page.is_power_of_two() {
+            bytes >> self.page.trailing_zeros()
+        } else {
+            bytes / self.page
+        }
+    }
+
+    /// Pages that `bytes` reach into.
+    #[inline]
+    fn pages_ceil(&self, bytes: u64) -> u64 {
+        if self.page.is_power_of_two() {
+            (bytes + self.page - 1) >> self.page.trailing_zeros()
+        } else {
+            bytes.div_ceil(self.page)
+        }
+    }
+
     /// Pages that `[addr, addr+len)` touches.
     pub fn touched(&self, addr: DevicePtr, len: u64) -> Range<usize> {
-        let start = (addr - self.base) / self.page;
-        let end = (addr + len - self.base).div_ceil(self.page);
+        let start = self.pages_floor(addr - self.base);
+        let end = self.pages_ceil(addr + len - self.base);
         start as usize..end as usize
     }
 
     /// Pages lying wholly inside `[addr, addr+len)`.
     pub fn inside(&self, addr: DevicePtr, len: u64) -> Range<usize> {
-        let start = (addr - self.base).div_ceil(self.page);
-        let end = (addr + len - self.base) / self.page;
+        let start = self.pages_ceil(addr - self.base);
+        let end = self.pages_floor(addr + len - self.base);
         start as usize..(end as usize).max(start as usize)
     }
 
@@ -370,6 +391,27 @@ pub fn segment_at(segments: &PagedSegments, addr: DevicePtr) -> (DevicePtr, &Pag
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Page ranges come out as by division, for power-of-two page sizes (shifted) and others.
+    #[test]
+    fn page_ranges_match_division() {
+        for page in [1u64 << 21, 3 << 19, 4096] {
+            let base = 7 * page;
+            let seg = PagedSegment::new(base, 256 * page, page, StreamId(0), PoolKind::Large);
+            for off in (0..40 * page).step_by(page as usize / 4 + 512) {
+                for len in [512, page - 512, page, page + 1, 5 * page + 3] {
+                    let (a, b) = (off, off + len);
+                    assert_eq!(
+                        seg.touched(base + off, len),
+                        (a / page) as usize..b.div_ceil(page) as usize
+                    );
+                    let inside = seg.inside(base + off, len);
+                    let (lo, hi) = (a.div_ceil(page) as usize, (b / page) as usize);
+                    assert_eq!(inside, lo..hi.max(lo));
+                }
+            }
+        }
+    }
 
     /// A free stamps exactly the chunks its pages touch (`chunks_over`), whatever the chunk
     /// sizes and gaps between them.
