@@ -3,7 +3,7 @@
 
 use crate::alloc::sizing::PoolKind;
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 /// Every this many frees of paged blocks in a segment, the free records a fence: an event
@@ -55,9 +55,14 @@ pub struct PagedSegment {
     pub pool: PoolKind,
     /// The mapped chunks, by first page. A segment spans the whole device while few of its
     /// pages are mapped: everything kept per segment is proportional to its mapped chunks
-    /// (the bitmap aside, one bit a page), so that many streams, each with its own
+    /// (the bitmaps aside, one bit a page each), so that many streams, each with its own
     /// segments, cost memory and time in proportion to what they map.
-    chunks: BTreeMap<usize, Chunk>,
+    chunks: rustc_hash::FxHashMap<usize, Chunk>,
+    /// The chunks' first pages, twice (both kept by `set_chunk` and `take_chunk` alone): a
+    /// set walks them in order, and a bitmap finds a freed block's chunks without a tree
+    /// descent (every paged free stamps them, `note_free`).
+    firsts: BTreeSet<usize>,
+    starts: PageBits,
     /// Frees since the last one that asked for a fence.
     frees_since_fence: u32,
     /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
@@ -113,6 +118,28 @@ impl PageBits {
         })
     }
 
+    /// The set bits inside `range`, in order.
+    fn ones(&self, range: Range<usize>) -> impl Iterator<Item = usize> + '_ {
+        self.masked(range).flat_map(|(w, mut bits)| {
+            std::iter::from_fn(move || {
+                let bit = (bits != 0).then(|| bits.trailing_zeros() as usize)?;
+                bits &= bits - 1;
+                Some(w * 64 + bit)
+            })
+        })
+    }
+
+    /// The last set bit at or below `i`.
+    fn last_at_or_below(&self, i: usize) -> Option<usize> {
+        let mut w = i / 64;
+        let mut word = self.words[w] & (u64::MAX >> (63 - i % 64));
+        while word == 0 {
+            w = w.checked_sub(1)?;
+            word = self.words[w];
+        }
+        Some(w * 64 + 63 - word.leading_zeros() as usize)
+    }
+
     /// Set bits inside `range`.
     pub fn count(&self, range: Range<usize>) -> usize {
         self.masked(range)
@@ -131,7 +158,9 @@ impl PagedSegment {
             page,
             stream,
             pool,
-            chunks: BTreeMap::new(),
+            chunks: Default::default(),
+            firsts: BTreeSet::new(),
+            starts: PageBits::new(count),
             frees_since_fence: 0,
             mapped: PageBits::new(count),
             mapped_set: BTreeSet::new(),
@@ -155,7 +184,7 @@ impl PagedSegment {
 
     /// The chunk mapped at page `i`.
     pub fn chunk_at(&self, i: usize) -> Option<&Chunk> {
-        let (_, chunk) = self.chunks.range(..=i).next_back()?;
+        let chunk = &self.chunks[self.firsts.range(..=i).next_back()?];
         (i < chunk.first + chunk.pages).then_some(chunk)
     }
 
@@ -167,7 +196,7 @@ impl PagedSegment {
             .filter(|c| c.first < range.start && !range.is_empty());
         straddling
             .into_iter()
-            .chain(self.chunks.range(range).map(|(_, c)| c))
+            .chain(self.firsts.range(range).map(|first| &self.chunks[first]))
     }
 
     /// Whole pages in `bytes` (a shift for the power-of-two page sizes drivers use: every
@@ -274,13 +303,16 @@ impl PagedSegment {
     /// a fence: the first, then every `FREES_PER_FENCE`-th.
     pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
         let touched = self.touched(addr, len);
-        // Chunks are disjoint: walking down from the last one starting before the end, they
-        // overlap the block until one ends at or before its start.
-        for (_, chunk) in self.chunks.range_mut(..touched.end).rev() {
-            if chunk.first + chunk.pages <= touched.start {
-                break;
-            }
-            chunk.last_free = seq;
+        // A mapped page lies in the chunk starting last at or before it; the other chunks
+        // the block touches start inside it.
+        let holding_start = if self.mapped.get(touched.start) {
+            self.starts.last_at_or_below(touched.start)
+        } else {
+            None
+        };
+        let inside = self.starts.ones(touched.start + 1..touched.end);
+        for first in holding_start.into_iter().chain(inside) {
+            self.chunks.get_mut(&first).expect("listed").last_free = seq;
         }
         let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
         self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
@@ -296,6 +328,8 @@ impl PagedSegment {
             last_free: 0,
         };
         self.chunks.insert(first, chunk);
+        self.firsts.insert(first);
+        self.starts.set(first);
         for i in first..first + spare.pages {
             self.mapped.set(i);
             self.mapped_set.insert(i);
@@ -305,6 +339,8 @@ impl PagedSegment {
     /// The chunk starting at page `first` is no longer mapped: its memory.
     pub fn take_chunk(&mut self, first: usize) -> Spare {
         let chunk = self.chunks.remove(&first).expect("chunks are taken whole");
+        self.firsts.remove(&first);
+        self.starts.clear(first);
         for i in first..first + chunk.pages {
             self.mapped.clear(i);
             self.mapped_set.remove(&i);
@@ -440,10 +476,10 @@ mod tests {
                     .collect();
                 seg.note_free(start, len, seq);
                 let stamped: Vec<usize> = seg
-                    .chunks
-                    .values()
-                    .filter(|c| c.last_free == seq)
-                    .map(|c| c.first)
+                    .firsts
+                    .iter()
+                    .filter(|&first| seg.chunks[first].last_free == seq)
+                    .copied()
                     .collect();
                 assert_eq!(stamped, want, "[{start:#x}, +{len:#x})");
             }
