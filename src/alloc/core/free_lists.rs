@@ -13,7 +13,12 @@ use std::collections::HashMap;
 /// for best fit.
 #[derive(Default)]
 pub struct FreeList {
-    streams: rustc_hash::FxHashMap<StreamId, SizeIndex>,
+    /// The streams' indexes, each at the position `positions` names.
+    indexes: Vec<(StreamId, SizeIndex)>,
+    positions: rustc_hash::FxHashMap<StreamId, usize>,
+    /// The position last looked up: a shard's frees and fits mostly name one stream, which
+    /// then costs a compare instead of a hash lookup (several per alloc and free).
+    last: std::cell::Cell<usize>,
     /// Counts lookups; a cached block's age is `lookups - block.cached_at()`.
     lookups: u64,
 }
@@ -31,20 +36,38 @@ impl FreeList {
         self.lookups += 1;
     }
 
+    /// Where `stream`'s index is, if it has one.
+    #[inline]
+    fn position(&self, stream: StreamId) -> Option<usize> {
+        let last = self.last.get();
+        if self.indexes.get(last).is_some_and(|(s, _)| *s == stream) {
+            return Some(last);
+        }
+        let at = *self.positions.get(&stream)?;
+        self.last.set(at);
+        Some(at)
+    }
+
+    fn index(&self, stream: StreamId) -> Option<&SizeIndex> {
+        self.position(stream).map(|at| &self.indexes[at].1)
+    }
+
     pub fn insert(&mut self, block: &Block, id: BlockId) {
-        let fresh =
-            self.streams
-                .entry(block.stream())
-                .or_default()
-                .insert(block.size(), block.addr(), id);
+        let stream = block.stream();
+        let at = self.position(stream).unwrap_or_else(|| {
+            self.indexes.push((stream, SizeIndex::default()));
+            let at = self.indexes.len() - 1;
+            self.positions.insert(stream, at);
+            at
+        });
+        let fresh = self.indexes[at].1.insert(block.size(), block.addr(), id);
         debug_assert!(fresh, "block cached twice");
     }
 
     pub fn remove(&mut self, block: &Block) {
         let removed = self
-            .streams
-            .get_mut(&block.stream())
-            .and_then(|index| index.remove(block.size(), block.addr()));
+            .position(block.stream())
+            .and_then(|at| self.indexes[at].1.remove(block.size(), block.addr()));
         debug_assert!(removed.is_some(), "removed a block that was not cached");
     }
 
@@ -55,52 +78,52 @@ impl FreeList {
 
     /// Cached blocks on `stream` of at least `size` bytes, smallest first.
     pub fn fits(&self, stream: StreamId, size: u64) -> impl Iterator<Item = (u64, BlockId)> + '_ {
-        self.streams
-            .get(&stream)
+        self.index(stream)
             .into_iter()
             .flat_map(move |index| index.fits(size))
     }
 
     /// The largest cached block on `stream`, if it holds at least `size` bytes.
     pub fn largest_fit(&self, stream: StreamId, size: u64) -> Option<BlockId> {
-        self.streams.get(&stream)?.largest_fit(size)
+        self.index(stream)?.largest_fit(size)
     }
 
     /// Cached blocks on `stream` of at least `min_size`, largest first.
     pub fn largest_first(&self, stream: StreamId, min_size: u64) -> Vec<BlockId> {
-        self.streams
-            .get(&stream)
+        self.index(stream)
             .map(|index| index.largest_first(min_size))
             .unwrap_or_default()
     }
 
     /// Drops the indexes of streams with no block cached.
     pub fn prune(&mut self) {
-        self.streams.retain(|_, index| !index.is_empty());
+        self.indexes.retain(|(_, index)| !index.is_empty());
+        self.positions.clear();
+        for (at, (stream, _)) in self.indexes.iter().enumerate() {
+            self.positions.insert(*stream, at);
+        }
+        self.last.set(0);
     }
 
     /// Streams with an index (tests).
     #[cfg(test)]
     pub fn indexed_streams(&self) -> usize {
-        self.streams.len()
+        self.indexes.len()
     }
 
     /// The cached blocks of `stream`, by size, then address.
     pub fn ids_of(&self, stream: StreamId) -> impl Iterator<Item = BlockId> + '_ {
-        self.streams
-            .get(&stream)
-            .into_iter()
-            .flat_map(|index| index.ids())
+        self.index(stream).into_iter().flat_map(|index| index.ids())
     }
 
     /// Every cached block, by stream, then size, then address.
     pub fn ids(&self) -> impl Iterator<Item = BlockId> + '_ {
         let mut streams: Vec<_> = self
-            .streams
+            .indexes
             .iter()
             .filter(|(_, index)| !index.is_empty())
             .collect();
-        streams.sort_unstable_by_key(|(stream, _)| **stream);
+        streams.sort_unstable_by_key(|(stream, _)| *stream);
         streams.into_iter().flat_map(|(_, index)| index.ids())
     }
 }
@@ -228,6 +251,7 @@ impl Caches {
         }
     }
 
+    #[inline]
     pub fn list(&mut self, owner: Option<PoolId>, pool: PoolKind) -> &mut FreeList {
         match owner {
             None => &mut self.general[pool as usize],
@@ -295,5 +319,47 @@ impl Caches {
             }
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lookups by stream find each stream's own blocks, whichever stream was looked up last,
+    /// and still after `prune` moved the indexes.
+    #[test]
+    fn each_stream_finds_its_blocks_across_prunes() {
+        let mut list = FreeList::default();
+        let block = |stream: u64, size: u64| {
+            Block::whole_segment(
+                stream << 30,
+                size,
+                StreamId(stream),
+                PoolKind::Small,
+                None,
+                false,
+                0,
+            )
+        };
+        for stream in 0..5u64 {
+            list.insert(&block(stream, 512 * (stream + 1)), stream as BlockId);
+        }
+        for round in 0..3 {
+            for stream in (0..5u64).rev().chain(0..5) {
+                let want = (stream % 2 == 1 || round == 0).then_some(stream as BlockId);
+                assert_eq!(list.best_fit(StreamId(stream), 1).map(|f| f.1), want);
+            }
+            // The even streams empty out; pruning drops their indexes.
+            for stream in (0..5u64).filter(|s| s % 2 == 0 && round == 0) {
+                list.remove(&block(stream, 512 * (stream + 1)));
+            }
+            list.prune();
+        }
+        assert_eq!(list.indexed_streams(), 2);
+        list.insert(&block(4, 512), 40);
+        assert_eq!(list.best_fit(StreamId(4), 1), Some((512, 40)));
+        assert_eq!(list.best_fit(StreamId(3), 1), Some((2048, 3)));
+        assert_eq!(list.ids().collect::<Vec<_>>(), vec![1, 3, 40]);
     }
 }

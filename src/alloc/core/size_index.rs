@@ -3,7 +3,8 @@
 // As a B-tree would order them, but without one on the hot path: blocks under 2 MiB (every
 // block of steady small-block churn) sit in exact 512-byte size classes, found through a
 // two-level bitmap of the non-empty classes, each class a short vector sorted by (size,
-// address); larger blocks (few: big cached blocks, a paged segment's unused remainder) stay
+// address) from the largest down, so that a best fit (the class's lowest address) is taken
+// from the end without a shift; larger blocks (few: big cached blocks, a paged segment's unused remainder) stay
 // in a B-tree, as do blocks of a class that already holds `CLASS_CAP` (thousands of free
 // blocks of one size would make a vector's shifts slow). Queries merge the two in order.
 // Best fit, the next fits in order, and insert/remove of a small block then cost a few word
@@ -28,8 +29,8 @@ type Entry = (u64, DevicePtr, BlockId);
 
 #[derive(Default)]
 pub struct SizeIndex {
-    /// Per class, up to `CLASS_CAP` of its blocks sorted by (size, address); grown to the
-    /// highest class used.
+    /// Per class, up to `CLASS_CAP` of its blocks sorted by (size, address), descending;
+    /// grown to the highest class used.
     classes: Vec<Vec<Entry>>,
     /// Bit c: class c is non-empty.
     words: Vec<u64>,
@@ -64,7 +65,7 @@ impl SizeIndex {
         }
         let spilled = self.is_spilled(class);
         let blocks = &mut self.classes[class];
-        let at = blocks.partition_point(|e| (e.0, e.1) < (size, addr));
+        let at = blocks.partition_point(|e| (e.0, e.1) > (size, addr));
         if blocks.get(at).is_some_and(|e| (e.0, e.1) == (size, addr)) {
             return false;
         }
@@ -135,8 +136,13 @@ impl SizeIndex {
         let Some(blocks) = self.classes.get_mut(class) else {
             return self.remove_spilled(class, size, addr);
         };
-        let Ok(at) = blocks.binary_search_by(|e| (e.0, e.1).cmp(&(size, addr))) else {
-            return self.remove_spilled(class, size, addr);
+        let at = match blocks.last() {
+            // The best fit, usually: taken without a search or a shift.
+            Some(e) if (e.0, e.1) == (size, addr) => blocks.len() - 1,
+            _ => match blocks.binary_search_by(|e| (size, addr).cmp(&(e.0, e.1))) {
+                Ok(at) => at,
+                Err(_) => return self.remove_spilled(class, size, addr),
+            },
         };
         let (_, _, id) = blocks.remove(at);
         if blocks.is_empty() {
@@ -202,7 +208,7 @@ impl SizeIndex {
         let big = self.big.last_key_value().map(|(&(s, a), &id)| (s, a, id));
         let class = self
             .prev_class(EXACT_CLASSES - 1)
-            .and_then(|c| self.classes[c].last().copied());
+            .and_then(|c| self.classes[c].first().copied());
         let (found, _, id) = big.into_iter().chain(class).max_by_key(|e| (e.0, e.1))?;
         (found >= size).then_some(id)
     }
@@ -250,7 +256,8 @@ impl Fits<'_> {
     fn class_head(&mut self) -> Option<Entry> {
         while let Some(class) = self.class {
             let blocks = &self.index.classes[class];
-            while let Some(&entry) = blocks.get(self.pos) {
+            // `pos` counts from the class's end, its smallest (size, address).
+            while let Some(&entry) = blocks.len().checked_sub(self.pos + 1).map(|i| &blocks[i]) {
                 if entry.0 >= self.size {
                     return Some(entry);
                 }

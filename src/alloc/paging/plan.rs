@@ -1,12 +1,11 @@
 //! Where growth's memory comes from and goes: the runs of missing pages a request fills
 //! (`Plan`), and the chunks under free blocks that may be unmapped for it (`Victim`s).
 
-use super::table::{segment_at, PagedSegment, Spare};
+use super::table::{segment_at, PagedSegments, Spare};
 use crate::alloc::core::blocks::BlockArena;
 use crate::alloc::core::free_lists::Caches;
 use crate::alloc::sizing::PoolKind;
 use crate::driver::{DevicePtr, StreamId};
-use std::collections::BTreeMap;
 use std::ops::Range;
 
 /// A chunk wholly under a free block: a candidate to unmap.
@@ -83,7 +82,7 @@ impl Plan {
 pub fn reclaim_candidates(
     blocks: &BlockArena,
     caches: &Caches,
-    segments: &BTreeMap<DevicePtr, PagedSegment>,
+    segments: &PagedSegments,
     dirty: &rustc_hash::FxHashSet<(StreamId, PoolKind)>,
     also: Range<DevicePtr>,
 ) -> (Vec<Victim>, Vec<(StreamId, PoolKind)>, u64) {

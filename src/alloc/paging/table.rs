@@ -3,7 +3,7 @@
 
 use crate::alloc::sizing::PoolKind;
 use crate::driver::{DevicePtr, PhysHandle, StreamId};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 /// Every this many frees of paged blocks in a segment, the free records a fence: an event
@@ -55,9 +55,14 @@ pub struct PagedSegment {
     pub pool: PoolKind,
     /// The mapped chunks, by first page. A segment spans the whole device while few of its
     /// pages are mapped: everything kept per segment is proportional to its mapped chunks
-    /// (the bitmap aside, one bit a page), so that many streams, each with its own
+    /// (the bitmaps aside, one bit a page each), so that many streams, each with its own
     /// segments, cost memory and time in proportion to what they map.
-    chunks: BTreeMap<usize, Chunk>,
+    chunks: rustc_hash::FxHashMap<usize, Chunk>,
+    /// The chunks' first pages, twice (both kept by `set_chunk` and `take_chunk` alone): a
+    /// set walks them in order, and a bitmap finds a freed block's chunks without a tree
+    /// descent (every paged free stamps them, `note_free`).
+    firsts: BTreeSet<usize>,
+    starts: PageBits,
     /// Frees since the last one that asked for a fence.
     frees_since_fence: u32,
     /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
@@ -113,6 +118,28 @@ impl PageBits {
         })
     }
 
+    /// The set bits inside `range`, in order.
+    fn ones(&self, range: Range<usize>) -> impl Iterator<Item = usize> + '_ {
+        self.masked(range).flat_map(|(w, mut bits)| {
+            std::iter::from_fn(move || {
+                let bit = (bits != 0).then(|| bits.trailing_zeros() as usize)?;
+                bits &= bits - 1;
+                Some(w * 64 + bit)
+            })
+        })
+    }
+
+    /// The last set bit at or below `i`.
+    fn last_at_or_below(&self, i: usize) -> Option<usize> {
+        let mut w = i / 64;
+        let mut word = self.words[w] & (u64::MAX >> (63 - i % 64));
+        while word == 0 {
+            w = w.checked_sub(1)?;
+            word = self.words[w];
+        }
+        Some(w * 64 + 63 - word.leading_zeros() as usize)
+    }
+
     /// Set bits inside `range`.
     pub fn count(&self, range: Range<usize>) -> usize {
         self.masked(range)
@@ -131,7 +158,9 @@ impl PagedSegment {
             page,
             stream,
             pool,
-            chunks: BTreeMap::new(),
+            chunks: Default::default(),
+            firsts: BTreeSet::new(),
+            starts: PageBits::new(count),
             frees_since_fence: 0,
             mapped: PageBits::new(count),
             mapped_set: BTreeSet::new(),
@@ -155,7 +184,7 @@ impl PagedSegment {
 
     /// The chunk mapped at page `i`.
     pub fn chunk_at(&self, i: usize) -> Option<&Chunk> {
-        let (_, chunk) = self.chunks.range(..=i).next_back()?;
+        let chunk = &self.chunks[self.firsts.range(..=i).next_back()?];
         (i < chunk.first + chunk.pages).then_some(chunk)
     }
 
@@ -167,20 +196,41 @@ impl PagedSegment {
             .filter(|c| c.first < range.start && !range.is_empty());
         straddling
             .into_iter()
-            .chain(self.chunks.range(range).map(|(_, c)| c))
+            .chain(self.firsts.range(range).map(|first| &self.chunks[first]))
+    }
+
+    /// Whole pages in `bytes` (a shift for the power-of-two page sizes drivers use: every
+    /// paged free and fit converts addresses to pages).
+    #[inline]
+    fn pages_floor(&self, bytes: u64) -> u64 {
+        if self.page.is_power_of_two() {
+            bytes >> self.page.trailing_zeros()
+        } else {
+            bytes / self.page
+        }
+    }
+
+    /// Pages that `bytes` reach into.
+    #[inline]
+    fn pages_ceil(&self, bytes: u64) -> u64 {
+        if self.page.is_power_of_two() {
+            (bytes + self.page - 1) >> self.page.trailing_zeros()
+        } else {
+            bytes.div_ceil(self.page)
+        }
     }
 
     /// Pages that `[addr, addr+len)` touches.
     pub fn touched(&self, addr: DevicePtr, len: u64) -> Range<usize> {
-        let start = (addr - self.base) / self.page;
-        let end = (addr + len - self.base).div_ceil(self.page);
+        let start = self.pages_floor(addr - self.base);
+        let end = self.pages_ceil(addr + len - self.base);
         start as usize..end as usize
     }
 
     /// Pages lying wholly inside `[addr, addr+len)`.
     pub fn inside(&self, addr: DevicePtr, len: u64) -> Range<usize> {
-        let start = (addr - self.base).div_ceil(self.page);
-        let end = (addr + len - self.base) / self.page;
+        let start = self.pages_ceil(addr - self.base);
+        let end = self.pages_floor(addr + len - self.base);
         start as usize..(end as usize).max(start as usize)
     }
 
@@ -253,8 +303,15 @@ impl PagedSegment {
     /// a fence: the first, then every `FREES_PER_FENCE`-th.
     pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
         let touched = self.touched(addr, len);
-        let firsts: Vec<usize> = self.chunks_over(touched).map(|c| c.first).collect();
-        for first in firsts {
+        // A mapped page lies in the chunk starting last at or before it; the other chunks
+        // the block touches start inside it.
+        let holding_start = if self.mapped.get(touched.start) {
+            self.starts.last_at_or_below(touched.start)
+        } else {
+            None
+        };
+        let inside = self.starts.ones(touched.start + 1..touched.end);
+        for first in holding_start.into_iter().chain(inside) {
             self.chunks.get_mut(&first).expect("listed").last_free = seq;
         }
         let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
@@ -271,6 +328,8 @@ impl PagedSegment {
             last_free: 0,
         };
         self.chunks.insert(first, chunk);
+        self.firsts.insert(first);
+        self.starts.set(first);
         for i in first..first + spare.pages {
             self.mapped.set(i);
             self.mapped_set.insert(i);
@@ -280,6 +339,8 @@ impl PagedSegment {
     /// The chunk starting at page `first` is no longer mapped: its memory.
     pub fn take_chunk(&mut self, first: usize) -> Spare {
         let chunk = self.chunks.remove(&first).expect("chunks are taken whole");
+        self.firsts.remove(&first);
+        self.starts.clear(first);
         for i in first..first + chunk.pages {
             self.mapped.clear(i);
             self.mapped_set.remove(&i);
@@ -300,14 +361,128 @@ pub fn pages_of(spares: &[Spare]) -> usize {
     spares.iter().map(|s| s.pages).sum()
 }
 
+/// A shard's paged segments, sorted by base address. There are few (one per stream and
+/// pool in use) and every paged free and fit looks one up by an address inside it: a
+/// binary search over a short vector costs less than a B-tree's range descent.
+#[derive(Default)]
+pub struct PagedSegments {
+    sorted: Vec<PagedSegment>,
+}
+
+impl PagedSegments {
+    /// The index of the last segment starting at or below `addr`.
+    fn last_at_or_below(&self, addr: DevicePtr) -> Option<usize> {
+        self.sorted
+            .partition_point(|s| s.base <= addr)
+            .checked_sub(1)
+    }
+
+    fn index_of(&self, base: DevicePtr) -> Option<usize> {
+        self.sorted.binary_search_by_key(&base, |s| s.base).ok()
+    }
+
+    /// The segment holding `addr` (which must lie in one).
+    pub fn holding_mut(&mut self, addr: DevicePtr) -> &mut PagedSegment {
+        let i = self
+            .last_at_or_below(addr)
+            .expect("a paged block has a segment");
+        &mut self.sorted[i]
+    }
+
+    /// The segment starting at `base`.
+    pub fn get(&self, base: DevicePtr) -> Option<&PagedSegment> {
+        self.index_of(base).map(|i| &self.sorted[i])
+    }
+
+    pub fn get_mut(&mut self, base: DevicePtr) -> Option<&mut PagedSegment> {
+        self.index_of(base).map(|i| &mut self.sorted[i])
+    }
+
+    /// Adds a segment; its base must be new (address ranges are the driver's, disjoint).
+    pub fn insert(&mut self, seg: PagedSegment) {
+        let at = self.sorted.partition_point(|s| s.base < seg.base);
+        debug_assert!(self.sorted.get(at).is_none_or(|s| s.base != seg.base));
+        self.sorted.insert(at, seg);
+    }
+
+    pub fn remove(&mut self, base: DevicePtr) -> Option<PagedSegment> {
+        self.index_of(base).map(|i| self.sorted.remove(i))
+    }
+
+    /// Every segment, by base address.
+    pub fn iter(&self) -> impl Iterator<Item = &PagedSegment> + '_ {
+        self.sorted.iter()
+    }
+}
+
 /// The paged segment holding `addr` (which must lie in one), with its base address.
-pub fn segment_at(
-    segments: &BTreeMap<DevicePtr, PagedSegment>,
-    addr: DevicePtr,
-) -> (DevicePtr, &PagedSegment) {
-    let (&base, seg) = segments
-        .range(..=addr)
-        .next_back()
+pub fn segment_at(segments: &PagedSegments, addr: DevicePtr) -> (DevicePtr, &PagedSegment) {
+    let i = segments
+        .last_at_or_below(addr)
         .expect("a paged block has a segment");
-    (base, seg)
+    let seg = &segments.sorted[i];
+    (seg.base, seg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Page ranges come out as by division, for power-of-two page sizes (shifted) and others.
+    #[test]
+    fn page_ranges_match_division() {
+        for page in [1u64 << 21, 3 << 19, 4096] {
+            let base = 7 * page;
+            let seg = PagedSegment::new(base, 256 * page, page, StreamId(0), PoolKind::Large);
+            for off in (0..40 * page).step_by(page as usize / 4 + 512) {
+                for len in [512, page - 512, page, page + 1, 5 * page + 3] {
+                    let (a, b) = (off, off + len);
+                    assert_eq!(
+                        seg.touched(base + off, len),
+                        (a / page) as usize..b.div_ceil(page) as usize
+                    );
+                    let inside = seg.inside(base + off, len);
+                    let (lo, hi) = (a.div_ceil(page) as usize, (b / page) as usize);
+                    assert_eq!(inside, lo..hi.max(lo));
+                }
+            }
+        }
+    }
+
+    /// A free stamps exactly the chunks its pages touch (`chunks_over`), whatever the chunk
+    /// sizes and gaps between them.
+    #[test]
+    fn note_free_stamps_the_chunks_the_block_touches() {
+        const PAGE: u64 = 1 << 21;
+        let mut seg = PagedSegment::new(0, 64 * PAGE, PAGE, StreamId(0), PoolKind::Large);
+        let mut first = 1;
+        for (i, pages) in [4, 1, 8, 4, 2, 4].into_iter().enumerate() {
+            seg.set_chunk(
+                first,
+                Spare {
+                    handle: PhysHandle(i as u64),
+                    pages,
+                },
+            );
+            first += pages + i % 2;
+        }
+        let mut seq = 0;
+        for start in (0..30 * PAGE).step_by(PAGE as usize / 2) {
+            for len in [512, PAGE / 2, PAGE, 3 * PAGE + 512, 9 * PAGE] {
+                seq += 1;
+                let want: Vec<usize> = seg
+                    .chunks_over(seg.touched(start, len))
+                    .map(|c| c.first)
+                    .collect();
+                seg.note_free(start, len, seq);
+                let stamped: Vec<usize> = seg
+                    .firsts
+                    .iter()
+                    .filter(|&first| seg.chunks[first].last_free == seq)
+                    .copied()
+                    .collect();
+                assert_eq!(stamped, want, "[{start:#x}, +{len:#x})");
+            }
+        }
+    }
 }

@@ -199,6 +199,7 @@ impl State {
             if let Some(next) = self.book.blocks.get(rest_id).next() {
                 if paged && self.book.blocks.get(next).state() == BlockState::Free {
                     self.absorb(rest_id, next);
+                    self.mark_reclaim_dirty(rest_id);
                 }
             }
             self.book
@@ -221,29 +222,32 @@ impl State {
         self.mark_handed_out(id, requested)
     }
 
-    /// `[start, end)` is handed out: joined to the ranges in `used`. Usually one lookup: a
-    /// block reused, or carved next to one, lies in or beside a range already noted.
+    /// `[start, end)` is handed out: joined to the ranges in `used`. Usually no lookup: a
+    /// block reused, or carved next to one, lies in the range the last hand-out found
+    /// (`used_hint`), else in or beside a range already noted.
     pub(super) fn note_used(&mut self, start: DevicePtr, end: DevicePtr) {
+        let (hint_start, hint_end) = self.book.used_hint;
+        if hint_start <= start && end <= hint_end {
+            return;
+        }
         let (mut lo, mut hi) = (start, end);
         if let Some((&s, &e)) = self.book.used.range(..=start).next_back() {
             if e >= end {
+                self.book.used_hint = (s, e);
                 return;
             }
             if e >= start {
                 (lo, hi) = (s, hi.max(e));
             }
         }
-        let joined: Vec<(DevicePtr, DevicePtr)> = self
-            .book
-            .used
-            .range(lo..=hi)
-            .map(|(&s, &e)| (s, e))
-            .collect();
-        for (s, e) in joined {
+        // Ranges are disjoint and never adjacent: whatever a joined range reaches past `hi`
+        // starts no other range.
+        while let Some((&s, &e)) = self.book.used.range(lo..=hi).next() {
             self.book.used.remove(&s);
             hi = hi.max(e);
         }
         self.book.used.insert(lo, hi);
+        self.book.used_hint = (lo, hi);
     }
 
     /// Accounts a block leaving the cache for a caller, as it is.

@@ -103,7 +103,8 @@ impl State {
         }
     }
 
-    /// Merges the free `neighbour` into `id`; returns the bytes taken over.
+    /// Merges the free `neighbour` into `id`; returns the bytes taken over. The caller marks
+    /// `id` for the reclaim search (`mark_reclaim_dirty`) once it is done merging.
     pub(super) fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> u64 {
         let (other, starts_segment) = self.book.blocks.absorb(id, neighbour);
         self.book
@@ -116,7 +117,6 @@ impl State {
                 .expect("a chain's first block starts a segment")
                 .first = id;
         }
-        self.mark_reclaim_dirty(id);
         other.size()
     }
 }

@@ -12,7 +12,7 @@ use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
 use super::paging::budget::MoveClock;
 use super::paging::fences::Fences;
-use super::paging::table::{PagedSegment, Spare};
+use super::paging::table::{PagedSegments, Spare};
 use super::sizing::PoolKind;
 use super::stats::{DeviceReserved, DeviceStats};
 use super::SegmentView;
@@ -59,13 +59,18 @@ struct Book {
     /// ones joined; a segment's part is dropped when it goes back to the device): tells a
     /// double free from a pointer ccalloc never handed out (`diagnose_not_live`).
     used: BTreeMap<DevicePtr, DevicePtr>,
+    /// A range lying inside one of `used`'s (empty when none is known): most hand-outs
+    /// fall inside the range the last one found or made, and skip the B-tree. Ranges
+    /// there only grow and join while handing out, so it stays inside until a range is cut
+    /// (`forget_used` empties it).
+    used_hint: (DevicePtr, DevicePtr),
 }
 
 /// The paging state: paged segments' page tables, spare chunks, fences and the move clock.
 #[derive(Default)]
 struct Paging {
     /// Paged segments by base address, and how many serve each (stream, pool).
-    segments: BTreeMap<DevicePtr, PagedSegment>,
+    segments: PagedSegments,
     serving: HashMap<(StreamId, PoolKind), usize>,
     /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
     /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
@@ -126,6 +131,7 @@ impl State {
                 live: Default::default(),
                 segments: BTreeMap::new(),
                 used: BTreeMap::new(),
+                used_hint: (0, 0),
             },
             paging: Paging::default(),
             parked: Parked::default(),
@@ -378,7 +384,7 @@ impl State {
                     private_pool: first.owner(),
                     blocks,
                     requested,
-                    mapped: self.paging.segments.get(&addr).map(|p| p.mapped_runs()),
+                    mapped: self.paging.segments.get(addr).map(|p| p.mapped_runs()),
                 }
             })
             .collect()

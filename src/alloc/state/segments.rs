@@ -70,6 +70,7 @@ impl State {
 
     /// A segment `[start, end)` went back to the device: nothing in it was handed out.
     pub fn forget_used(&mut self, start: DevicePtr, end: DevicePtr) {
+        self.book.used_hint = (0, 0);
         let mut cut: Vec<(DevicePtr, DevicePtr)> = self
             .book
             .used
@@ -139,12 +140,7 @@ impl State {
     }
 
     pub fn paged_segment_mut(&mut self, addr: DevicePtr) -> &mut PagedSegment {
-        self.paging
-            .segments
-            .range_mut(..=addr)
-            .next_back()
-            .expect("a paged block has a segment")
-            .1
+        self.paging.segments.holding_mut(addr)
     }
 
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {
@@ -217,12 +213,15 @@ impl State {
 
     /// The paged segment at base address `base`.
     pub fn paged_at(&self, base: DevicePtr) -> &PagedSegment {
-        &self.paging.segments[&base]
+        self.paging
+            .segments
+            .get(base)
+            .expect("a paged segment starts there")
     }
 
     /// The page size of the paged segments, if there are any.
     pub fn page_size(&self) -> Option<u64> {
-        self.paging.segments.values().next().map(|s| s.page)
+        self.paging.segments.iter().next().map(|s| s.page)
     }
 
     /// Registers a fresh paged segment: address space `[base, base+size)` with nothing
@@ -253,7 +252,7 @@ impl State {
         );
         self.paging
             .segments
-            .insert(base, PagedSegment::new(base, size, page, stream, pool));
+            .insert(PagedSegment::new(base, size, page, stream, pool));
         *self.paging.serving.entry((stream, pool)).or_default() += 1;
         self.stats.segment.increase(pool, 1);
     }
@@ -263,18 +262,18 @@ impl State {
         self.paging
             .segments
             .iter()
-            .filter(|(base, seg)| {
-                let first = self.book.segments[base].first;
+            .filter(|seg| {
+                let first = self.book.segments[&seg.base].first;
                 let b = self.book.blocks.get(first);
                 seg.nothing_mapped() && b.state() == BlockState::Free && b.next().is_none()
             })
-            .map(|(&base, seg)| (base, seg.size))
+            .map(|seg| (seg.base, seg.size))
             .collect()
     }
 
     /// Forgets the empty paged segment at `base`, whose address range went back.
     pub fn remove_paged_segment(&mut self, base: DevicePtr) {
-        let seg = self.paging.segments.remove(&base).expect("listed");
+        let seg = self.paging.segments.remove(base).expect("listed");
         let segment = self
             .book
             .segments
@@ -295,7 +294,7 @@ impl State {
 
     /// `spare` is now mapped at page `first` of the segment at `base`: reserved.
     pub fn chunk_mapped(&mut self, base: DevicePtr, first: usize, spare: Spare) {
-        let seg = self.paging.segments.get_mut(&base).expect("segment exists");
+        let seg = self.paging.segments.get_mut(base).expect("segment exists");
         seg.set_chunk(first, spare);
         let (pool, page) = (seg.pool, seg.page);
         self.add_reserved(pool, spare.pages as u64 * page);
@@ -305,7 +304,7 @@ impl State {
     /// The chunk at page `first` of the segment at `base` is unmapped: its memory, no
     /// longer reserved.
     pub fn chunk_unmapped(&mut self, base: DevicePtr, first: usize) -> Spare {
-        let seg = self.paging.segments.get_mut(&base).expect("segment exists");
+        let seg = self.paging.segments.get_mut(base).expect("segment exists");
         let spare = seg.take_chunk(first);
         let (pool, page) = (seg.pool, seg.page);
         self.sub_reserved(pool, spare.pages as u64 * page);
