@@ -1310,3 +1310,108 @@ fn a_request_no_free_address_range_fits_gets_another_paged_segment_not_new_memor
         "both ranges went back"
     );
 }
+
+/// On a 1 GiB device, `stream`'s first paged segment scattered: 4 MiB blocks live every
+/// 100 MiB with 96 MiB free between them, so that no free range holds 300 MiB (see
+/// `a_request_no_free_address_range_fits_...`). Returns the live blocks.
+fn scatter(a: &DeviceAllocator, stream: StreamId) -> Vec<DevicePtr> {
+    let whole: Vec<_> = (0..10)
+        .map(|_| a.malloc(100 * MIB, stream).unwrap())
+        .collect();
+    let mut small = Vec::new();
+    let mut large = Vec::new();
+    for p in whole {
+        a.free(p).unwrap();
+        large.push(a.malloc(96 * MIB, stream).unwrap());
+        small.push(a.malloc(4 * MIB, stream).unwrap());
+    }
+    for p in large {
+        a.free(p).unwrap();
+    }
+    small
+}
+
+/// Large segments `segments()` shows, and those `memory_stats` counts.
+fn large_segments(a: &DeviceAllocator) -> (usize, i64) {
+    let shown = a
+        .segments()
+        .unwrap()
+        .iter()
+        .filter(|s| s.pool == PoolKind::Large)
+        .count();
+    (shown, stats(a).segment.0[2].current)
+}
+
+/// A paged segment added for a request that then fails holds nothing: it goes back with
+/// the error, not at the next empty_cache, and no OOM shows as one more segment.
+#[test]
+fn a_request_that_fails_leaves_no_new_paged_segment_behind() {
+    let (sim, a) = paged(GIB, "");
+    let small = scatter(&a, S0);
+    let big = a.malloc(300 * MIB, S0).unwrap();
+    assert_eq!(sim.counters(0).live_reservations, 2);
+    assert_eq!(large_segments(&a), (2, 2));
+    // No free range of either segment holds 900 MiB, nor does the device's memory.
+    let err = a.malloc(900 * MIB, S0).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfMemory);
+    assert!(err.message.contains("340.00 MiB live"), "{}", err.message);
+    assert_eq!(
+        sim.counters(0).live_reservations,
+        2,
+        "the third address range went back"
+    );
+    assert_eq!(large_segments(&a), (2, 2));
+    // A stream's first paged segment too: S1's request fails while S0 holds the memory.
+    let hog = a.malloc(600 * MIB, S0).unwrap();
+    assert_eq!(
+        a.malloc(200 * MIB, S1).unwrap_err().kind,
+        ErrorKind::OutOfMemory
+    );
+    assert_eq!(sim.counters(0).live_reservations, 2);
+    assert_eq!(large_segments(&a), (2, 2));
+    for p in small.into_iter().chain([big, hog]) {
+        a.free(p).unwrap();
+    }
+    // The memory is back: S1 gets its segment now.
+    let p = a.malloc(200 * MIB, S1).unwrap();
+    assert_eq!(sim.counters(0).live_reservations, 3);
+    a.free(p).unwrap();
+    a.empty_cache().unwrap();
+    let c = sim.counters(0);
+    assert_eq!((c.bytes_in_use, c.live_reservations), (0, 0));
+    assert_eq!(large_segments(&a), (0, 0));
+}
+
+/// Each stream counts its own paged segments, and one that goes back (empty_cache) is
+/// counted no more: the stream may add another. With a shard per stream as without.
+#[test]
+fn each_stream_counts_its_own_paged_segments_and_those_released_count_no_more() {
+    for conf in ["", "per_stream_shards:True"] {
+        let (sim, a) = paged(2 * GIB, conf);
+        // Scattered as on 1 GiB: 10 x 100 MiB fill only half a 2 GiB range; the other
+        // half is taken by a live block first.
+        let rest = a.malloc(GIB, S0).unwrap();
+        let small = scatter(&a, S0);
+        let big = a.malloc(300 * MIB, S0).unwrap();
+        assert_eq!(sim.counters(0).live_reservations, 2, "{conf}");
+        let other = a.malloc(300 * MIB, S1).unwrap();
+        assert_eq!(sim.counters(0).live_reservations, 3, "{conf}: S1's own");
+        assert_eq!(large_segments(&a), (3, 3), "{conf}");
+        // S0's first segment empties and goes back; its second stays (300 MiB live).
+        a.free(rest).unwrap();
+        for p in small {
+            a.free(p).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(0).live_reservations, 2, "{conf}");
+        assert_eq!(large_segments(&a), (2, 2), "{conf}");
+        let serving = |s| a.state_of(s).paged_segments_of(s, PoolKind::Large);
+        assert_eq!((serving(S0), serving(S1)), (1, 1), "{conf}");
+        for p in [big, other] {
+            a.free(p).unwrap();
+        }
+        a.shutdown().unwrap();
+        let c = sim.counters(0);
+        assert_eq!((c.bytes_in_use, c.live_reservations), (0, 0), "{conf}");
+    }
+}

@@ -193,10 +193,17 @@ impl Shard {
         // space is not memory: another paged segment gives the request a range, and its
         // pages come from the same reserve (moved from under free blocks past the slack),
         // where a plain segment would reserve the whole request anew and keep it cached.
+        // A segment added here that serves nothing (the request failed, or does not fit even
+        // a whole segment) goes back at once (`drop_if_empty`).
+        let mut added = None;
         if found.is_none() && st.paged_segments_of(stream, pool) < MAX_PAGED_SEGMENTS {
             if let Some(page) = self.paging(st, owner.is_some()) {
-                if self.add_paged_segment(st, stream, pool, page)? {
+                added = self.add_paged_segment(st, stream, pool, page)?;
+                if let Some(base) = added {
                     found = st.take_cached(owner, pool, stream, rounded);
+                    if found.is_none() {
+                        self.drop_if_empty(st, base);
+                    }
                 }
             }
         }
@@ -205,7 +212,12 @@ impl Shard {
             None => (self.grow(st, owner, pool, stream, size, rounded)?, false),
         };
         if !pages_ready && st.block(id).paged() {
-            self.back_with_pages(st, id, size, rounded)?;
+            if let Err(e) = self.back_with_pages(st, id, size, rounded) {
+                if let Some(base) = added {
+                    self.drop_if_empty(st, base);
+                }
+                return Err(e);
+            }
         }
         Ok(st.hand_out(id, rounded, size))
     }

@@ -21,15 +21,16 @@ impl Shard {
         self.driver.vmm_granularity(self.device)
     }
 
-    /// Creates the paged segment of (stream, pool): address space the size of the device,
-    /// cached as one free block with nothing mapped. False when no address space is left.
+    /// Creates a paged segment of (stream, pool): address space the size of the device,
+    /// cached as one free block with nothing mapped. Its base; `None` when no address space
+    /// is left.
     pub(in crate::alloc) fn add_paged_segment(
         &self,
         st: &mut State,
         stream: StreamId,
         pool: PoolKind,
         page: u64,
-    ) -> Result<bool> {
+    ) -> Result<Option<DevicePtr>> {
         let size = self.total_memory.div_ceil(page) * page;
         let base = match self.driver.reserve_address(self.device, size) {
             Ok(base) => base,
@@ -38,11 +39,29 @@ impl Shard {
                     device = self.device,
                     "address reservation failed ({e}); using plain segments"
                 );
-                return Ok(false);
+                return Ok(None);
             }
         };
         st.add_paged_segment(base, size, page, stream, pool);
-        Ok(true)
+        Ok(Some(base))
+    }
+
+    /// Gives back the address range of the paged segment at `base` if nothing is mapped in
+    /// it and its one block is free: a segment added for a request that then failed holds
+    /// no memory, and kept, it would show as a segment (and stay reserved address space)
+    /// because of an OOM. Should the driver refuse, the segment stays (empty, cached) for
+    /// the next empty_cache.
+    pub(in crate::alloc) fn drop_if_empty(&self, st: &mut State, base: DevicePtr) {
+        let Some((_, size)) = st
+            .empty_paged_segments()
+            .into_iter()
+            .find(|&(b, _)| b == base)
+        else {
+            return;
+        };
+        if self.driver.free_address(self.device, base, size).is_ok() {
+            st.remove_paged_segment(base);
+        }
     }
 
     /// Maps every page `[addr, addr+len)` touches. Physical memory comes from new chunks
