@@ -344,17 +344,23 @@ impl DeviceAllocator {
         // With one shard, the block may wait in this thread's front.
         if !self.several_shards() {
             if let Some(shard) = self.slots[0].get().map(|s| &s.shard) {
+                // The error waits here: what `with_adopter` passes back stays a byte.
+                let mut error = None;
                 let freed = front::with_adopter(&self.fronts, self.key, |adopter| {
                     match shard.free(ptr, adopter) {
-                        Ok(Freed::Adopted(census)) => (Ok(true), Some(census)),
-                        Ok(Freed::Done) => (Ok(true), None),
-                        Ok(Freed::NotLive) => (Ok(false), None),
-                        Err(e) => (Err(e), None),
+                        Ok(Freed::Adopted(census)) => (true, Some(census)),
+                        Ok(Freed::Done) => (true, None),
+                        Ok(Freed::NotLive) => (false, None),
+                        Err(e) => {
+                            error = Some(e);
+                            (false, None)
+                        }
                     }
                 });
-                return match freed? {
-                    true => Ok(()),
-                    false => Err(self.not_live(ptr)),
+                return match (error, freed) {
+                    (Some(e), _) => Err(e),
+                    (None, true) => Ok(()),
+                    (None, false) => Err(self.not_live(ptr)),
                 };
             }
         }

@@ -2,9 +2,10 @@
 
 // As a B-tree would order them, but without one on the hot path: blocks under 2 MiB (every
 // block of steady small-block churn) sit in exact 512-byte size classes, found through a
-// two-level bitmap of the non-empty classes, each class a short vector sorted by (size,
-// address) from the largest down, so that a best fit (the class's lowest address) is taken
-// from the end without a shift; larger blocks (few: big cached blocks, a paged segment's unused remainder) stay
+// two-level bitmap of the non-empty classes, each class its lowest (size, address) held
+// inline (its best fit: most classes hold one block, so a fit, insert or remove reads only
+// the class table, not a buffer of its own) and the rest in a short vector sorted from the
+// largest down, so that the next best fit is taken from the end without a shift; larger blocks (few: big cached blocks, a paged segment's unused remainder) stay
 // in a B-tree, as do blocks of a class that already holds `CLASS_CAP` (thousands of free
 // blocks of one size would make a vector's shifts slow). Queries merge the two in order.
 // Best fit, the next fits in order, and insert/remove of a small block then cost a few word
@@ -27,11 +28,45 @@ const CLASS_CAP: usize = 64;
 /// (size, address, id), ordered by (size, address).
 type Entry = (u64, DevicePtr, BlockId);
 
+/// One size class's blocks; empty unless its bit in `SizeIndex::words` is set.
+#[derive(Default)]
+struct Class {
+    /// The lowest (size, address): the class's best fit.
+    head: Entry,
+    /// The others, sorted by (size, address), descending.
+    rest: Vec<Entry>,
+}
+
+impl Class {
+    /// Blocks held, the head included (the class being non-empty).
+    fn len(&self) -> usize {
+        self.rest.len() + 1
+    }
+
+    /// The `pos`-th lowest entry (0: the head), the class being non-empty.
+    #[inline]
+    fn nth_lowest(&self, pos: usize) -> Option<&Entry> {
+        match pos {
+            0 => Some(&self.head),
+            _ => self.rest.len().checked_sub(pos).map(|i| &self.rest[i]),
+        }
+    }
+
+    /// The highest entry, the class being non-empty.
+    fn highest(&self) -> Entry {
+        self.rest.first().copied().unwrap_or(self.head)
+    }
+
+    /// Every entry, highest first, the class being non-empty.
+    fn descending(&self) -> impl Iterator<Item = &Entry> {
+        self.rest.iter().chain(std::iter::once(&self.head))
+    }
+}
+
 #[derive(Default)]
 pub struct SizeIndex {
-    /// Per class, up to `CLASS_CAP` of its blocks sorted by (size, address), descending;
-    /// grown to the highest class used.
-    classes: Vec<Vec<Entry>>,
+    /// Per class, up to `CLASS_CAP` of its blocks; grown to the highest class used.
+    classes: Vec<Class>,
     /// Bit c: class c is non-empty.
     words: Vec<u64>,
     /// Bit w: `words[w]` is non-zero.
@@ -60,13 +95,33 @@ impl SizeIndex {
             return self.insert_big(size, addr, id);
         };
         if self.classes.len() <= class {
-            self.classes.resize_with(class + 1, Vec::new);
+            self.classes.resize_with(class + 1, Class::default);
             self.words.resize(WORDS, 0);
         }
         let spilled = self.is_spilled(class);
+        let key = (size, addr);
+        if self.words[class / 64] & (1 << (class % 64)) == 0 {
+            if spilled && self.big.contains_key(&key) {
+                return false;
+            }
+            self.classes[class].head = (size, addr, id);
+            self.words[class / 64] |= 1 << (class % 64);
+            self.summary |= 1 << (class / 64);
+            return true;
+        }
         let blocks = &mut self.classes[class];
-        let at = blocks.partition_point(|e| (e.0, e.1) > (size, addr));
-        if blocks.get(at).is_some_and(|e| (e.0, e.1) == (size, addr)) {
+        let head = (blocks.head.0, blocks.head.1);
+        // Where in `rest` it goes (unless it becomes the head), and whether it is listed.
+        let (at, listed) = if key < head {
+            (blocks.rest.len(), false)
+        } else if key == head {
+            (0, true)
+        } else {
+            let at = blocks.rest.partition_point(|e| (e.0, e.1) > key);
+            let listed = blocks.rest.get(at).is_some_and(|e| (e.0, e.1) == key);
+            (at, listed)
+        };
+        if listed {
             return false;
         }
         if blocks.len() >= CLASS_CAP {
@@ -74,12 +129,16 @@ impl SizeIndex {
             self.spilled[class / 64] |= 1 << (class % 64);
             return self.insert_big(size, addr, id);
         }
-        if spilled && self.big.contains_key(&(size, addr)) {
+        if spilled && self.big.contains_key(&key) {
             return false;
         }
-        blocks.insert(at, (size, addr, id));
-        self.words[class / 64] |= 1 << (class % 64);
-        self.summary |= 1 << (class / 64);
+        let blocks = &mut self.classes[class];
+        if key < head {
+            let old = std::mem::replace(&mut blocks.head, (size, addr, id));
+            blocks.rest.push(old);
+        } else {
+            blocks.rest.insert(at, (size, addr, id));
+        }
         true
     }
 
@@ -133,26 +192,36 @@ impl SizeIndex {
         let Some(class) = class_of(size) else {
             return self.remove_big(size, addr);
         };
-        let Some(blocks) = self.classes.get_mut(class) else {
+        let listed = self
+            .words
+            .get(class / 64)
+            .is_some_and(|w| w & (1 << (class % 64)) != 0);
+        if !listed {
             return self.remove_spilled(class, size, addr);
-        };
-        let at = match blocks.last() {
-            // The best fit, usually: taken without a search or a shift.
-            Some(e) if (e.0, e.1) == (size, addr) => blocks.len() - 1,
-            _ => match blocks.binary_search_by(|e| (size, addr).cmp(&(e.0, e.1))) {
-                Ok(at) => at,
-                Err(_) => return self.remove_spilled(class, size, addr),
-            },
-        };
-        let (_, _, id) = blocks.remove(at);
-        if blocks.is_empty() {
-            let word = &mut self.words[class / 64];
-            *word &= !(1 << (class % 64));
-            if *word == 0 {
-                self.summary &= !(1 << (class / 64));
-            }
         }
-        Some(id)
+        let blocks = &mut self.classes[class];
+        if (blocks.head.0, blocks.head.1) == (size, addr) {
+            // The best fit, usually: taken without a search or a shift.
+            let id = blocks.head.2;
+            match blocks.rest.pop() {
+                Some(next) => blocks.head = next,
+                None => {
+                    let word = &mut self.words[class / 64];
+                    *word &= !(1 << (class % 64));
+                    if *word == 0 {
+                        self.summary &= !(1 << (class / 64));
+                    }
+                }
+            }
+            return Some(id);
+        }
+        match blocks
+            .rest
+            .binary_search_by(|e| (size, addr).cmp(&(e.0, e.1)))
+        {
+            Ok(at) => Some(blocks.rest.remove(at).2),
+            Err(_) => self.remove_spilled(class, size, addr),
+        }
     }
 
     /// The first non-empty class at or above `from`.
@@ -208,7 +277,7 @@ impl SizeIndex {
         let big = self.big.last_key_value().map(|(&(s, a), &id)| (s, a, id));
         let class = self
             .prev_class(EXACT_CLASSES - 1)
-            .and_then(|c| self.classes[c].first().copied());
+            .map(|c| self.classes[c].highest());
         let (found, _, id) = big.into_iter().chain(class).max_by_key(|e| (e.0, e.1))?;
         (found >= size).then_some(id)
     }
@@ -223,7 +292,7 @@ impl SizeIndex {
         let lowest = class_of(min_size).unwrap_or(EXACT_CLASSES);
         let mut class = self.prev_class(EXACT_CLASSES - 1);
         while let Some(c) = class.filter(|&c| c >= lowest) {
-            all.extend(self.classes[c].iter().filter(|e| e.0 >= min_size));
+            all.extend(self.classes[c].descending().filter(|e| e.0 >= min_size));
             class = c.checked_sub(1).and_then(|c| self.prev_class(c));
         }
         all.sort_unstable_by_key(|e| std::cmp::Reverse((e.0, e.1)));
@@ -256,8 +325,8 @@ impl Fits<'_> {
     fn class_head(&mut self) -> Option<Entry> {
         while let Some(class) = self.class {
             let blocks = &self.index.classes[class];
-            // `pos` counts from the class's end, its smallest (size, address).
-            while let Some(&entry) = blocks.len().checked_sub(self.pos + 1).map(|i| &blocks[i]) {
+            // `pos` counts from the class's lowest (size, address).
+            while let Some(&entry) = blocks.nth_lowest(self.pos) {
                 if entry.0 >= self.size {
                     return Some(entry);
                 }
@@ -408,6 +477,7 @@ mod tests {
             assert!(index.insert(512, addr << 21, i as BlockId));
         }
         assert_eq!(index.classes[1].len(), CLASS_CAP);
+        assert_eq!(index.classes[1].head.1, 0, "the lowest address is the head");
         assert_eq!(index.big.len(), 200 - CLASS_CAP);
         assert!(
             !index.insert(512, 150 << 21, 999),

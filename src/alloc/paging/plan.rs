@@ -8,6 +8,40 @@ use crate::alloc::sizing::PoolKind;
 use crate::driver::{DevicePtr, StreamId};
 use std::ops::Range;
 
+/// The (stream, pool)s whose free lists the next reclaim search looks at (see
+/// `reclaim_candidates`): a set that remembers the key marked last, since nearly every free
+/// marks its own (stream, pool) again, which then costs a compare instead of a hash.
+#[derive(Default)]
+pub struct DirtyKeys {
+    keys: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
+    /// In `keys` whenever it is `Some`.
+    last: Option<(StreamId, PoolKind)>,
+}
+
+impl DirtyKeys {
+    #[inline]
+    pub fn insert(&mut self, key: (StreamId, PoolKind)) {
+        if self.last == Some(key) {
+            return;
+        }
+        self.keys.insert(key);
+        self.last = Some(key);
+    }
+
+    /// Whether `key` was marked.
+    pub fn remove(&mut self, key: &(StreamId, PoolKind)) -> bool {
+        if self.last == Some(*key) {
+            self.last = None;
+        }
+        self.keys.remove(key)
+    }
+
+    /// The marked keys, in no order.
+    pub fn iter(&self) -> impl Iterator<Item = &(StreamId, PoolKind)> + '_ {
+        self.keys.iter()
+    }
+}
+
 /// A chunk wholly under a free block: a candidate to unmap.
 pub struct Victim {
     pub segment: DevicePtr,
@@ -83,7 +117,7 @@ pub fn reclaim_candidates(
     blocks: &BlockArena,
     caches: &Caches,
     segments: &PagedSegments,
-    dirty: &rustc_hash::FxHashSet<(StreamId, PoolKind)>,
+    dirty: &DirtyKeys,
     also: Range<DevicePtr>,
 ) -> (Vec<Victim>, Vec<(StreamId, PoolKind)>, u64) {
     let mut ranges: Vec<(DevicePtr, u64)> = Vec::new();
@@ -143,5 +177,34 @@ pub fn take_until(into: &mut Vec<Victim>, taken: &mut usize, from: Vec<Victim>, 
         }
         *taken += v.pages;
         into.push(v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Marks and removals in random order: the keys are always a plain set's.
+    #[test]
+    fn dirty_keys_hold_what_a_set_holds() {
+        let mut keys = DirtyKeys::default();
+        let mut set = std::collections::BTreeSet::new();
+        let mut seed = 7u64;
+        for step in 0..5000 {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let pool = [PoolKind::Small, PoolKind::Large][(seed >> 8) as usize % 2];
+            let key = (StreamId((seed >> 16) % 3), pool);
+            if seed.is_multiple_of(3) {
+                assert_eq!(keys.remove(&key), set.remove(&key), "step {step}");
+            } else {
+                keys.insert(key);
+                set.insert(key);
+            }
+            let mut held: Vec<_> = keys.iter().copied().collect();
+            held.sort_unstable();
+            assert_eq!(held, set.iter().copied().collect::<Vec<_>>(), "step {step}");
+        }
     }
 }

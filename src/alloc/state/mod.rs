@@ -12,6 +12,7 @@ use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
 use super::paging::budget::MoveClock;
 use super::paging::fences::Fences;
+use super::paging::plan::DirtyKeys;
 use super::paging::table::{PagedSegments, Spare};
 use super::sizing::PoolKind;
 use super::stats::{DeviceReserved, DeviceStats};
@@ -74,7 +75,7 @@ struct Paging {
     serving: HashMap<(StreamId, PoolKind), usize>,
     /// The (stream, pool)s whose free lists may hold a chunk wholly under a free paged
     /// block (`mark_reclaim_dirty`); the search for chunks to unmap looks only there.
-    reclaim_dirty: rustc_hash::FxHashSet<(StreamId, PoolKind)>,
+    reclaim_dirty: DirtyKeys,
     /// Unmapped physical chunks kept for growth (counted as reserved, large pool).
     idle_chunks: Vec<Spare>,
     /// The most bytes ever live at a page mapping (not reset with the peak stats): growth
