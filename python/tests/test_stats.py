@@ -236,6 +236,7 @@ def test_paging_stats_count_growth_until_reset(alloc, fresh_stats):
     assert grown["growths"] == 1
     assert grown["chunks_mapped"] >= 4  # 15 pages in chunks of at most 4
     assert grown["growth_ns"] > 0 and grown["moving_ns"] <= grown["growth_ns"]
+    assert grown["wait_ns"] <= grown["growth_ns"]
     assert grown["page_slack"] == pytest.approx(1 / 32)
     ccalloc.reset_accumulated_memory_stats()
     after = ccalloc.paging_stats()
