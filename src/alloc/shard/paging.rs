@@ -52,16 +52,20 @@ impl Shard {
     /// because of an OOM. Should the driver refuse, the segment stays (empty, cached) for
     /// the next empty_cache.
     pub(in crate::alloc) fn drop_if_empty(&self, st: &mut State, base: DevicePtr) {
-        let Some((_, size)) = st
-            .empty_paged_segments()
-            .into_iter()
-            .find(|&(b, _)| b == base)
-        else {
-            return;
-        };
-        if self.driver.free_address(self.device, base, size).is_ok() {
-            st.remove_paged_segment(base);
+        if let Some(size) = st.empty_paged_size(base) {
+            let _ = self.release_empty_paged(st, base, size);
         }
+    }
+
+    /// Gives back the address range of the empty paged segment `[base, base+size)` and
+    /// forgets the segment. The range goes first: should the driver refuse, the segment
+    /// stays (empty, cached) and the next empty_cache tries again.
+    fn release_empty_paged(&self, st: &mut State, base: DevicePtr, size: u64) -> Result<()> {
+        self.driver
+            .free_address(self.device, base, size)
+            .map_err(|e| driver_error(self.device, e))?;
+        st.remove_paged_segment(base);
+        Ok(())
     }
 
     /// Maps every page `[addr, addr+len)` touches. Physical memory comes from new chunks
@@ -491,13 +495,7 @@ impl Shard {
         released_idle.and(self.release_chunks(st, reclaimed, page))?;
         let mut result = Ok(());
         for (base, size) in st.empty_paged_segments() {
-            // The range goes first: should the driver refuse, the segment stays (empty,
-            // cached) and the next empty_cache tries again.
-            if let Err(e) = self.driver.free_address(self.device, base, size) {
-                result = result.and(Err(driver_error(self.device, e)));
-                continue;
-            }
-            st.remove_paged_segment(base);
+            result = result.and(self.release_empty_paged(st, base, size));
         }
         result
     }

@@ -262,13 +262,20 @@ impl State {
         self.paging
             .segments
             .iter()
-            .filter(|seg| {
-                let first = self.book.segments[&seg.base].first;
-                let b = self.book.blocks.get(first);
-                seg.nothing_mapped() && b.state() == BlockState::Free && b.next().is_none()
-            })
+            .filter(|seg| self.is_empty_paged(seg))
             .map(|seg| (seg.base, seg.size))
             .collect()
+    }
+
+    /// The size of the paged segment at `base` if it is empty (as `empty_paged_segments`).
+    pub fn empty_paged_size(&self, base: DevicePtr) -> Option<u64> {
+        let seg = self.paging.segments.get(base)?;
+        self.is_empty_paged(seg).then_some(seg.size)
+    }
+
+    fn is_empty_paged(&self, seg: &PagedSegment) -> bool {
+        let b = self.book.blocks.get(self.book.segments[&seg.base].first);
+        seg.nothing_mapped() && b.state() == BlockState::Free && b.next().is_none()
     }
 
     /// Forgets the empty paged segment at `base`, whose address range went back.
