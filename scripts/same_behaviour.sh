@@ -11,7 +11,8 @@
 # kept between runs so a second run only rebuilds what changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-base=${1:-a96effc}
+# Resolved here: inside the base worktree, a name such as HEAD would mean its own checkout.
+base=$(git rev-parse --verify "${1:-a96effc}^{commit}")
 shift || true
 traces=("$@")
 if [ ${#traces[@]} -eq 0 ]; then
