@@ -87,6 +87,7 @@ fn main() {
         moving_ns: after.moving_ns - before.moving_ns,
         wait_ns: after.wait_ns - before.wait_ns,
         reclaim_steps: after.reclaim_steps - before.reclaim_steps,
+        chunks_borrowed: after.chunks_borrowed - before.chunks_borrowed,
     };
     let stats = a.stats().unwrap();
     println!(

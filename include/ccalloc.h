@@ -150,6 +150,9 @@ typedef struct {
   // The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
   // `page_move_budget` has added).
   double page_slack;
+  // Of the chunks mapped, those taken from idle memory of the device's other shards
+  // (with `per_stream_shards`): memory that changed streams without being released.
+  uint64_t chunks_borrowed;
 } ccalloc_paging_stats;
 
 // Names a private pool; identical in layout to PyTorch's `c10::cuda::MempoolId_t`

@@ -131,6 +131,13 @@ impl<T> SpinThenBlock<T> {
         }
     }
 
+    /// Locks only if no one holds the lock now (`None` when someone does, or when a panic
+    /// poisoned it): for callers that hold another lock of the same kind, which may not
+    /// wait for this one.
+    pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        self.inner.try_lock().ok()
+    }
+
     /// Locks without spinning (for callers that do not mind waiting: shutdown, reopen).
     pub fn lock_blocking(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
         self.inner.lock()

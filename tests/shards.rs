@@ -95,7 +95,9 @@ fn the_memory_limit_counts_every_stream() {
 
 #[test]
 fn an_oom_empties_the_other_streams_caches_before_it_fails() {
-    let (sim, a) = sharded(64 * MIB, "");
+    // Plain segments: another stream's cached segment goes back only whole (paged memory
+    // would be lent instead, before any OOM: see the lending tests below).
+    let (sim, a) = sharded(64 * MIB, "expandable_segments:False");
     let p = a.malloc(40 * MIB, S1).unwrap();
     a.free(p).unwrap();
     let q = a.malloc(50 * MIB, S2).unwrap();
@@ -480,4 +482,129 @@ fn reserved_bytes_read_during_growth_and_release_are_consistent() {
             reads += 1;
         }
     });
+}
+
+/// Peak reserved bytes over the device since the last reset.
+fn peak_reserved(a: &DeviceAllocator) -> u64 {
+    a.stats().unwrap().reserved_bytes.all().peak as u64
+}
+
+#[test]
+fn a_stream_borrows_another_streams_idle_pages_instead_of_failing() {
+    let (sim, a) = sharded(64 * MIB, "");
+    let p = a.malloc(40 * MIB, S1).unwrap();
+    a.free(p).unwrap();
+    let q = a.malloc(50 * MIB, S2).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!((s.num_ooms, s.num_alloc_retries), (0, 0));
+    assert!(s.paging.chunks_borrowed > 0, "{:?}", s.paging);
+    assert_eq!(
+        s.reserved_bytes.all().current as u64,
+        sim.counters(0).bytes_in_use
+    );
+    a.free(q).unwrap();
+}
+
+#[test]
+fn streams_that_peak_in_turn_reserve_one_peak_not_one_each() {
+    let (sim, a) = sharded(1 << 30, "");
+    // Each stream's shard in turn holds 64 MiB, then frees it (a pipeline's stages).
+    let keep = a.malloc(2 * MIB, S1).unwrap();
+    for round in 0..3 {
+        for s in [S1, S2, StreamId(3)] {
+            let p = a.malloc(64 * MIB, s).unwrap();
+            a.free(p).unwrap();
+            let reserved = a.stats().unwrap().reserved_bytes.all().current as u64;
+            assert_eq!(reserved, sim.counters(0).bytes_in_use);
+            assert!(
+                peak_reserved(&a) <= 66 * MIB + 8 * MIB,
+                "round {round}, stream {s:?}: peak reserved {} MiB for 66 MiB live at most",
+                peak_reserved(&a) / MIB
+            );
+        }
+    }
+    let paging = a.stats().unwrap().paging;
+    assert!(paging.chunks_borrowed > 0, "{paging:?}");
+    assert_eq!(
+        sim.counters(0).live_reservations,
+        3,
+        "one address range per stream, each still there"
+    );
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn a_stream_takes_only_pages_no_live_block_of_another_stream_covers() {
+    let (_sim, a) = sharded(1 << 30, "");
+    // Stream 1: live blocks between free ones, so that its free pages are scattered.
+    let mut live = Vec::new();
+    let mut free = Vec::new();
+    for i in 0..16 {
+        let p = a.malloc(6 * MIB, S1).unwrap();
+        if i % 2 == 0 {
+            live.push(p)
+        } else {
+            free.push(p)
+        }
+    }
+    for p in free {
+        a.free(p).unwrap();
+    }
+    let q = a.malloc(40 * MIB, S2).unwrap();
+    // Every block of stream 1 still lies in mapped memory of its own.
+    for &p in &live {
+        assert!(a.holds(p));
+    }
+    let segments = a.segments().unwrap();
+    for seg in segments.iter().filter(|s| s.stream == S1) {
+        let mapped = seg.mapped.as_ref().expect("paged");
+        for &(addr, size, state) in &seg.blocks {
+            if state == ccalloc::BlockState::Allocated {
+                assert!(
+                    mapped
+                        .iter()
+                        .any(|&(m, len)| m <= addr && addr + size <= m + len),
+                    "live block {addr:#x}+{size} lost its pages"
+                );
+            }
+        }
+    }
+    assert!(a.stats().unwrap().paging.chunks_borrowed > 0);
+    a.free(q).unwrap();
+    for p in live {
+        a.free(p).unwrap();
+    }
+}
+
+#[test]
+fn streams_growing_at_once_on_two_threads_lend_to_each_other_without_deadlock() {
+    let (sim, a) = sharded(1 << 30, "");
+    std::thread::scope(|scope| {
+        for (t, s) in [S1, S2].into_iter().enumerate() {
+            let a = &a;
+            scope.spawn(move || {
+                let mut held = Vec::new();
+                for i in 0..300u64 {
+                    let size = (4 + (i * 7 + t as u64 * 13) % 29) * MIB;
+                    held.push(a.malloc(size, s).unwrap());
+                    if held.len() > 3 {
+                        a.free(held.remove((i % 3) as usize)).unwrap();
+                    }
+                }
+                for p in held {
+                    a.free(p).unwrap();
+                }
+            });
+        }
+    });
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(
+        s.reserved_bytes.all().current as u64,
+        sim.counters(0).bytes_in_use
+    );
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
 }

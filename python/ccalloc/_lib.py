@@ -313,6 +313,7 @@ class ccalloc_paging_stats(ctypes.Structure):
         ("moving_ns", c_uint64),
         ("wait_ns", c_uint64),
         ("page_slack", c_double),
+        ("chunks_borrowed", c_uint64),
     ]
 
 

@@ -20,6 +20,7 @@
 
 use super::core::free_lists::{PoolId, RouteFilter};
 use super::front::{self, Fronts, GiveBack};
+use super::shard::DeviceWide;
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;
 use super::{limit_for, Freed, SegmentView, Shard};
@@ -45,6 +46,38 @@ struct Slot {
     shard: Shard,
 }
 
+/// A device's shards. Each shard holds it too (weakly: the device owns the shards), so
+/// that a growing shard can weigh the whole device's memory and take idle memory from
+/// the others (`Shard::borrow_idle`) instead of reserving more.
+#[derive(Default)]
+pub(in crate::alloc) struct Shards {
+    slots: [OnceCell<Slot>; MAX_SHARDS],
+    /// The most bytes the device's shards have held live at once, as growths saw it.
+    live_high_water: AtomicU64,
+}
+
+impl Shards {
+    /// The shards made so far, in slot order.
+    pub(in crate::alloc) fn iter(&self) -> impl Iterator<Item = &Shard> {
+        self.slots
+            .iter()
+            .map_while(OnceCell::get)
+            .map(|slot| &slot.shard)
+    }
+
+    /// Whether the device has more than one shard.
+    pub(in crate::alloc) fn several(&self) -> bool {
+        self.slots[1].get().is_some()
+    }
+
+    /// Raises the device's live high-water mark to `live`; returns the mark.
+    pub(in crate::alloc) fn raise_live_high_water(&self, live: u64) -> u64 {
+        self.live_high_water
+            .fetch_max(live, Ordering::Relaxed)
+            .max(live)
+    }
+}
+
 /// What a shard made later must start with. Held while a shard is made and while either
 /// changes, so that no shard misses a change.
 struct Setup {
@@ -68,7 +101,7 @@ pub struct DeviceAllocator {
     /// The memory limit, a layer over the driver given (see `driver::layers::limit`).
     limit: Arc<Limit>,
     device_reserved: Arc<DeviceReserved>,
-    slots: [OnceCell<Slot>; MAX_SHARDS],
+    shards: Arc<Shards>,
     setup: Mutex<Setup>,
     /// Whether `shutdown` has run: the device's one record of it (see `Lifecycle`).
     lifecycle: Arc<Lifecycle>,
@@ -111,7 +144,7 @@ impl DeviceAllocator {
             driver: limit.clone(),
             limit,
             device_reserved: Arc::default(),
-            slots: std::array::from_fn(|_| OnceCell::new()),
+            shards: Arc::default(),
             setup: Mutex::new(Setup {
                 config,
                 windows: Vec::new(),
@@ -131,10 +164,7 @@ impl DeviceAllocator {
     }
 
     fn shards(&self) -> impl Iterator<Item = &Shard> {
-        self.slots
-            .iter()
-            .map_while(OnceCell::get)
-            .map(|slot| &slot.shard)
+        self.shards.iter()
     }
 
     fn setup(&self) -> Result<MutexGuard<'_, Setup>> {
@@ -159,7 +189,7 @@ impl DeviceAllocator {
     /// a shared one), or the first empty slot when it has none yet.
     fn find_slot(&self, stream: StreamId) -> std::result::Result<(usize, &Shard), usize> {
         let sharded = self.sharded.load(Ordering::Relaxed);
-        for (i, slot) in self.slots.iter().enumerate() {
+        for (i, slot) in self.shards.slots.iter().enumerate() {
             match slot.get() {
                 Some(s) if s.stream == stream || !sharded => return Ok((i, &s.shard)),
                 Some(_) => continue,
@@ -167,7 +197,13 @@ impl DeviceAllocator {
             }
         }
         let i = shared_slot(stream);
-        Ok((i, &self.slots[i].get().expect("every slot is filled").shard))
+        Ok((
+            i,
+            &self.shards.slots[i]
+                .get()
+                .expect("every slot is filled")
+                .shard,
+        ))
     }
 
     fn make_shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
@@ -183,9 +219,12 @@ impl DeviceAllocator {
             self.total_memory,
             self.driver.clone(),
             setup.config.clone(),
-            self.device_reserved.clone(),
-            self.fronts.clone(),
-            self.lifecycle.clone(),
+            DeviceWide {
+                device_reserved: self.device_reserved.clone(),
+                fronts: self.fronts.clone(),
+                lifecycle: self.lifecycle.clone(),
+                siblings: Arc::downgrade(&self.shards),
+            },
         );
         // The device's holds, not one per window (a pool may be released while its window
         // is open).
@@ -196,13 +235,13 @@ impl DeviceAllocator {
         for (&pool, &users) in &setup.pools {
             shard.set_pool_users(pool, users)?;
         }
-        let slot = &self.slots[i];
+        let slot = &self.shards.slots[i];
         let _ = slot.set(Slot { stream, shard });
         Ok((i, &slot.get().expect("just set").shard))
     }
 
     fn several_shards(&self) -> bool {
-        self.slots[1].get().is_some()
+        self.shards.several()
     }
 
     /// Allocates at least `size` bytes for use on `stream`.
@@ -312,7 +351,7 @@ impl DeviceAllocator {
         }
         let (device, slot) = LAST_SLOT.get();
         let first = (device == self as *const Self as usize)
-            .then(|| self.slots[slot].get())
+            .then(|| self.shards.slots[slot].get())
             .flatten();
         self.free_trying(ptr, first.map(|s| &s.shard))
     }
@@ -324,6 +363,7 @@ impl DeviceAllocator {
             return done;
         }
         let first = self
+            .shards
             .slots
             .iter()
             .map_while(OnceCell::get)
@@ -343,7 +383,7 @@ impl DeviceAllocator {
     fn free_trying(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
         // With one shard, the block may wait in this thread's front.
         if !self.several_shards() {
-            if let Some(shard) = self.slots[0].get().map(|s| &s.shard) {
+            if let Some(shard) = self.shards.slots[0].get().map(|s| &s.shard) {
                 // The error waits here: what `with_adopter` passes back stays a byte.
                 let mut error = None;
                 let freed = front::with_adopter(&self.fronts, self.key, |adopter| {
@@ -470,7 +510,7 @@ impl DeviceAllocator {
 
     /// `per_stream_shards` may change only while no shard exists.
     fn check_sharding(&self, now: &Config, next: &Config) -> Result<()> {
-        if next.per_stream_shards != now.per_stream_shards && self.slots[0].get().is_some() {
+        if next.per_stream_shards != now.per_stream_shards && self.shards.slots[0].get().is_some() {
             return Err(Error::new(
                 ErrorKind::Config,
                 format!(
@@ -509,7 +549,7 @@ impl DeviceAllocator {
     /// device has allocated: that one is fixed for the device's life.
     pub fn set_config(&self, mut config: Config) -> Result<()> {
         self.configure(|c| {
-            if self.slots[0].get().is_some() {
+            if self.shards.slots[0].get().is_some() {
                 config.per_stream_shards = c.per_stream_shards;
             }
             *c = config;

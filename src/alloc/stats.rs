@@ -252,6 +252,8 @@ pub struct PagingCounters {
     /// reclaiming, which grows with what changed since the last search, not with the
     /// number of streams.
     pub reclaim_steps: u64,
+    /// Chunks taken from the device's other shards' idle memory (`shard::lending`).
+    pub chunks_borrowed: u64,
 }
 
 impl PagingCounters {
@@ -265,6 +267,7 @@ impl PagingCounters {
         self.moving_ns += o.moving_ns;
         self.wait_ns += o.wait_ns;
         self.reclaim_steps += o.reclaim_steps;
+        self.chunks_borrowed += o.chunks_borrowed;
     }
 }
 

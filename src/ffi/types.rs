@@ -117,6 +117,9 @@ pub struct ccalloc_paging_stats {
     /// The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
     /// `page_move_budget` has added).
     pub page_slack: f64,
+    /// Of the chunks mapped, those taken from idle memory of the device's other shards
+    /// (with `per_stream_shards`): memory that changed streams without being released.
+    pub chunks_borrowed: u64,
 }
 
 impl ccalloc_paging_stats {
@@ -131,6 +134,7 @@ impl ccalloc_paging_stats {
             moving_ns: p.moving_ns,
             wait_ns: p.wait_ns,
             page_slack,
+            chunks_borrowed: p.chunks_borrowed,
         }
     }
 }

@@ -698,6 +698,7 @@ static void test_sizes_and_stats(void) {
             CHECK(ps.moving_growths <= ps.growths && ps.moving_ns <= ps.growth_ns,
                   "moving growth is a part of growth");
             CHECK(ps.wait_ns <= ps.growth_ns, "host waits are a part of growth");
+            CHECK(ps.chunks_borrowed <= ps.chunks_mapped, "borrowed chunks are mapped chunks");
             CHECK(ps.page_slack > 0.0 && ps.page_slack <= 2.0, "page_slack %g", ps.page_slack);
         } else {
             CHECK(ps.growths == 0 && ps.chunks_mapped == 0 && ps.chunks_unmapped == 0,

@@ -6,13 +6,14 @@
 
 mod fences;
 mod fronts;
+mod lending;
 mod paging;
 pub mod pools;
 mod release;
 pub mod restore;
 
 use super::blocks::{BlockId, PoolId};
-use super::device::Lifecycle;
+use super::device::{Lifecycle, Shards};
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State};
 use super::stats::{self, DeviceStats};
@@ -21,7 +22,8 @@ use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
 use crate::sync::{poisoned, Guard, SpinThenBlock};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 /// Paged segments a (stream, pool) may have. Each spans the device's size in addresses, so
 /// a request finds no free range only when live blocks are scattered across it; a few more
@@ -62,6 +64,19 @@ pub(crate) struct Shard {
     free_fence_interval: std::time::Duration,
     times_page_moves: bool,
     releases_outgrown: bool,
+    /// The device's shards, this one among them (see `lending`).
+    siblings: Weak<Shards>,
+    /// Bytes live in this shard as of its last allocation or free, for other shards'
+    /// growths (`lending`) to read without taking this shard's lock.
+    live: AtomicU64,
+}
+
+/// What a device's shards share with it and with each other.
+pub(in crate::alloc) struct DeviceWide {
+    pub device_reserved: Arc<stats::DeviceReserved>,
+    pub fronts: Arc<front::Fronts>,
+    pub lifecycle: Arc<Lifecycle>,
+    pub siblings: Weak<Shards>,
 }
 
 impl Shard {
@@ -70,10 +85,14 @@ impl Shard {
         total_memory: u64,
         driver: Arc<dyn Driver>,
         config: Config,
-        device_reserved: Arc<stats::DeviceReserved>,
-        fronts: Arc<front::Fronts>,
-        lifecycle: Arc<Lifecycle>,
+        shared: DeviceWide,
     ) -> Self {
+        let DeviceWide {
+            device_reserved,
+            fronts,
+            lifecycle,
+            siblings,
+        } = shared;
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
         let times_page_moves = driver.times_page_moves();
@@ -88,7 +107,15 @@ impl Shard {
             free_fence_interval,
             times_page_moves,
             releases_outgrown,
+            siblings,
+            live: AtomicU64::new(0),
         }
+    }
+
+    /// Publishes this shard's live bytes (`live`).
+    fn publish_live(&self, st: &State) {
+        let live = st.stats().active_bytes.all().current.max(0) as u64;
+        self.live.store(live, Ordering::Relaxed);
     }
 
     pub(in crate::alloc) fn lock(&self) -> Result<Guard<'_, State>> {
@@ -140,6 +167,7 @@ impl Shard {
         // PyTorch checks it only when it must reserve): past it, only the cache may serve.
         let cache_only = size > st.limit();
         let ptr = self.malloc_locked(&mut st, size, stream, owner, rounded, cache_only)?;
+        self.publish_live(&st);
         if let Some(before) = peaks {
             if st.stats().front_peaks_passed(&before) {
                 self.drain_fronts(&mut st);
@@ -389,6 +417,7 @@ impl Shard {
             }
         }
         self.free_block(&mut st, id, true)?;
+        self.publish_live(&st);
         Ok(Freed::Done)
     }
 

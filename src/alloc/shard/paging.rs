@@ -12,6 +12,16 @@ use crate::error::Result;
 use std::ops::Range;
 use std::time::Instant;
 
+/// What `Shard::reclaim` does about chunks whose frees the device may not be past yet.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::alloc) enum Pending {
+    /// Waits for them as needed, recording fences on this stream (the asking malloc's,
+    /// so alive).
+    WaitOn(StreamId),
+    /// There are none: the caller has synchronized the device.
+    Synced,
+}
+
 impl Shard {
     /// The page size when requests of this kind use paged segments.
     pub(in crate::alloc) fn paging(&self, st: &State, private: bool) -> Option<u64> {
@@ -98,12 +108,14 @@ impl Shard {
             return Ok(true);
         }
         // Every page mapped here counts as reserved; parked chunks already do.
-        let high = st.raise_live_high_water(len);
+        let (high, elsewhere) = self.weighed_high_water(st, len)?;
         let share = st.page_slack();
         let slack = slack_bytes(high, share, page);
         let started = Instant::now();
         st.moves_mut().start_growth();
-        let budget = (high + slack).min(self.hard_limit(st));
+        let mut budget = (high + slack)
+            .min(self.hard_limit(st))
+            .saturating_sub(elsewhere);
         let mut plan = Plan::new(&missing);
         let mut spares = self.unpark_all(st, page);
         let gathered = self.gather(
@@ -112,7 +124,7 @@ impl Shard {
             &mut plan,
             &mut spares,
             page,
-            budget,
+            &mut budget,
             slack,
             rest,
         );
@@ -207,9 +219,11 @@ impl Shard {
     /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved
     /// stays within `budget`; past it, growth is paid for with chunks from under free blocks
     /// (never much more than this request maps: shrinking is left to empty_cache and the OOM
-    /// path). A wait for the device buys a batch of `slack` more, parked for the next
-    /// requests. While a CUDA graph is being captured nothing may wait or move: only parked
-    /// and new chunks are used. `spares` ends with the memory in hand that fit nowhere.
+    /// path), this shard's first, then the other shards' idle memory (`lending`; `budget`
+    /// then grows by what they gave up). A wait for the device buys a batch of `slack` more,
+    /// parked for the next requests. While a CUDA graph is being captured nothing may wait
+    /// or move: only parked and new chunks are used. `spares` ends with the memory in hand
+    /// that fit nowhere.
     #[allow(clippy::too_many_arguments)]
     fn gather(
         &self,
@@ -218,7 +232,7 @@ impl Shard {
         plan: &mut Plan,
         spares: &mut Vec<Spare>,
         page: u64,
-        budget: u64,
+        budget: &mut u64,
         slack: u64,
         rest: Range<DevicePtr>,
     ) -> Result<()> {
@@ -226,27 +240,45 @@ impl Shard {
         plan.fill(spares);
         let in_hand = |plan: &Plan, spares: &[Spare]| plan.placed_pages() + pages_of(spares);
         // Pages past the budget were everything in hand mapped and the rest made new.
-        let over_budget = |st: &State, plan: &Plan, spares: &[Spare]| {
+        let over_budget = |st: &State, plan: &Plan, spares: &[Spare], budget: u64| {
             let after = st.reserved() + (in_hand(plan, spares) + plan.unfilled()) as u64 * page;
             after.saturating_sub(budget).div_ceil(page) as usize
         };
         // Parked chunks that fit nowhere are the first memory to give up.
-        self.release_smallest(st, spares, over_budget(st, plan, spares), page)?;
-        let over = over_budget(st, plan, spares).min(plan.unfilled()) as u64;
+        self.release_smallest(st, spares, over_budget(st, plan, spares, *budget), page)?;
+        let over = over_budget(st, plan, spares, *budget).min(plan.unfilled()) as u64;
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
             let fit = plan.gaps.iter().map(|g| g.len()).max().unwrap_or(0);
-            let taken = self.reclaim(st, over as usize, batch, fit, rest.clone(), Some(stream))?;
+            let taken = self.reclaim(
+                st,
+                over as usize,
+                batch,
+                fit,
+                rest.clone(),
+                Pending::WaitOn(stream),
+            )?;
             spares.extend(taken);
             plan.fill(spares);
             // What fits nowhere goes back to the device before new memory is made.
             let surplus = pages_of(spares).saturating_sub(batch);
             self.release_smallest(st, spares, surplus, page)?;
+            let short = over_budget(st, plan, spares, *budget).min(plan.unfilled());
+            if short > 0 {
+                let fit = plan.gaps.iter().map(|g| g.len()).max().unwrap_or(0);
+                let borrowed = self.borrow_idle(st, stream, short, fit, page);
+                if !borrowed.is_empty() {
+                    // Reserved elsewhere fell by what was lent.
+                    *budget += pages_of(&borrowed) as u64 * page;
+                    spares.extend(borrowed);
+                    plan.fill(spares);
+                }
+            }
         }
         self.add_new_chunks(st, plan, page)?;
         if plan.unfilled() > 0 && !capturing {
             // Out of memory: take every reclaimable chunk, then the plain cache too.
-            let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Some(stream))?;
+            let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Pending::WaitOn(stream))?;
             spares.extend(all);
             plan.fill(spares);
             self.release_chunks(st, spares.drain(..), page)?;
@@ -326,12 +358,12 @@ impl Shard {
     }
 
     /// Keeps unmapped memory for later growth (it stays reserved).
-    fn park(&self, st: &mut State, spare: Spare, page: u64) {
+    pub(super) fn park(&self, st: &mut State, spare: Spare, page: u64) {
         st.keep_spare(spare, page);
     }
 
     /// Takes every parked chunk (no longer counted until mapped).
-    fn unpark_all(&self, st: &mut State, page: u64) -> Vec<Spare> {
+    pub(super) fn unpark_all(&self, st: &mut State, page: u64) -> Vec<Spare> {
         st.take_spares(page)
     }
 
@@ -405,8 +437,8 @@ impl Shard {
     /// victims come from the largest free blocks, highest addresses first: blocks are carved
     /// from the low end of a free block, so its high pages are the least likely to be needed
     /// again soon. With `batch` > 0, up to that many more pages that need no further wait are
-    /// taken. Chunks of at most `fit` pages go first. `caller`: the stream of the malloc asking (alive, so a fence may be recorded on
-    /// it); `None` when the caller has synchronized the device.
+    /// taken. Chunks of at most `fit` pages go first. `pending` says what to do about chunks
+    /// the device may not be past yet.
     pub(in crate::alloc) fn reclaim(
         &self,
         st: &mut State,
@@ -414,7 +446,7 @@ impl Shard {
         batch: usize,
         fit: usize,
         also: Range<DevicePtr>,
-        caller: Option<StreamId>,
+        pending: Pending,
     ) -> Result<Vec<Spare>> {
         let mut candidates = st.reclaim_candidates(also);
         // Chunks that fit where the memory is wanted move; larger ones would be released.
@@ -423,30 +455,30 @@ impl Shard {
             return Ok(Vec::new());
         }
         let limit = want.saturating_add(batch);
-        let all_done = match caller {
-            None => true,
+        let all_done = match pending {
+            Pending::Synced => true,
             // Everything is wanted (the OOM path): one wait for the whole device.
-            Some(_) if want == usize::MAX => {
+            Pending::WaitOn(_) if want == usize::MAX => {
                 self.sync_before_moves(st)?;
                 true
             }
-            Some(_) => {
+            Pending::WaitOn(_) => {
                 self.poll_fences(st, None)?;
                 false
             }
         };
-        let (done, mut pending): (Vec<Victim>, Vec<Victim>) = candidates
+        let (done, mut not_done): (Vec<Victim>, Vec<Victim>) = candidates
             .into_iter()
             .partition(|v| all_done || st.fences().is_done(v.stream, v.last_free));
         let mut victims = Vec::new();
         let mut taken = 0;
         take_until(&mut victims, &mut taken, done, limit);
-        if let (true, Some(caller)) = (taken < want && !pending.is_empty(), caller) {
+        if let (true, Pending::WaitOn(caller)) = (taken < want && !not_done.is_empty(), pending) {
             // The oldest frees first: the device is likeliest to be past them.
-            pending.sort_by_key(|v| v.last_free);
+            not_done.sort_by_key(|v| v.last_free);
             let mut newest: Vec<(StreamId, u64)> = Vec::new();
             let mut short = want - taken;
-            for v in &pending {
+            for v in &not_done {
                 if short == 0 {
                     break;
                 }
@@ -459,7 +491,7 @@ impl Shard {
             for (stream, seq) in newest {
                 self.wait_for_free(st, stream, seq, caller)?;
             }
-            let now_done: Vec<Victim> = pending
+            let now_done: Vec<Victim> = not_done
                 .into_iter()
                 .filter(|v| st.fences().is_done(v.stream, v.last_free))
                 .collect();
@@ -491,7 +523,7 @@ impl Shard {
         };
         let idle = self.unpark_all(st, page);
         let released_idle = self.release_chunks(st, idle, page);
-        let reclaimed = self.reclaim(st, usize::MAX, 0, usize::MAX, 0..0, None)?;
+        let reclaimed = self.reclaim(st, usize::MAX, 0, usize::MAX, 0..0, Pending::Synced)?;
         released_idle.and(self.release_chunks(st, reclaimed, page))?;
         let mut result = Ok(());
         for (base, size) in st.empty_paged_segments() {
