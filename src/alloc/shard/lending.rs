@@ -17,11 +17,13 @@
 //   blocks that their fences show the device is done with. The physical memory changes
 //   hands (unmapped there, mapped here) without being released and made again.
 //
-// The lending shard is only tried, never waited for: two shards growing at once would
-// otherwise each wait for the other's lock while holding its own. A busy shard is passed
-// over, and the growth makes new memory instead (the budget is a target, not a limit).
-// For the same reason nothing here waits for the device: a chunk whose free the device may
-// not be past yet stays where it is.
+// The lending shard's lock is only tried, never waited for: two shards growing at once
+// would otherwise each wait for the other's lock while holding its own. A busy shard is
+// passed over, and the growth makes new memory instead (the budget is a target, not a
+// limit). The device may be waited for, as a growth in one shard does: a chunk is lent
+// once the lender's fences show the device past its free, or after the host waits on the
+// oldest fence covering it (a device synchronize when none does, since the lender's stream
+// may be gone).
 //
 // Each shard publishes its live bytes in an atomic of its own, written after each of its
 // allocations and frees and read only by other shards' growths. A growth may so read
@@ -60,8 +62,9 @@ impl Shard {
         Ok((shards.raise_live_high_water(live), st.reserved_elsewhere()?))
     }
 
-    /// Takes up to about `pages` pages of idle memory from the device's other shards, as
-    /// unmapped chunks; chunks of at most `fit` pages first. Busy shards are passed over.
+    /// Takes up to about `pages` pages of idle memory from the device's other shards for a
+    /// growth on `stream`, as unmapped chunks; chunks of at most `fit` pages first. Busy
+    /// shards are passed over.
     pub(super) fn borrow_idle(
         &self,
         st: &mut State,
@@ -92,9 +95,10 @@ impl Shard {
         borrowed
     }
 
-    /// Gives up to about `pages` pages of this shard's idle memory to another shard's growth:
-    /// parked chunks, then chunks under free blocks the device is done with. Nothing while
-    /// this shard is busy, shut down or capturing a graph (nothing may move then).
+    /// Gives up to about `pages` pages of this shard's idle memory to a growth on stream
+    /// `borrower`: parked chunks, then chunks under free blocks (waiting for the device as
+    /// `reclaim` does). Nothing while this shard is busy, shut down or capturing a graph
+    /// (nothing may move then).
     fn lend_idle(
         &self,
         borrower: StreamId,
