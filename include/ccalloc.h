@@ -135,7 +135,7 @@ typedef struct {
   // blocks (the rest used new or idle memory).
   uint64_t growths;
   uint64_t moving_growths;
-  // Physical chunks (4 to 64 pages each, see `chunk_pages_for`) mapped and unmapped.
+  // Physical chunks (1 to 64 pages each, see `chunk_pages_for`) mapped and unmapped.
   uint64_t chunks_mapped;
   uint64_t chunks_unmapped;
   // Times the host waited for the device (a fence before moving pages, or a synchronize).

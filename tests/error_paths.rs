@@ -485,7 +485,7 @@ fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
 #[test]
 fn waits_for_a_busy_device_do_not_count_as_page_move_time() {
     // The churn above, with driver calls that cost nothing but each wait for the device
-    // 3 ms long (a device busy with work queued before the frees): growth spends most of
+    // 10 ms long (a device busy with work queued before the frees): growth spends most of
     // its time waiting, but moving costs little, so the slack must stay where it is.
     let sim = SimDriver::new(1, 1 << 32).with_event_lag(2);
     let (_sim, _f, a) = faulty_on(
@@ -493,7 +493,7 @@ fn waits_for_a_busy_device_do_not_count_as_page_move_time() {
         "",
         Duration::ZERO,
         Some(Duration::ZERO),
-        Duration::from_millis(3),
+        Duration::from_millis(10),
     );
     let base = a.page_slack().unwrap();
     let mut seed = 11u64;

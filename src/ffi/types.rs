@@ -102,7 +102,7 @@ pub struct ccalloc_paging_stats {
     /// blocks (the rest used new or idle memory).
     pub growths: u64,
     pub moving_growths: u64,
-    /// Physical chunks (4 to 64 pages each, see `chunk_pages_for`) mapped and unmapped.
+    /// Physical chunks (1 to 64 pages each, see `chunk_pages_for`) mapped and unmapped.
     pub chunks_mapped: u64,
     pub chunks_unmapped: u64,
     /// Times the host waited for the device (a fence before moving pages, or a synchronize).

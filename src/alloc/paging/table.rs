@@ -10,22 +10,25 @@ use std::ops::Range;
 /// record costs about a microsecond, and a GPU running behind the host needs no finer marks.
 /// A count, not a clock, so that a replay comes out the same every time.
 const FREES_PER_FENCE: u32 = 16;
-/// Growth maps physical memory in chunks of this many pages (more for long runs, see
-/// `chunk_pages_for`), one handle each: the driver's cost is per mapping, not per byte
-/// (`benches/gpu/vmm_cost.cu`). A chunk is unmapped only whole, so larger chunks keep more
-/// memory behind live blocks; this is the smallest size that cuts maps well below one per
-/// page while keeping what a chunk pins small.
-pub const CHUNK_PAGES: usize = 4;
+/// Growth maps physical memory in chunks, one handle each: the driver's cost is per call
+/// (create, map, access grant; `benches/gpu/vmm_cost.cu`), not per byte, and a chunk is
+/// unmapped only whole, so a chunk that one live block still touches keeps all its pages.
+/// The smallest chunk is one page: a small block pins no more than its own pages.
+pub const CHUNK_PAGES: usize = 1;
 /// The largest chunk (128 MiB with 2 MiB pages).
 pub const MAX_CHUNK_PAGES: usize = 64;
+/// A run of missing pages is mapped in chunks of about this share of it.
+const CHUNKS_PER_RUN: usize = 16;
 
-/// Pages per new chunk when growth maps a run of `run` missing pages: a quarter of the run,
-/// within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. Each chunk costs a create, a map and an access
-/// grant whatever its size, so a large block is backed by a few large chunks; a chunk never
-/// exceeds a quarter of the block it was made for, so one pinned by a small live block later
-/// holds little beyond it.
+/// Pages per new chunk when growth maps a run of `run` missing pages: a sixteenth of the
+/// run, within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. A block is so backed by at most about 16
+/// chunks (16 creates and maps however large it is), and when blocks smaller than it later
+/// live on its pages, each pins at most a sixteenth of it beyond its own pages. Swept on the
+/// 18 replayed traces (docs/paging.md): quarters pinned up to 0.08 of peak live more than
+/// sixteenths (generation, variable-batch inference), and sixteenths were nowhere worse;
+/// thirty-seconds gained little more for twice the calls.
 pub fn chunk_pages_for(run: usize) -> usize {
-    (run / 4).clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
+    (run / CHUNKS_PER_RUN).clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
 }
 
 /// One physical allocation mapped at pages `first..first+pages` of a segment.
