@@ -71,11 +71,6 @@ fn link(id: BlockId) -> Option<BlockId> {
     (id != NO_BLOCK).then_some(id)
 }
 
-#[inline]
-fn unlink(id: Option<BlockId>) -> BlockId {
-    id.unwrap_or(NO_BLOCK)
-}
-
 /// The extension of a block of private pool `owner`, if it needs one.
 fn owner_extra(owner: Option<PoolId>) -> Option<Box<Extra>> {
     owner.map(|owner| {
@@ -425,7 +420,10 @@ mod tests {
             false,
             42,
         ));
-        assert_eq!((arena.get(id).cached_at(), arena.get(id).requested()), (42, 0));
+        assert_eq!(
+            (arena.get(id).cached_at(), arena.get(id).requested()),
+            (42, 0)
+        );
         arena.get_mut(id).mark_handed_out(1000, false);
         assert_eq!(arena.get(id).requested(), 1000);
         arena.get_mut(id).add_stream_use(StreamId(2));
@@ -438,7 +436,10 @@ mod tests {
         arena.get_mut(id).mark_parked();
         assert_eq!(arena.get(id).requested(), 0);
         arena.get_mut(id).mark_free(50);
-        assert_eq!((arena.get(id).cached_at(), arena.get(id).requested()), (50, 0));
+        assert_eq!(
+            (arena.get(id).cached_at(), arena.get(id).requested()),
+            (50, 0)
+        );
         let rest = arena.split_off_back(id, 4096, 60);
         let front = arena.split_off_front(id, (1 << 20) + 512).0;
         for (b, at) in [(id, 50), (rest, 60), (front, 50)] {
