@@ -1,11 +1,10 @@
 //! The blocks handed out, by address: every alloc and free looks one up here.
 //!
-//! An open-addressing table (linear probing, deletion by backward shift, at most half full)
-//! of 8-byte slots: a block id and a tag, the address's bits above the 512-byte grid. A
-//! lookup confirms a tag match on the block itself, which the caller reads next anyway, so
-//! the table holds no addresses: it stays a quarter the size of a map from address to id,
-//! and a free touches one slot and one block rather than a map's control group, its bucket
-//! and then the block.
+//! An open-addressing table (linear probing, deletion by backward shift, at most a quarter
+//! full: short runs) of 8-byte slots: a block id and a tag, the address's bits above the
+//! 512-byte grid. A lookup confirms a tag match on the block itself, which the caller reads
+//! next anyway, so a free touches one slot and one block rather than a map's control group,
+//! its bucket (address and id) and then the block; a removal finds its slot by id alone.
 
 use crate::alloc::core::blocks::{BlockArena, BlockId};
 use crate::driver::DevicePtr;
@@ -30,7 +29,7 @@ fn tag_of(addr: DevicePtr) -> u32 {
 }
 
 pub(super) struct LiveMap {
-    /// A power of two long, at most half full.
+    /// A power of two long, at most a quarter full.
     slots: Vec<Slot>,
     len: usize,
     /// 64 - log2(slots.len()): a tag's home slot is its Fibonacci hash's top bits.
@@ -90,7 +89,7 @@ impl LiveMap {
     #[inline]
     pub(super) fn insert(&mut self, addr: DevicePtr, id: BlockId) {
         debug_assert_ne!(id, EMPTY);
-        if (self.len + 1) * 2 > self.slots.len() {
+        if (self.len + 1) * 4 > self.slots.len() {
             self.grow();
         }
         self.place(Slot {
