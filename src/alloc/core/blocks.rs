@@ -21,35 +21,64 @@ pub enum BlockState {
     Parked,
 }
 
+/// `Block::prev`/`next` when there is no neighbour (`BlockArena::insert` never hands it out).
+const NO_BLOCK: BlockId = BlockId::MAX;
+
+/// What few blocks carry: a private pool, other streams that used it. Boxed so that the
+/// common block (general cache, one stream) stays within a cache line.
+#[derive(Clone, Debug, Default)]
+struct Extra {
+    /// The private pool (CUDA graph) the segment belongs to; `None` = the general cache.
+    owner: Option<PoolId>,
+    /// Other streams that used the block (`record_stream`); they are waited for on free.
+    stream_uses: Vec<StreamId>,
+}
+
 /// A piece of a segment: where it lies, whose it is, and its state. Its fields change only
 /// through the transitions below and the arena's splits and merges, which keep the chain of
 /// a segment's blocks linked in address order.
+///
+/// Every alloc and free reads and writes several blocks, at random: the fields are packed
+/// into 64 bytes (`block_fits_a_cache_line`), the rare ones boxed in `Extra`.
 #[derive(Clone, Debug)]
 pub struct Block {
     addr: DevicePtr,
     size: u64,
-    /// Bytes the caller asked for (before rounding); 0 while free.
-    requested: u64,
     /// The stream the segment was allocated for; the block is reused only there.
     stream: StreamId,
+    /// Handed out or awaiting events: the bytes the caller asked for (before rounding).
+    /// Free: the pool's lookup count when the block was cached, its age for garbage
+    /// collection. Otherwise (held, parked) 0. One word for both: no state needs both.
+    stamp: u64,
+    /// The thread front (`front::FrontCell::id`) that holds this handed-out block; 0: none.
+    front: u64,
+    /// `None` for a general-cache block used on its own stream only.
+    extra: Option<Box<Extra>>,
+    /// Neighbours inside the same segment, by address (`NO_BLOCK`: none).
+    prev: BlockId,
+    next: BlockId,
     pool: PoolKind,
-    /// The private pool (CUDA graph) the segment belongs to; `None` = the general cache.
-    owner: Option<PoolId>,
+    state: BlockState,
     /// Lies in a paged (virtual memory) segment: pages are mapped as blocks need them.
     paged: bool,
     /// Counted in `oversize_allocations` when handed out (so the count comes off exactly
     /// even if `max_split_size` changes meanwhile).
     counted_oversize: bool,
-    /// Neighbours inside the same segment, by address.
-    prev: Option<BlockId>,
-    next: Option<BlockId>,
-    state: BlockState,
-    /// Other streams that used the block (`record_stream`); they are waited for on free.
-    stream_uses: Vec<StreamId>,
-    /// The pool's lookup count when the block was cached; its age for garbage collection.
-    cached_at: u64,
-    /// The thread front (`front::FrontCell::id`) that holds this handed-out block; 0: none.
-    front: u64,
+}
+
+#[inline]
+fn link(id: BlockId) -> Option<BlockId> {
+    (id != NO_BLOCK).then_some(id)
+}
+
+/// The extension of a block of private pool `owner`, if it needs one.
+fn owner_extra(owner: Option<PoolId>) -> Option<Box<Extra>> {
+    owner.map(|owner| {
+        Box::new(Extra {
+            owner: Some(owner),
+            stream_uses: Vec::new(),
+        })
+    })
 }
 
 impl Block {
@@ -66,18 +95,16 @@ impl Block {
         Block {
             addr,
             size,
-            requested: 0,
             stream,
+            stamp: cached_at,
+            front: 0,
+            extra: owner_extra(owner),
+            prev: NO_BLOCK,
+            next: NO_BLOCK,
             pool,
-            owner,
+            state: BlockState::Free,
             paged,
             counted_oversize: false,
-            prev: None,
-            next: None,
-            state: BlockState::Free,
-            stream_uses: Vec::new(),
-            cached_at,
-            front: 0,
         }
     }
 
@@ -91,9 +118,13 @@ impl Block {
         self.size
     }
 
+    /// Bytes the caller asked for (before rounding); 0 while free, parked or held.
     #[inline]
     pub fn requested(&self) -> u64 {
-        self.requested
+        match self.state {
+            BlockState::Allocated | BlockState::AwaitingEvents => self.stamp,
+            BlockState::Free | BlockState::Parked => 0,
+        }
     }
 
     #[inline]
@@ -108,7 +139,7 @@ impl Block {
 
     #[inline]
     pub fn owner(&self) -> Option<PoolId> {
-        self.owner
+        self.extra.as_ref().and_then(|e| e.owner)
     }
 
     #[inline]
@@ -123,12 +154,12 @@ impl Block {
 
     #[inline]
     pub fn prev(&self) -> Option<BlockId> {
-        self.prev
+        link(self.prev)
     }
 
     #[inline]
     pub fn next(&self) -> Option<BlockId> {
-        self.next
+        link(self.next)
     }
 
     #[inline]
@@ -138,12 +169,14 @@ impl Block {
 
     #[inline]
     pub fn stream_uses(&self) -> &[StreamId] {
-        &self.stream_uses
+        self.extra.as_ref().map_or(&[], |e| &e.stream_uses)
     }
 
+    /// The pool's lookup count when the block was cached (the block being free).
     #[inline]
     pub fn cached_at(&self) -> u64 {
-        self.cached_at
+        debug_assert_eq!(self.state, BlockState::Free, "only a free block has an age");
+        self.stamp
     }
 
     #[inline]
@@ -156,7 +189,7 @@ impl Block {
     #[inline]
     pub fn mark_handed_out(&mut self, requested: u64, oversize: bool) {
         self.state = BlockState::Allocated;
-        self.requested = requested;
+        self.stamp = requested;
         self.counted_oversize = oversize;
     }
 
@@ -164,43 +197,49 @@ impl Block {
     /// so that no merge or reclaim touches it meanwhile.
     pub fn hold(&mut self) {
         self.state = BlockState::Allocated;
+        self.stamp = 0;
     }
 
     /// Given back by its caller: waits for the streams it was used on, which it returns.
     #[inline]
     pub fn mark_awaiting(&mut self) -> Vec<StreamId> {
         self.state = BlockState::AwaitingEvents;
-        std::mem::take(&mut self.stream_uses)
+        self.take_stream_uses()
     }
 
     /// Cached in its pool's free list at lookup count `cached_at`.
     #[inline]
     pub fn mark_free(&mut self, cached_at: u64) {
         self.state = BlockState::Free;
-        self.requested = 0;
-        self.cached_at = cached_at;
+        self.stamp = cached_at;
     }
 
     /// Parked, unmerged and unlisted.
     #[inline]
     pub fn mark_parked(&mut self) {
         self.state = BlockState::Parked;
-        self.requested = 0;
+        self.stamp = 0;
     }
 
     /// The other streams it is used on, kept while their events wait.
     pub fn set_stream_uses(&mut self, uses: Vec<StreamId>) {
-        self.stream_uses = uses;
+        if uses.is_empty() && self.extra.is_none() {
+            return;
+        }
+        self.extra.get_or_insert_default().stream_uses = uses;
     }
 
     pub fn take_stream_uses(&mut self) -> Vec<StreamId> {
-        std::mem::take(&mut self.stream_uses)
+        match &mut self.extra {
+            None => Vec::new(),
+            Some(e) => std::mem::take(&mut e.stream_uses),
+        }
     }
 
     /// Used on `stream` too (nothing changes for its own stream or one already noted).
     pub fn add_stream_use(&mut self, stream: StreamId) {
-        if self.stream != stream && !self.stream_uses.contains(&stream) {
-            self.stream_uses.push(stream);
+        if self.stream != stream && !self.stream_uses().contains(&stream) {
+            self.extra.get_or_insert_default().stream_uses.push(stream);
         }
     }
 
@@ -211,7 +250,7 @@ impl Block {
 
     #[inline]
     pub fn is_split(&self) -> bool {
-        self.prev.is_some() || self.next.is_some()
+        self.prev != NO_BLOCK || self.next != NO_BLOCK
     }
 
     /// A free block spanning a whole plain (not paged) segment: releasable to the driver.
@@ -230,25 +269,23 @@ impl Block {
         &self,
         addr: DevicePtr,
         size: u64,
-        prev: Option<BlockId>,
-        next: Option<BlockId>,
+        prev: BlockId,
+        next: BlockId,
         cached_at: u64,
     ) -> Block {
         Block {
             addr,
             size,
-            requested: 0,
             stream: self.stream,
-            pool: self.pool,
-            owner: self.owner,
-            paged: self.paged,
-            counted_oversize: false,
+            stamp: cached_at,
+            front: 0,
+            extra: owner_extra(self.owner()),
             prev,
             next,
+            pool: self.pool,
             state: BlockState::Free,
-            stream_uses: Vec::new(),
-            cached_at,
-            front: 0,
+            paged: self.paged,
+            counted_oversize: false,
         }
     }
 }
@@ -268,8 +305,12 @@ impl BlockArena {
                 id
             }
             None => {
+                let id = BlockId::try_from(self.slots.len())
+                    .ok()
+                    .filter(|&id| id != NO_BLOCK)
+                    .expect("fewer than 2^32 - 1 blocks");
                 self.slots.push(Some(block));
-                (self.slots.len() - 1) as BlockId
+                id
             }
         }
     }
@@ -294,19 +335,14 @@ impl BlockArena {
     /// (unlisted) linked after it, at lookup count `cached_at`. Returns the new block.
     pub fn split_off_back(&mut self, id: BlockId, size: u64, cached_at: u64) -> BlockId {
         let block = self.get(id);
-        let rest = block.free_piece(
-            block.addr + size,
-            block.size - size,
-            Some(id),
-            block.next,
-            cached_at,
-        );
+        let next = block.next;
+        let rest = block.free_piece(block.addr + size, block.size - size, id, next, cached_at);
         let rest_id = self.insert(rest);
-        if let Some(next) = self.get(rest_id).next {
-            self.get_mut(next).prev = Some(rest_id);
+        if next != NO_BLOCK {
+            self.get_mut(next).prev = rest_id;
         }
         let block = self.get_mut(id);
-        block.next = Some(rest_id);
+        block.next = rest_id;
         block.size = size;
         rest_id
     }
@@ -316,21 +352,18 @@ impl BlockArena {
     /// its segment (the caller's segment table names its first block).
     pub fn split_off_front(&mut self, id: BlockId, at: DevicePtr) -> (BlockId, bool) {
         let block = self.get(id);
-        let addr = block.addr;
+        let (addr, prev) = (block.addr, block.prev);
         debug_assert!(at > addr && at < block.end());
-        let front = block.free_piece(addr, at - addr, block.prev, Some(id), block.cached_at);
+        let front = block.free_piece(addr, at - addr, prev, id, block.cached_at());
         let front_id = self.insert(front);
-        let starts_segment = match self.get(front_id).prev {
-            Some(p) => {
-                self.get_mut(p).next = Some(front_id);
-                false
-            }
-            None => true,
-        };
+        let starts_segment = prev == NO_BLOCK;
+        if !starts_segment {
+            self.get_mut(prev).next = front_id;
+        }
         let block = self.get_mut(id);
         block.size -= at - addr;
         block.addr = at;
-        block.prev = Some(front_id);
+        block.prev = front_id;
         (front_id, starts_segment)
     }
 
@@ -344,16 +377,81 @@ impl BlockArena {
         if other.addr < block.addr {
             block.addr = other.addr;
             block.prev = other.prev;
-            match other.prev {
-                Some(p) => self.get_mut(p).next = Some(id),
+            match other.prev() {
+                Some(p) => self.get_mut(p).next = id,
                 None => starts_segment = true,
             }
         } else {
             block.next = other.next;
-            if let Some(n) = other.next {
-                self.get_mut(n).prev = Some(id);
+            if let Some(n) = other.next() {
+                self.get_mut(n).prev = id;
             }
         }
         (other, starts_segment)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every alloc and free touches several blocks at random: one fits a cache line.
+    #[test]
+    fn block_fits_a_cache_line() {
+        assert_eq!(std::mem::size_of::<Block>(), 64);
+        assert_eq!(
+            std::mem::size_of::<Option<Block>>(),
+            std::mem::size_of::<Block>()
+        );
+    }
+
+    /// The word shared by `requested` and `cached_at` reads as each state defines it, and
+    /// the rare fields survive splits (the owner) or stay with the block (stream uses).
+    #[test]
+    fn shared_fields_read_per_state() {
+        let owner = Some((7, 9));
+        let mut arena = BlockArena::default();
+        let id = arena.insert(Block::whole_segment(
+            1 << 20,
+            8192,
+            StreamId(1),
+            PoolKind::Small,
+            owner,
+            false,
+            42,
+        ));
+        assert_eq!(
+            (arena.get(id).cached_at(), arena.get(id).requested()),
+            (42, 0)
+        );
+        arena.get_mut(id).mark_handed_out(1000, false);
+        assert_eq!(arena.get(id).requested(), 1000);
+        arena.get_mut(id).add_stream_use(StreamId(2));
+        arena.get_mut(id).add_stream_use(StreamId(1));
+        arena.get_mut(id).add_stream_use(StreamId(2));
+        assert_eq!(arena.get(id).stream_uses(), &[StreamId(2)]);
+        assert_eq!(arena.get_mut(id).mark_awaiting(), vec![StreamId(2)]);
+        assert!(arena.get(id).stream_uses().is_empty());
+        assert_eq!(arena.get(id).requested(), 1000);
+        arena.get_mut(id).mark_parked();
+        assert_eq!(arena.get(id).requested(), 0);
+        arena.get_mut(id).mark_free(50);
+        assert_eq!(
+            (arena.get(id).cached_at(), arena.get(id).requested()),
+            (50, 0)
+        );
+        let rest = arena.split_off_back(id, 4096, 60);
+        let front = arena.split_off_front(id, (1 << 20) + 512).0;
+        for (b, at) in [(id, 50), (rest, 60), (front, 50)] {
+            assert_eq!(arena.get(b).owner(), owner);
+            assert_eq!(arena.get(b).cached_at(), at);
+        }
+        assert_eq!(arena.get(front).prev(), None);
+        assert_eq!(arena.get(front).next(), Some(id));
+        assert_eq!(arena.get(id).next(), Some(rest));
+        assert_eq!(arena.get(rest).prev(), Some(id));
+        assert_eq!(arena.get(rest).next(), None);
+        arena.get_mut(id).hold();
+        assert_eq!(arena.get(id).requested(), 0);
     }
 }

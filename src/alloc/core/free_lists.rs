@@ -73,7 +73,7 @@ impl FreeList {
 
     /// The smallest cached block on `stream` of at least `size` bytes.
     pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
-        self.fits(stream, size).next()
+        self.index(stream)?.best_fit(size)
     }
 
     /// Cached blocks on `stream` of at least `size` bytes, smallest first.

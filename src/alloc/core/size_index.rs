@@ -272,6 +272,41 @@ impl SizeIndex {
         }
     }
 
+    /// The smallest block of at least `size` bytes (lowest address among equals): as
+    /// `fits(size).next()`, without the iterator's state (every alloc asks this).
+    pub fn best_fit(&self, size: u64) -> Option<(u64, BlockId)> {
+        let mut class = class_of(size).and_then(|c| self.next_class(c));
+        let mut head = None;
+        'classes: while let Some(c) = class {
+            let blocks = &self.classes[c];
+            let mut pos = 0;
+            while let Some(&entry) = blocks.nth_lowest(pos) {
+                if entry.0 >= size {
+                    head = Some(entry);
+                    break 'classes;
+                }
+                pos += 1;
+            }
+            class = self.next_class(c + 1);
+        }
+        if let Some(c) = head {
+            if self.big_first.is_none_or(|first| (c.0, c.1) < first) {
+                return Some((c.0, c.2));
+            }
+        }
+        let big = self.big.range((size, 0)..).next();
+        match (head, big) {
+            (Some(c), Some((&(s, a), &id))) => Some(if (s, a) < (c.0, c.1) {
+                (s, id)
+            } else {
+                (c.0, c.2)
+            }),
+            (Some(c), None) => Some((c.0, c.2)),
+            (None, Some((&(s, _), &id))) => Some((s, id)),
+            (None, None) => None,
+        }
+    }
+
     /// The largest block (highest address among equals), if it holds at least `size` bytes.
     pub fn largest_fit(&self, size: u64) -> Option<BlockId> {
         let big = self.big.last_key_value().map(|(&(s, a), &id)| (s, a, id));
@@ -424,6 +459,7 @@ mod tests {
                     .map(|(&(s, _), &id)| (s, id))
                     .collect();
                 assert_eq!(index.fits(probe).take(40).collect::<Vec<_>>(), want);
+                assert_eq!(index.best_fit(probe), want.first().copied());
                 let largest = reference
                     .last_key_value()
                     .filter(|(&(s, _), _)| s >= probe)

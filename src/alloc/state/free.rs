@@ -12,7 +12,8 @@ impl State {
         let block = self.book.blocks.get_mut(id);
         let (pool, size, oversize) = (block.pool(), block.size(), block.counted_oversize());
         let uses = block.mark_awaiting();
-        self.book.live.remove(&block.addr());
+        let listed = self.book.live.remove(block.addr(), id);
+        debug_assert!(listed, "a block taken back was live");
         let s = &mut self.stats;
         s.allocation.decrease(pool, 1);
         s.allocated_bytes.decrease(pool, size);

@@ -4,6 +4,7 @@
 
 mod fit;
 mod free;
+mod live;
 mod parked;
 mod segments;
 
@@ -52,9 +53,8 @@ pub struct Elsewhere {
 struct Book {
     blocks: BlockArena,
     caches: Caches,
-    /// Blocks handed out, by address (FxHash: every alloc and free looks up here, and the
-    /// keys are the allocator's own addresses, not attacker-chosen).
-    live: rustc_hash::FxHashMap<DevicePtr, BlockId>,
+    /// Blocks handed out, by address.
+    live: live::LiveMap,
     segments: BTreeMap<DevicePtr, Segment>,
     /// The memory blocks handed out have covered, as disjoint ranges start → end (adjacent
     /// ones joined; a segment's part is dropped when it goes back to the device): tells a
@@ -246,17 +246,21 @@ impl State {
     /// The live block at `ptr`.
     #[inline]
     pub fn live_block(&self, ptr: DevicePtr) -> Option<BlockId> {
-        self.book.live.get(&ptr).copied()
+        self.book.live.get(ptr, &self.book.blocks)
     }
 
-    /// The live blocks of private pool `pool`, with their addresses.
+    /// The live blocks of private pool `pool`, with their addresses, in address order.
     pub fn live_blocks_of(&self, pool: PoolId) -> Vec<(DevicePtr, BlockId)> {
-        self.book
+        let mut live: Vec<_> = self
+            .book
             .live
-            .iter()
-            .filter(|(_, &id)| self.book.blocks.get(id).owner() == Some(pool))
-            .map(|(&addr, &id)| (addr, id))
-            .collect()
+            .ids()
+            .map(|id| (self.book.blocks.get(id), id))
+            .filter(|(b, _)| b.owner() == Some(pool))
+            .map(|(b, id)| (b.addr(), id))
+            .collect();
+        live.sort_unstable_by_key(|&(addr, _)| addr);
+        live
     }
 
     /// The segment starting at `addr`.
