@@ -14,6 +14,9 @@
 // - settings and private-pool windows: applied to every shard, and to shards made later;
 // - statistics: the sum over shards (peaks too: see `stats`).
 //
+// Each shard has thread fronts of its own (`front`, `Shard::fronts`): it alone hands their
+// blocks out and drains them, under its own lock.
+//
 // Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
 // lookup reads the filled ones. A process with more streams than slots shares the last
 // slots' shards among the extra streams (a shard serves any number of streams).

@@ -36,7 +36,7 @@
 // handed out by one thread's front may be freed by another thread (or recorded on a
 // stream), and that slow free must take it out of exactly that front. Without the name it
 // would visit every front's cell, one compare-and-swap each, on every slow free of the
-// device; with it, the free looks once in the shard's block it has already found, and
+// shard; with it, the free looks once in the shard's block it has already found, and
 // visits a cell only when the block is in one.
 //
 // Each shard has fronts of its own (`Fronts`, one per thread that frees into it): a front
@@ -45,7 +45,8 @@
 // and shard: `Local`). An allocation looks in the front of its stream's shard; a free, whose
 // shard is unknown, looks in each of the thread's fronts for the device that has blocks
 // out (usually one), and otherwise goes to the shard, which adopts the block into the
-// thread's front for that shard.
+// thread's front for that shard. A block names a front of its own shard's registry (only
+// that shard adopts it), and front ids are unique for the process (`NEXT_FRONT`).
 
 use super::core::blocks::BlockId;
 use super::core::reuse::ReuseGate;
