@@ -22,7 +22,7 @@
 // slots' shards among the extra streams (a shard serves any number of streams).
 
 use super::core::free_lists::{PoolId, RouteFilter};
-use super::front::{self, Fronts, GiveBack};
+use super::front::{self, FrontOf, Fronts, GiveBack};
 use super::shard::DeviceWide;
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;
@@ -113,8 +113,8 @@ pub struct DeviceAllocator {
     routing: AtomicBool,
     /// `Config::per_stream_shards`; may change only while no shard exists.
     sharded: AtomicBool,
-    /// This allocator's key in the threads' lists of their fronts (each shard has its own
-    /// fronts, `Shard::fronts`, with a key of its own; this one finds the device's).
+    /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
+    /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
     key: u64,
 }
 
@@ -201,6 +201,11 @@ impl DeviceAllocator {
         ))
     }
 
+    /// `stream`'s shard if it has one (`find_slot`), for the fast path.
+    fn front_shard(&self, stream: StreamId) -> Option<&Shard> {
+        self.find_slot(stream).ok().map(|(_, shard)| shard)
+    }
+
     fn make_shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
         let setup = self.setup()?;
         self.check_open()?;
@@ -243,11 +248,16 @@ impl DeviceAllocator {
     /// Allocates at least `size` bytes for use on `stream`.
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
         // A block this thread freed, of exactly this size and stream, in its front for the
-        // stream's shard (see `front`).
-        if let Ok((_, shard)) = self.find_slot(stream) {
-            if let Some(ptr) = front::take(&shard.fronts, size, stream) {
-                return Ok(ptr);
-            }
+        // stream's shard (see `front`). Without shards, the thread's one front for the
+        // device, found without looking at the shard.
+        let front = if self.sharded.load(Ordering::Relaxed) {
+            self.front_shard(stream)
+                .map(|shard| FrontOf::Shard(&shard.fronts))
+        } else {
+            Some(FrontOf::OnlyShard(self.key))
+        };
+        if let Some(ptr) = front.and_then(|front| front::take(front, size, stream)) {
+            return Ok(ptr);
         }
         if self.routing.load(Ordering::Acquire) {
             return self.malloc_routed(size, stream);

@@ -334,10 +334,8 @@ pub enum Drained {
 
 /// A shard's fronts, and whether they may be used now.
 pub struct Fronts {
-    /// The device's key and this shard's (`new_key`): a thread's `Local` for these fronts
-    /// is found by `key`, and its fronts for the device by `device`.
+    /// The device's key (`new_key`): a thread's fronts for the device are found by it.
     device: u64,
-    key: u64,
     cells: Mutex<Vec<Arc<FrontCell>>>,
     /// False while a capture routes allocations to a private pool, after shutdown, and
     /// with `thread_cache:False` (the device sets every shard's alike): fronts neither hand
@@ -351,7 +349,7 @@ pub struct Fronts {
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
-/// A key unique for the process's life, for a device or a shard's fronts.
+/// A key unique for the process's life, for a device.
 pub fn new_key() -> u64 {
     NEXT_KEY.fetch_add(1, Ordering::Relaxed)
 }
@@ -361,7 +359,6 @@ impl Fronts {
     pub fn new(device: u64, open: bool) -> Self {
         Self {
             device,
-            key: new_key(),
             cells: Mutex::default(),
             open: AtomicBool::new(open),
             orphans: AtomicUsize::new(0),
@@ -468,9 +465,9 @@ impl Fronts {
 /// upper bounds of its held and out entries (only this thread adds them; others only take
 /// them away), and its adoption record.
 struct Local {
-    /// `fronts`' keys, copied: read on every lookup.
+    /// `fronts.device`, copied: read on every free. The `Local` for a shard's fronts is
+    /// found by their address, which stays theirs while `fronts` holds them.
     device: u64,
-    key: u64,
     fronts: Arc<Fronts>,
     cell: Arc<FrontCell>,
     held: u32,
@@ -492,25 +489,39 @@ thread_local! {
     static LOCALS_OF_THREAD: std::cell::RefCell<Vec<Local>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The calling thread's view of its front for the fronts keyed `key`, if it has one.
-fn with_local<R>(key: u64, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
+/// Where the front an allocation looks in is.
+#[derive(Clone, Copy)]
+pub enum FrontOf<'a> {
+    /// The one shard's of the device keyed so (a device without shards has one front per
+    /// thread).
+    OnlyShard(u64),
+    /// This shard's.
+    Shard(&'a Fronts),
+}
+
+/// The calling thread's view of its front `which`, if it has one.
+fn with_local<R>(which: FrontOf<'_>, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
     LOCALS_OF_THREAD
         .try_with(|locals| {
             let mut locals = locals.try_borrow_mut().ok()?;
-            let local = locals.iter_mut().find(|l| l.key == key)?;
+            let local = locals.iter_mut().find(|l| match which {
+                FrontOf::OnlyShard(device) => l.device == device,
+                FrontOf::Shard(fronts) => std::ptr::eq(&*l.fronts, fronts),
+            })?;
             Some(f(local))
         })
         .ok()
         .flatten()
 }
 
-/// The fast allocation, from the front of the stream's shard (`fronts`): a held block of
-/// exactly `requested` bytes on `stream`.
-pub fn take(fronts: &Fronts, requested: u64, stream: StreamId) -> Option<DevicePtr> {
-    with_local(fronts.key, |local| {
+/// The fast allocation, from the front of the stream's shard: a held block of exactly
+/// `requested` bytes on `stream`.
+pub fn take(which: FrontOf<'_>, requested: u64, stream: StreamId) -> Option<DevicePtr> {
+    with_local(which, |local| {
         if local.held == 0 {
             return None;
         }
+        let fronts = &local.fronts;
         let (taken, census) = local.cell.front.with(|f| {
             if !fronts.open.load(Ordering::Relaxed) {
                 return (None, f.census());
@@ -573,7 +584,7 @@ pub fn with_adopter<R>(
     let mut f = Some(f);
     let done = LOCALS_OF_THREAD.try_with(|locals| {
         let mut locals = locals.try_borrow_mut().ok()?;
-        let i = match locals.iter().position(|l| l.key == fronts.key) {
+        let i = match locals.iter().position(|l| Arc::ptr_eq(&l.fronts, fronts)) {
             Some(i) => i,
             None => {
                 if locals.len() == LOCALS {
@@ -584,7 +595,6 @@ pub fn with_adopter<R>(
                 let cell = fronts.register().ok()?;
                 locals.push(Local {
                     device: fronts.device,
-                    key: fronts.key,
                     fronts: fronts.clone(),
                     cell,
                     held: 0,
