@@ -29,6 +29,9 @@ impl Sizes {
     }
 }
 
+/// An allocator per stream (`per_stream_shards`), with thread fronts.
+const SHARDS: (&str, &str) = ("shards", "per_stream_shards:True");
+
 /// The default (paged segments, thread fronts), without the fronts, and plain segments.
 fn modes() -> [(&'static str, &'static str); 3] {
     [
@@ -41,17 +44,19 @@ fn modes() -> [(&'static str, &'static str); 3] {
 fn pair_same(c: &mut Criterion) {
     let mut group = c.benchmark_group("pair_same");
     group.throughput(Throughput::Elements(1));
-    for (mode, conf) in modes() {
-        for size in [4u64 << 10, 1 << 20, 32 << 20, 512 << 20] {
-            let a = allocator(conf);
-            let s = StreamId(0);
-            group.bench_with_input(BenchmarkId::new(mode, size), &size, |b, &size| {
-                b.iter(|| {
-                    let p = a.malloc(black_box(size), s).unwrap();
-                    a.free(p).unwrap();
-                })
-            });
-        }
+    let shards_4k = std::iter::once((SHARDS, 4u64 << 10));
+    let all_sizes = modes()
+        .into_iter()
+        .flat_map(|mode| [4u64 << 10, 1 << 20, 32 << 20, 512 << 20].map(|size| (mode, size)));
+    for ((mode, conf), size) in all_sizes.chain(shards_4k) {
+        let a = allocator(conf);
+        let s = StreamId(0);
+        group.bench_with_input(BenchmarkId::new(mode, size), &size, |b, &size| {
+            b.iter(|| {
+                let p = a.malloc(black_box(size), s).unwrap();
+                a.free(p).unwrap();
+            })
+        });
     }
     group.finish();
 }
@@ -99,19 +104,30 @@ fn churn(c: &mut Criterion) {
     group.finish();
 }
 
+/// Same-size 4 KiB alloc+free pairs on `stream`.
+fn pair_steps(a: &DeviceAllocator, stream: StreamId, steps: u64) -> Duration {
+    let start = Instant::now();
+    for _ in 0..steps {
+        let p = a.malloc(black_box(4 << 10), stream).unwrap();
+        a.free(p).unwrap();
+    }
+    start.elapsed()
+}
+
 /// Wall time per step over all threads, each churning small blocks on its own stream, and
 /// two threads sharing one stream (PyTorch's forward on the Python thread and backward on
-/// the autograd thread); also with an allocator per stream (`per_stream_shards`).
+/// the autograd thread); also with an allocator per stream (`per_stream_shards`). `pair_2`:
+/// two threads, each on its own stream, alloc+free 4 KiB pairs (the thread fronts' case).
 fn threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("threads");
     group.throughput(Throughput::Elements(1));
-    let shards = ("shards", "per_stream_shards:True");
-    for (mode, conf) in modes().into_iter().chain([shards]) {
-        for (label, n, one_stream) in [
-            ("1", 1usize, false),
-            ("4", 4, false),
-            ("8", 8, false),
-            ("2_one_stream", 2, true),
+    for (mode, conf) in modes().into_iter().chain([SHARDS]) {
+        for (label, n, one_stream, pairs) in [
+            ("1", 1usize, false, false),
+            ("4", 4, false, false),
+            ("8", 8, false, false),
+            ("2_one_stream", 2, true, false),
+            ("pair_2", 2, false, true),
         ] {
             let a = allocator(conf);
             group.bench_function(BenchmarkId::new(mode, label), |b| {
@@ -122,10 +138,14 @@ fn threads(c: &mut Criterion) {
                         .map(|t| {
                             let (a, barrier) = (a.clone(), barrier.clone());
                             std::thread::spawn(move || {
+                                let stream = StreamId(100 + if one_stream { 0 } else { t as u64 });
                                 barrier.wait();
+                                if pairs {
+                                    return pair_steps(&a, stream, per_thread);
+                                }
                                 churn_steps(
                                     &a,
-                                    StreamId(100 + if one_stream { 0 } else { t as u64 }),
+                                    stream,
                                     500,
                                     per_thread,
                                     (1u64 << 20) as f64,

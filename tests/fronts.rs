@@ -14,6 +14,8 @@ use std::sync::Arc;
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
+/// The settings the single-stream tests run under: one shard, and a shard per stream.
+const CONFS: [&str; 2] = ["", "per_stream_shards:True"];
 
 fn allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
     let sim = Arc::new(SimDriver::new(1, capacity));
@@ -250,92 +252,103 @@ proptest! {
 
 #[test]
 fn a_same_size_loop_reuses_one_block_and_peaks_stay_true() {
-    let (sim, a) = allocator(1 << 30, "");
-    let p = a.malloc(4096, S0).unwrap();
-    a.free(p).unwrap();
-    let calls = sim.counters(0);
-    for _ in 0..1000 {
-        let q = a.malloc(4096, S0).unwrap();
-        assert_eq!(q, p);
-        a.free(q).unwrap();
+    for conf in CONFS {
+        let (sim, a) = allocator(1 << 30, conf);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        let calls = sim.counters(0);
+        for _ in 0..1000 {
+            let q = a.malloc(4096, S0).unwrap();
+            assert_eq!(q, p);
+            a.free(q).unwrap();
+        }
+        assert_eq!(sim.counters(0).maps, calls.maps);
+        // The held 4 KiB block counts as free: a larger request now peaks at its own size.
+        let big = a.malloc(8192, S0).unwrap();
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocated_bytes.all().peak, 8192);
+        assert_eq!(s.allocated_bytes.all().current, 8192);
+        assert_eq!(s.allocation.all().allocated, 1002);
+        a.free(big).unwrap();
     }
-    assert_eq!(sim.counters(0).maps, calls.maps);
-    // The held 4 KiB block counts as free: a larger request now peaks at its own size.
-    let big = a.malloc(8192, S0).unwrap();
-    let s = a.stats().unwrap();
-    assert_eq!(s.allocated_bytes.all().peak, 8192);
-    assert_eq!(s.allocated_bytes.all().current, 8192);
-    assert_eq!(s.allocation.all().allocated, 1002);
-    a.free(big).unwrap();
 }
 
 #[test]
 fn double_frees_through_a_front_are_refused_from_any_thread() {
-    let (_sim, a) = allocator(1 << 30, "");
-    let q = from_front(&a);
-    a.free(q).unwrap();
-    let before = a.stats().unwrap();
-    assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
-    let elsewhere = std::thread::scope(|s| s.spawn(|| a.free(q).unwrap_err().kind).join().unwrap());
-    assert_eq!(elsewhere, ErrorKind::DoubleFree);
-    assert_eq!(
-        a.record_stream(q, S1).unwrap_err().kind,
-        ErrorKind::DoubleFree
-    );
-    assert_eq!(a.stats().unwrap(), before);
+    for conf in CONFS {
+        let (_sim, a) = allocator(1 << 30, conf);
+        let q = from_front(&a);
+        a.free(q).unwrap();
+        let before = a.stats().unwrap();
+        assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
+        let elsewhere =
+            std::thread::scope(|s| s.spawn(|| a.free(q).unwrap_err().kind).join().unwrap());
+        assert_eq!(elsewhere, ErrorKind::DoubleFree);
+        assert_eq!(
+            a.record_stream(q, S1).unwrap_err().kind,
+            ErrorKind::DoubleFree
+        );
+        assert_eq!(a.stats().unwrap(), before);
+    }
 }
 
 #[test]
 fn a_block_handed_out_by_a_front_may_be_freed_by_another_thread() {
-    let (_sim, a) = allocator(1 << 30, "");
-    let q = from_front(&a);
-    std::thread::scope(|s| s.spawn(|| a.free(q).unwrap()).join().unwrap());
-    // Freed for good: this thread's front no longer has it.
-    assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
-    let s = a.stats().unwrap();
-    assert_eq!(s.allocation.all().current, 0);
-    assert_eq!(s.allocated_bytes.all().current, 0);
-    assert_eq!(s.requested_bytes.all().current, 0);
+    for conf in CONFS {
+        let (_sim, a) = allocator(1 << 30, conf);
+        let q = from_front(&a);
+        std::thread::scope(|s| s.spawn(|| a.free(q).unwrap()).join().unwrap());
+        // Freed for good: this thread's front no longer has it.
+        assert_eq!(a.free(q).unwrap_err().kind, ErrorKind::DoubleFree);
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().current, 0);
+        assert_eq!(s.allocated_bytes.all().current, 0);
+        assert_eq!(s.requested_bytes.all().current, 0);
+    }
 }
 
 #[test]
 fn a_block_recorded_on_another_stream_waits_for_it_after_a_front_served_it() {
-    let (sim, a) = allocator(1 << 30, "");
-    let q = from_front(&a);
-    a.record_stream(q, S1).unwrap();
-    sim.set_stream_paused(0, S1, true);
-    a.free(q).unwrap();
-    // S1 has not run: the block must not come back yet.
-    let r = a.malloc(4096, S0).unwrap();
-    assert_ne!(r, q);
-    sim.set_stream_paused(0, S1, false);
-    a.free(r).unwrap();
+    for conf in CONFS {
+        let (sim, a) = allocator(1 << 30, conf);
+        let q = from_front(&a);
+        a.record_stream(q, S1).unwrap();
+        sim.set_stream_paused(0, S1, true);
+        a.free(q).unwrap();
+        // S1 has not run: the block must not come back yet.
+        let r = a.malloc(4096, S0).unwrap();
+        assert_ne!(r, q);
+        sim.set_stream_paused(0, S1, false);
+        a.free(r).unwrap();
+    }
 }
 
 #[test]
 fn empty_cache_and_exiting_threads_give_held_blocks_back() {
-    let (sim, a) = allocator(1 << 30, "");
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            for _ in 0..3 {
-                let p = a.malloc(40 * MIB, S0).unwrap();
-                a.free(p).unwrap();
-            }
+    for conf in CONFS {
+        let (sim, a) = allocator(1 << 30, conf);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..3 {
+                    let p = a.malloc(40 * MIB, S0).unwrap();
+                    a.free(p).unwrap();
+                }
+            });
         });
-    });
-    // The thread is gone; its front still held the block.
-    a.empty_cache().unwrap();
-    assert_eq!(sim.counters(0).bytes_in_use, 0);
-    let s = a.stats().unwrap();
-    assert_eq!(s.allocation.all().allocated, 3);
-    assert_eq!(s.allocation.all().freed, 3);
-    assert_eq!(s.allocated_bytes.all().current, 0);
-    // This thread's held block goes back too.
-    let p = a.malloc(40 * MIB, S0).unwrap();
-    a.free(p).unwrap();
-    a.empty_cache().unwrap();
-    assert_eq!(sim.counters(0).bytes_in_use, 0);
-    a.shutdown().unwrap();
+        // The thread is gone; its front still held the block.
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(0).bytes_in_use, 0);
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().allocated, 3);
+        assert_eq!(s.allocation.all().freed, 3);
+        assert_eq!(s.allocated_bytes.all().current, 0);
+        // This thread's held block goes back too.
+        let p = a.malloc(40 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(0).bytes_in_use, 0);
+        a.shutdown().unwrap();
+    }
 }
 
 /// A worker frees its blocks on its own stream, destroys the stream and exits; its front
@@ -343,7 +356,7 @@ fn empty_cache_and_exiting_threads_give_held_blocks_back() {
 /// must make no driver call on the destroyed stream: without fronts none is made either.
 #[test]
 fn blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
-    for conf in ["thread_cache:False", ""] {
+    for conf in ["thread_cache:False", "", "per_stream_shards:True"] {
         let (sim, a) = allocator(1 << 30, conf);
         let keep = a.malloc(MIB, S1).unwrap();
         let worker = StreamId(0x7000);
@@ -374,37 +387,41 @@ fn blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
 
 #[test]
 fn a_capture_is_never_served_from_a_front() {
-    let (_sim, a) = allocator(1 << 30, "");
-    let p = a.malloc(4096, S0).unwrap();
-    a.free(p).unwrap();
-    a.begin_allocate_to_pool((1, 1), Box::new(|s| s == S0))
-        .unwrap();
-    let q = a.malloc(4096, S0).unwrap();
-    assert_ne!(q, p, "the capture's block comes from its private pool");
-    let segment = a
-        .segments()
-        .unwrap()
-        .into_iter()
-        .find(|s| s.blocks.iter().any(|b| b.0 == q))
-        .unwrap();
-    assert_eq!(segment.private_pool, Some((1, 1)));
-    a.free(q).unwrap();
-    a.end_allocate_to_pool((1, 1)).unwrap();
-    a.release_pool((1, 1)).unwrap();
-    // Open again after the capture.
-    let r = a.malloc(4096, S0).unwrap();
-    a.free(r).unwrap();
-    assert_eq!(a.malloc(4096, S0).unwrap(), r);
+    for conf in CONFS {
+        let (_sim, a) = allocator(1 << 30, conf);
+        let p = a.malloc(4096, S0).unwrap();
+        a.free(p).unwrap();
+        a.begin_allocate_to_pool((1, 1), Box::new(|s| s == S0))
+            .unwrap();
+        let q = a.malloc(4096, S0).unwrap();
+        assert_ne!(q, p, "the capture's block comes from its private pool");
+        let segment = a
+            .segments()
+            .unwrap()
+            .into_iter()
+            .find(|s| s.blocks.iter().any(|b| b.0 == q))
+            .unwrap();
+        assert_eq!(segment.private_pool, Some((1, 1)));
+        a.free(q).unwrap();
+        a.end_allocate_to_pool((1, 1)).unwrap();
+        a.release_pool((1, 1)).unwrap();
+        // Open again after the capture.
+        let r = a.malloc(4096, S0).unwrap();
+        a.free(r).unwrap();
+        assert_eq!(a.malloc(4096, S0).unwrap(), r);
+    }
 }
 
 #[test]
 fn shutdown_counts_only_the_callers_blocks() {
-    let (_sim, a) = allocator(1 << 30, "");
-    let q = from_front(&a);
-    // Handed out by the front: live, so shutdown is refused.
-    assert_eq!(a.shutdown().unwrap_err().kind, ErrorKind::Busy);
-    a.free(q).unwrap();
-    // Held by the front: free, so shutdown goes ahead.
-    a.shutdown().unwrap();
-    assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
+    for conf in CONFS {
+        let (_sim, a) = allocator(1 << 30, conf);
+        let q = from_front(&a);
+        // Handed out by the front: live, so shutdown is refused.
+        assert_eq!(a.shutdown().unwrap_err().kind, ErrorKind::Busy);
+        a.free(q).unwrap();
+        // Held by the front: free, so shutdown goes ahead.
+        a.shutdown().unwrap();
+        assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
+    }
 }

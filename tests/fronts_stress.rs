@@ -11,8 +11,20 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn fronts_under_concurrent_slow_paths() {
+    under_concurrent_slow_paths("");
+}
+
+/// The same with a shard per stream: each shard's fronts alike.
+#[test]
+fn fronts_of_several_shards_under_concurrent_slow_paths() {
+    under_concurrent_slow_paths("per_stream_shards:True");
+}
+
+fn under_concurrent_slow_paths(conf: &str) {
     let sim = Arc::new(SimDriver::new(1, 1 << 32));
-    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
     let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
     let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let stop = AtomicBool::new(false);

@@ -14,16 +14,19 @@
 // - settings and private-pool windows: applied to every shard, and to shards made later;
 // - statistics: the sum over shards (peaks too: see `stats`).
 //
+// Each shard has thread fronts of its own (`front`, `Shard::fronts`): it alone hands their
+// blocks out and drains them, under its own lock.
+//
 // Finding a stream's shard takes no lock: shards fill a fixed array of slots in order, and a
 // lookup reads the filled ones. A process with more streams than slots shares the last
 // slots' shards among the extra streams (a shard serves any number of streams).
 
 use super::core::free_lists::{PoolId, RouteFilter};
-use super::front::{self, Fronts, GiveBack};
+use super::front::{self, FrontOf, Fronts, GiveBack};
 use super::shard::DeviceWide;
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;
-use super::{limit_for, Freed, SegmentView, Shard};
+use super::{limit_for, SegmentView, Shard};
 use crate::config::Config;
 use crate::driver::layers::limit::Limit;
 use crate::driver::{DevicePtr, Driver, StreamId};
@@ -110,13 +113,10 @@ pub struct DeviceAllocator {
     routing: AtomicBool,
     /// `Config::per_stream_shards`; may change only while no shard exists.
     sharded: AtomicBool,
-    /// Each thread's front cache for this device (`front`), and this allocator's key in
-    /// the threads' lists of them (unique for the process's life).
-    fronts: Arc<Fronts>,
+    /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
+    /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
     key: u64,
 }
-
-static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 impl DeviceAllocator {
     pub fn new(device: usize, driver: Arc<dyn Driver>, config: Config) -> Result<Self> {
@@ -131,14 +131,9 @@ impl DeviceAllocator {
             total_memory,
         ));
         let sharded = AtomicBool::new(config.per_stream_shards);
-        let fronts = Arc::new(Fronts::default());
-        fronts
-            .open
-            .store(fronts_open(&config, false, false), Ordering::Relaxed);
         Ok(Self {
             sharded,
-            fronts,
-            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            key: front::new_key(),
             device,
             total_memory,
             driver: limit.clone(),
@@ -206,6 +201,11 @@ impl DeviceAllocator {
         ))
     }
 
+    /// `stream`'s shard if it has one (`find_slot`), for the fast path.
+    fn front_shard(&self, stream: StreamId) -> Option<&Shard> {
+        self.find_slot(stream).ok().map(|(_, shard)| shard)
+    }
+
     fn make_shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
         let setup = self.setup()?;
         self.check_open()?;
@@ -221,10 +221,11 @@ impl DeviceAllocator {
             setup.config.clone(),
             DeviceWide {
                 device_reserved: self.device_reserved.clone(),
-                fronts: self.fronts.clone(),
                 lifecycle: self.lifecycle.clone(),
                 siblings: Arc::downgrade(&self.shards),
             },
+            // Open as every other shard's are now (`set_fronts_open`, also under `setup`).
+            Fronts::new(self.key, self.fronts_open_now(&setup)),
         );
         // The device's holds, not one per window (a pool may be released while its window
         // is open).
@@ -246,8 +247,16 @@ impl DeviceAllocator {
 
     /// Allocates at least `size` bytes for use on `stream`.
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
-        // A block this thread freed, of exactly this size and stream (see `front`).
-        if let Some(ptr) = front::take(&self.fronts, self.key, size, stream) {
+        // A block this thread freed, of exactly this size and stream, in its front for the
+        // stream's shard (see `front`). Without shards, the thread's one front for the
+        // device, found without looking at the shard.
+        let front = if self.sharded.load(Ordering::Relaxed) {
+            self.front_shard(stream)
+                .map(|shard| FrontOf::Shard(&shard.fronts))
+        } else {
+            Some(FrontOf::OnlyShard(self.key))
+        };
+        if let Some(ptr) = front.and_then(|front| front::take(front, size, stream)) {
             return Ok(ptr);
         }
         if self.routing.load(Ordering::Acquire) {
@@ -340,14 +349,15 @@ impl DeviceAllocator {
     }
 
     /// Frees a block handed out by `malloc`. Unknown pointers and double frees are refused
-    /// with nothing changed. The shard this thread last allocated from is asked first: a
-    /// thread mostly frees what it allocated, and asking a shard takes its lock.
+    /// with nothing changed. After this thread's fronts, the shard this thread last
+    /// allocated from is asked first: a thread mostly frees what it allocated, and asking a
+    /// shard takes its lock.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         if let Some(done) = self.free_in_front(ptr) {
             return done;
         }
         if !self.several_shards() {
-            return self.free_trying(ptr, None);
+            return self.free_trying(ptr, self.shards.slots[0].get().map(|s| &s.shard));
         }
         let (device, slot) = LAST_SLOT.get();
         let first = (device == self as *const Self as usize)
@@ -371,46 +381,25 @@ impl DeviceAllocator {
         self.free_trying(ptr, first.map(|s| &s.shard))
     }
 
-    /// The fast free: `ptr` was handed out by this thread's front.
+    /// The fast free: `ptr` was handed out by one of this thread's fronts for this device.
     fn free_in_front(&self, ptr: DevicePtr) -> Option<Result<()>> {
-        match front::give_back(&self.fronts, self.key, ptr) {
+        match front::give_back(self.key, ptr) {
             GiveBack::Held => Some(Ok(())),
             GiveBack::AlreadyFree => Some(Err(super::already_freed(self.device, ptr))),
             GiveBack::NotHere => None,
         }
     }
 
+    /// Frees `ptr` in its shard, asking `first` first. The shard that has the block may
+    /// give it to this thread's front for that shard (`Shard::free`).
     fn free_trying(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
-        // With one shard, the block may wait in this thread's front.
-        if !self.several_shards() {
-            if let Some(shard) = self.shards.slots[0].get().map(|s| &s.shard) {
-                // The error waits here: what `with_adopter` passes back stays a byte.
-                let mut error = None;
-                let freed = front::with_adopter(&self.fronts, self.key, |adopter| {
-                    match shard.free(ptr, adopter) {
-                        Ok(Freed::Adopted(census)) => (true, Some(census)),
-                        Ok(Freed::Done) => (true, None),
-                        Ok(Freed::NotLive) => (false, None),
-                        Err(e) => {
-                            error = Some(e);
-                            (false, None)
-                        }
-                    }
-                });
-                return match (error, freed) {
-                    (Some(e), _) => Err(e),
-                    (None, true) => Ok(()),
-                    (None, false) => Err(self.not_live(ptr)),
-                };
-            }
-        }
         if let Some(shard) = first {
-            if shard.free(ptr, None)?.freed() {
+            if shard.free(ptr)?.freed() {
                 return Ok(());
             }
         }
         for shard in self.shards() {
-            if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr, None)?.freed() {
+            if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr)?.freed() {
                 return Ok(());
             }
         }
@@ -497,15 +486,22 @@ impl DeviceAllocator {
         self.each_shard(|s| s.set_config(next.clone()))
     }
 
-    /// Whether fronts may be used now (see `front::Fronts::open`). After a close, a drain
-    /// (which takes every front's cell) leaves no front in use.
+    /// Whether fronts may be used now (see `front::Fronts::open`), in every shard; shards
+    /// made later start so (`make_shard`, which holds `setup` too). After a close, a
+    /// shard's drain (which takes every front's cell) leaves none of its fronts in use.
     fn set_fronts_open(&self, setup: &Setup) {
-        let open = fronts_open(
+        let open = self.fronts_open_now(setup);
+        for shard in self.shards() {
+            shard.fronts.open.store(open, Ordering::Release);
+        }
+    }
+
+    fn fronts_open_now(&self, setup: &Setup) -> bool {
+        fronts_open(
             &setup.config,
             !setup.windows.is_empty(),
             self.lifecycle.is_shut_down(),
-        );
-        self.fronts.open.store(open, Ordering::Release);
+        )
     }
 
     /// `per_stream_shards` may change only while no shard exists.
@@ -613,16 +609,11 @@ impl DeviceAllocator {
         // with the last shard still held: with one shard, the same moment as its allocated
         // bytes. Locks are taken one at a time, never two at once.
         let mut last = None;
-        for (i, shard) in self.shards().enumerate() {
+        for shard in self.shards() {
             drop(last.take());
             let st = shard.lock()?;
-            // Fronts serve only single-shard devices; counts they hold from before a second
-            // shard was made are the first shard's.
-            sum.add(&if i == 0 {
-                shard.stats_with_fronts_locked(&st)?
-            } else {
-                *st.stats()
-            });
+            // Each shard's fronts move counts only under its lock: read with its figures.
+            sum.add(&shard.stats_with_fronts_locked(&st)?);
             last = Some(st);
         }
         sum.reserved_bytes = self.device_reserved.read()?;
@@ -750,9 +741,11 @@ impl DeviceAllocator {
         self.check_open()?;
         let filter = Arc::new(Mutex::new(filter));
         // No front may hand out or take blocks while a capture routes allocations: closed
-        // first. Blocks they hold stay held (to the shard, allocated) until a drain: growth
-        // drains them as always.
-        self.fronts.open.store(false, Ordering::Release);
+        // first, in every shard. Blocks they hold stay held (to the shard, allocated) until
+        // a drain: growth drains them as always.
+        for shard in self.shards() {
+            shard.fronts.open.store(false, Ordering::Release);
+        }
         self.routing.store(true, Ordering::Release);
         let opened = self.each_shard(|s| s.begin_allocate_to_pool(pool, route_to(&filter)));
         if opened.is_ok() {
@@ -910,11 +903,7 @@ impl Lifecycle {
 /// Whether thread fronts may serve a device with these settings, with a private-pool window
 /// open or not, shut down or not.
 fn fronts_open(config: &Config, windows_open: bool, shut_down: bool) -> bool {
-    config.thread_cache
-        && config.expandable_segments
-        && !config.per_stream_shards
-        && !windows_open
-        && !shut_down
+    config.thread_cache && config.expandable_segments && !windows_open && !shut_down
 }
 
 /// The slot a stream past `MAX_SHARDS` shares. The hash's high bits: stream handles are
@@ -1009,7 +998,7 @@ impl DeviceAllocator {
                     panic!("poisoning the settings");
                 }
                 LockOf::ReservedBytes => self.device_reserved.hold_while(|| panic!("poisoning")),
-                LockOf::FrontRegistry => self.fronts.hold_while(|| panic!("poisoning")),
+                LockOf::FrontRegistry => shard.fronts.hold_while(|| panic!("poisoning")),
                 LockOf::ShardState => {
                     let _held = shard.state.lock();
                     panic!("poisoning the shard's state");

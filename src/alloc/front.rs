@@ -36,11 +36,17 @@
 // handed out by one thread's front may be freed by another thread (or recorded on a
 // stream), and that slow free must take it out of exactly that front. Without the name it
 // would visit every front's cell, one compare-and-swap each, on every slow free of the
-// device; with it, the free looks once in the shard's block it has already found, and
+// shard; with it, the free looks once in the shard's block it has already found, and
 // visits a cell only when the block is in one.
 //
-// Fronts serve devices with one shard (the default); with `per_stream_shards` each
-// stream's shard already has its own lock.
+// Each shard has fronts of its own (`Fronts`, one per thread that frees into it): a front
+// holds only its shard's blocks, and only that shard drains it, under its lock, so every
+// rule above holds per shard. A thread has one front per shard it frees into (per device
+// and shard: `Local`). An allocation looks in the front of its stream's shard; a free, whose
+// shard is unknown, looks in each of the thread's fronts for the device that has blocks
+// out (usually one), and otherwise goes to the shard, which adopts the block into the
+// thread's front for that shard. A block names a front of its own shard's registry (only
+// that shard adopts it), and front ids are unique for the process (`NEXT_FRONT`).
 
 use super::core::blocks::BlockId;
 use super::core::reuse::ReuseGate;
@@ -326,21 +332,39 @@ pub enum Drained {
     Folded(FrontCounts),
 }
 
-/// A device's fronts, and whether they may be used now.
-#[derive(Default)]
+/// A shard's fronts, and whether they may be used now.
 pub struct Fronts {
+    /// The device's key (`new_key`): a thread's fronts for the device are found by it.
+    device: u64,
     cells: Mutex<Vec<Arc<FrontCell>>>,
-    /// False with shards, while a capture routes allocations to a private pool, after
-    /// shutdown, and with `thread_cache:False`: fronts neither hand out nor adopt. Read
-    /// inside the front's cell, so that a drain that follows a change sees no later use.
+    /// False while a capture routes allocations to a private pool, after shutdown, and
+    /// with `thread_cache:False` (the device sets every shard's alike): fronts neither hand
+    /// out nor adopt. Read inside the front's cell, so that a drain that follows a change
+    /// sees no later use.
     pub open: AtomicBool,
     /// Fronts whose thread exited (or gave them up), not yet folded into the statistics.
     orphans: AtomicUsize,
 }
 
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
+/// A key unique for the process's life, for a device.
+pub fn new_key() -> u64 {
+    NEXT_KEY.fetch_add(1, Ordering::Relaxed)
+}
 
 impl Fronts {
+    /// The fronts of a new shard of the device whose key is `device`.
+    pub fn new(device: u64, open: bool) -> Self {
+        Self {
+            device,
+            cells: Mutex::default(),
+            open: AtomicBool::new(open),
+            orphans: AtomicUsize::new(0),
+        }
+    }
+
     /// The registered fronts (a copy: the registry lock is not held while they are used).
     fn all(&self) -> crate::error::Result<Vec<Arc<FrontCell>>> {
         Ok(self.cells()?.clone())
@@ -437,11 +461,13 @@ impl Fronts {
     }
 }
 
-/// What the calling thread knows of its front for one device, without taking its cell:
+/// What the calling thread knows of its front for one shard, without taking its cell:
 /// upper bounds of its held and out entries (only this thread adds them; others only take
 /// them away), and its adoption record.
 struct Local {
-    device_key: u64,
+    /// `fronts.device`, copied: read on every free. The `Local` for a shard's fronts is
+    /// found by their address, which stays theirs while `fronts` holds them.
+    device: u64,
     fronts: Arc<Fronts>,
     cell: Arc<FrontCell>,
     held: u32,
@@ -456,36 +482,46 @@ impl Drop for Local {
     }
 }
 
-/// Devices a thread keeps a front for at once (older ones are orphaned).
+/// Shards (of any devices) a thread keeps a front for at once (older ones are orphaned).
 const LOCALS: usize = 8;
 
 thread_local! {
     static LOCALS_OF_THREAD: std::cell::RefCell<Vec<Local>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// The calling thread's view of its front for `device_key`, if it has one.
-fn with_local<R>(device_key: u64, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
+/// Where the front an allocation looks in is.
+#[derive(Clone, Copy)]
+pub enum FrontOf<'a> {
+    /// The one shard's of the device keyed so (a device without shards has one front per
+    /// thread).
+    OnlyShard(u64),
+    /// This shard's.
+    Shard(&'a Fronts),
+}
+
+/// The calling thread's view of its front `which`, if it has one.
+fn with_local<R>(which: FrontOf<'_>, f: impl FnOnce(&mut Local) -> R) -> Option<R> {
     LOCALS_OF_THREAD
         .try_with(|locals| {
             let mut locals = locals.try_borrow_mut().ok()?;
-            let local = locals.iter_mut().find(|l| l.device_key == device_key)?;
+            let local = locals.iter_mut().find(|l| match which {
+                FrontOf::OnlyShard(device) => l.device == device,
+                FrontOf::Shard(fronts) => std::ptr::eq(&*l.fronts, fronts),
+            })?;
             Some(f(local))
         })
         .ok()
         .flatten()
 }
 
-/// The fast allocation: a held block of exactly `requested` bytes on `stream`.
-pub fn take(
-    fronts: &Fronts,
-    device_key: u64,
-    requested: u64,
-    stream: StreamId,
-) -> Option<DevicePtr> {
-    with_local(device_key, |local| {
+/// The fast allocation, from the front of the stream's shard: a held block of exactly
+/// `requested` bytes on `stream`.
+pub fn take(which: FrontOf<'_>, requested: u64, stream: StreamId) -> Option<DevicePtr> {
+    with_local(which, |local| {
         if local.held == 0 {
             return None;
         }
+        let fronts = &local.fronts;
         let (taken, census) = local.cell.front.with(|f| {
             if !fronts.open.load(Ordering::Relaxed) {
                 return (None, f.census());
@@ -501,32 +537,45 @@ pub fn take(
     .flatten()
 }
 
-/// The fast free: `Held` when the front had `ptr` out (now held), `AlreadyFree` when it
-/// held it already, `NotHere` when this thread has no front that had it.
-pub fn give_back(fronts: &Fronts, device_key: u64, ptr: DevicePtr) -> GiveBack {
-    with_local(device_key, |local| {
-        if local.out == 0 {
-            return GiveBack::NotHere;
-        }
-        let (found, census) = local.cell.front.with(|f| {
-            if !fronts.open.load(Ordering::Relaxed) {
-                return (GiveBack::NotHere, f.census());
+/// The fast free, in this thread's fronts for the device keyed `device` that have blocks
+/// out (a block is out in one front at most): `Held` when a front had `ptr` out (now
+/// held), `AlreadyFree` when it held it already, `NotHere` when none had it.
+pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
+    LOCALS_OF_THREAD
+        .try_with(|locals| {
+            let Ok(mut locals) = locals.try_borrow_mut() else {
+                return GiveBack::NotHere;
+            };
+            for local in locals.iter_mut() {
+                if local.device != device || local.out == 0 {
+                    continue;
+                }
+                let fronts = &local.fronts;
+                let (found, census) = local.cell.front.with(|f| {
+                    if !fronts.open.load(Ordering::Relaxed) {
+                        return (GiveBack::NotHere, f.census());
+                    }
+                    (f.give_back(ptr), f.census())
+                });
+                (local.held, local.out) = census;
+                if found != GiveBack::NotHere {
+                    return found;
+                }
             }
-            (f.give_back(ptr), f.census())
-        });
-        (local.held, local.out) = census;
-        found
-    })
-    .unwrap_or(GiveBack::NotHere)
+            GiveBack::NotHere
+        })
+        .unwrap_or(GiveBack::NotHere)
 }
 
-/// Runs a slow free (`f`) with the calling thread's front as the adopter of its block, made
-/// on first use; `None` while the fronts are closed, while adoption is paused (blocks were
-/// rarely reused), or when the thread can have none (exiting, or a re-entrant call). `f`
-/// returns the front's (held, out) census when it adopted.
+/// Runs a slow free (`f`) with the calling thread's front among `fronts` (the block's
+/// shard's) as the adopter of its block, made on first use; `None` while the fronts are
+/// closed, while adoption is paused (blocks were rarely reused), or when the thread can
+/// have none (exiting, or a re-entrant call). `f` returns the front's (held, out) census
+/// when it adopted. The shard calls it under its lock, once it has found the block there,
+/// so that a thread gets fronts only in shards it frees into (registering one takes the
+/// registry: lock order shard, then registry).
 pub fn with_adopter<R>(
     fronts: &Arc<Fronts>,
-    device_key: u64,
     f: impl FnOnce(Option<&FrontCell>) -> (R, Option<(u32, u32)>),
 ) -> R {
     if !fronts.open.load(Ordering::Relaxed) {
@@ -535,7 +584,7 @@ pub fn with_adopter<R>(
     let mut f = Some(f);
     let done = LOCALS_OF_THREAD.try_with(|locals| {
         let mut locals = locals.try_borrow_mut().ok()?;
-        let i = match locals.iter().position(|l| l.device_key == device_key) {
+        let i = match locals.iter().position(|l| Arc::ptr_eq(&l.fronts, fronts)) {
             Some(i) => i,
             None => {
                 if locals.len() == LOCALS {
@@ -545,7 +594,7 @@ pub fn with_adopter<R>(
                 // reports the poisoning wherever it needs the registry.
                 let cell = fronts.register().ok()?;
                 locals.push(Local {
-                    device_key,
+                    device: fronts.device,
                     fronts: fronts.clone(),
                     cell,
                     held: 0,

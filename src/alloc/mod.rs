@@ -23,7 +23,7 @@ use crate::error::{Error, ErrorKind};
 use blocks::{BlockState, PoolId};
 pub use device::DeviceAllocator;
 pub use shard::restore::{Restored, SavedBlock};
-use shard::{Freed, Shard};
+use shard::Shard;
 use sizing::PoolKind;
 
 /// One segment as seen from outside (tests, snapshots, the replay tool).

@@ -37,8 +37,8 @@ pub(in crate::alloc) enum Freed {
     /// `ptr` is not a live block of this shard.
     NotLive,
     Done,
-    /// Taken by the caller's front: its (held, out) census.
-    Adopted((u32, u32)),
+    /// Taken by the caller's front for this shard (still handed out, to the shard).
+    Adopted,
 }
 
 impl Freed {
@@ -54,9 +54,9 @@ pub(crate) struct Shard {
     total_memory: u64,
     driver: Arc<dyn Driver>,
     pub(in crate::alloc) state: SpinThenBlock<State>,
-    /// The device's thread fronts (`front`): a layer over the shards that hands out and
-    /// takes back blocks the shard counts as live; the shard drains them (`drain_fronts`).
-    fronts: Arc<front::Fronts>,
+    /// This shard's thread fronts (`front`): a layer over the shard that hands out and
+    /// takes back blocks it counts as live; the shard drains them (`drain_fronts`).
+    pub(in crate::alloc) fronts: Arc<front::Fronts>,
     /// The device's shutdown record, read each time the shard is locked.
     lifecycle: Arc<Lifecycle>,
     /// `Driver::min_free_fence_interval`, `Driver::times_page_moves` and
@@ -74,7 +74,6 @@ pub(crate) struct Shard {
 /// What a device's shards share with it and with each other.
 pub(in crate::alloc) struct DeviceWide {
     pub device_reserved: Arc<stats::DeviceReserved>,
-    pub fronts: Arc<front::Fronts>,
     pub lifecycle: Arc<Lifecycle>,
     pub siblings: Weak<Shards>,
 }
@@ -86,10 +85,10 @@ impl Shard {
         driver: Arc<dyn Driver>,
         config: Config,
         shared: DeviceWide,
+        fronts: front::Fronts,
     ) -> Self {
         let DeviceWide {
             device_reserved,
-            fronts,
             lifecycle,
             siblings,
         } = shared;
@@ -102,7 +101,7 @@ impl Shard {
             total_memory,
             driver,
             state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
-            fronts,
+            fronts: Arc::new(fronts),
             lifecycle,
             free_fence_interval,
             times_page_moves,
@@ -398,23 +397,21 @@ impl Shard {
         }
     }
 
-    /// Frees a block handed out by `malloc`. With `adopter`, a block that may wait in the
-    /// calling thread's front goes there (still handed out, to this shard) instead of the
+    /// Frees a block handed out by `malloc`. A block that may wait in the calling thread's
+    /// front for this shard goes there (still handed out, to this shard) instead of the
     /// cache. `NotLive` (nothing changed) when `ptr` is not a live block of this shard.
-    pub(in crate::alloc) fn free(
-        &self,
-        ptr: DevicePtr,
-        adopter: Option<&front::FrontCell>,
-    ) -> Result<Freed> {
+    pub(in crate::alloc) fn free(&self, ptr: DevicePtr) -> Result<Freed> {
         let mut st = self.lock()?;
         let Some(id) = st.live_block(ptr) else {
             return Ok(Freed::NotLive);
         };
         self.detach_from_front(&mut st, id, ptr)?;
-        if let Some(cell) = adopter {
-            if let Some(census) = self.adopt(&mut st, id, cell) {
-                return Ok(Freed::Adopted(census));
-            }
+        let adopted = front::with_adopter(&self.fronts, |adopter| {
+            let census = adopter.and_then(|cell| self.adopt(&mut st, id, cell));
+            (census.is_some(), census)
+        });
+        if adopted {
+            return Ok(Freed::Adopted);
         }
         self.free_block(&mut st, id, true)?;
         self.publish_live(&st);
