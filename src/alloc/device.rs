@@ -111,6 +111,9 @@ pub struct DeviceAllocator {
     /// Whether a `begin_allocate_to_pool` window is open: allocations then run the windows'
     /// filters before taking any lock (`malloc_routed`).
     routing: AtomicBool,
+    /// Held by a shard's second try after an OOM (`malloc_in_shard`), so that one such try
+    /// runs at a time.
+    oom_retry: Mutex<()>,
     /// `Config::per_stream_shards`; may change only while no shard exists.
     sharded: AtomicBool,
     /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
@@ -134,6 +137,7 @@ impl DeviceAllocator {
         Ok(Self {
             sharded,
             key: front::new_key(),
+            oom_retry: Mutex::new(()),
             device,
             total_memory,
             driver: limit.clone(),
@@ -318,7 +322,11 @@ impl DeviceAllocator {
             }
             Err(e) if e.kind == ErrorKind::OutOfMemory => {
                 // Other streams' caches may hold the memory: they go back first (PyTorch
-                // frees every stream's cache before it fails).
+                // frees every stream's cache before it fails). One second try at a time:
+                // two streams that failed together, each holding part of the memory while
+                // it grew, would otherwise empty each other's caches and fail together
+                // again, where one of them fits.
+                let _one_at_a_time = lock(&self.oom_retry, "the device's OOM retry")?;
                 let elsewhere = self.held_elsewhere(shard, true)?;
                 shard.malloc(size, stream, Some(elsewhere))
             }
