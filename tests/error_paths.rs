@@ -539,7 +539,7 @@ fn a_short_burst_of_page_moves_raises_the_slack_within_tens_of_ms() {
     // replaced per step, each driver call as slow as on an H100. Moves take most of the
     // time, so the page-move budget must act well within the 0.2 s such a burst lasts.
     let sim = Arc::new(SimDriver::new(1, 64 << 30).with_call_costs(CallCosts::h100()));
-    let a = DeviceAllocator::new(0, sim, Config::default()).unwrap();
+    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
     let base = a.page_slack().unwrap();
     let mut seed = 11u64;
     let mut size = || {
@@ -571,6 +571,23 @@ fn a_short_burst_of_page_moves_raises_the_slack_within_tens_of_ms() {
         raised_after < Duration::from_millis(200),
         "{raised_after:?}"
     );
+    // Moves cost more than their budget now: new memory comes in chunks of a quarter of
+    // the run, at least 4 pages (20 MiB = 10 pages: 4 + 4 + 2, not ten of one page), so
+    // that moving it later costs fewer calls.
+    let before = sim.counters(0);
+    let fresh = a.malloc(20 * MIB, StreamId(9)).unwrap();
+    let after = sim.counters(0);
+    assert_eq!(
+        after.granules_mapped - before.granules_mapped,
+        10,
+        "{after:?}"
+    );
+    assert_eq!(
+        after.physical_creates - before.physical_creates,
+        3,
+        "{after:?}"
+    );
+    live.push(fresh);
     for p in live {
         a.free(p).unwrap();
     }

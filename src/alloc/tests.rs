@@ -784,7 +784,7 @@ fn growth_maps_whole_chunks_and_moves_them_whole() {
     let (sim, a) = paged(1 << 30, "");
     // 48 MiB = 24 pages: a sixteenth of the run is under a page, so chunks of one page, one
     // create and one map each, and one grant of access for the run.
-    assert_eq!(chunk_pages_for(24), 1);
+    assert_eq!(chunk_pages_for(24, false), 1);
     let p = a.malloc(48 * MIB, S0).unwrap();
     let c = sim.counters(0);
     assert_eq!(
@@ -817,10 +817,13 @@ fn growth_maps_whole_chunks_and_moves_them_whole() {
 #[test]
 fn a_large_block_is_backed_by_few_large_chunks() {
     use super::paging::table::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
-    assert_eq!(chunk_pages_for(1), CHUNK_PAGES);
-    assert_eq!(chunk_pages_for(15), CHUNK_PAGES);
-    assert_eq!(chunk_pages_for(40), 2);
-    assert_eq!(chunk_pages_for(1 << 20), MAX_CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(1, false), CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(15, false), CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(40, false), 2);
+    assert_eq!(chunk_pages_for(1 << 20, false), MAX_CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(1, true), 4);
+    assert_eq!(chunk_pages_for(40, true), 10);
+    assert_eq!(chunk_pages_for(1 << 20, true), MAX_CHUNK_PAGES);
     let (sim, a) = paged(4 << 30, "");
     // 512 MiB = 256 pages: sixteen chunks of 16 pages, not 256 of one.
     let p = a.malloc(512 * MIB, S0).unwrap();

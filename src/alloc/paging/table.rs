@@ -17,8 +17,12 @@ const FREES_PER_FENCE: u32 = 16;
 pub const CHUNK_PAGES: usize = 1;
 /// The largest chunk (128 MiB with 2 MiB pages).
 pub const MAX_CHUNK_PAGES: usize = 64;
-/// A run of missing pages is mapped in chunks of about this share of it.
+/// A run of missing pages is mapped in chunks of about this share of it ...
 const CHUNKS_PER_RUN: usize = 16;
+/// ... or, once page moves cost more than their budget, of this share, and of at least
+/// this many pages.
+const COARSE_CHUNKS_PER_RUN: usize = 4;
+const COARSE_CHUNK_PAGES: usize = 4;
 
 /// Pages per new chunk when growth maps a run of `run` missing pages: a sixteenth of the
 /// run, within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. A block is so backed by at most about 16
@@ -27,8 +31,16 @@ const CHUNKS_PER_RUN: usize = 16;
 /// 18 replayed traces (docs/paging.md): quarters pinned up to 0.08 of peak live more than
 /// sixteenths (generation, variable-batch inference), and sixteenths were nowhere worse;
 /// thirty-seconds gained little more for twice the calls.
-pub fn chunk_pages_for(run: usize) -> usize {
-    (run / CHUNKS_PER_RUN).clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
+///
+/// With `coarse` (the move budget has had to add slack: moves cost the job time), a quarter
+/// of the run and at least 4 pages: each later move of the chunk then costs a quarter of
+/// the calls, for more pinned memory, the same trade the added slack makes.
+pub fn chunk_pages_for(run: usize, coarse: bool) -> usize {
+    if coarse {
+        (run / COARSE_CHUNKS_PER_RUN).clamp(COARSE_CHUNK_PAGES, MAX_CHUNK_PAGES)
+    } else {
+        (run / CHUNKS_PER_RUN).clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
+    }
 }
 
 /// One physical allocation mapped at pages `first..first+pages` of a segment.

@@ -344,7 +344,7 @@ impl Shard {
     /// one page.
     fn add_new_chunks(&self, st: &mut State, plan: &mut Plan, page: u64) -> Result<()> {
         for gap in 0..plan.gaps.len() {
-            let mut size = chunk_pages_for(plan.gaps[gap].len());
+            let mut size = chunk_pages_for(plan.gaps[gap].len(), st.moves_over_budget());
             while !plan.gaps[gap].is_empty() {
                 let pages = size.min(plan.gaps[gap].len());
                 match self.new_chunk(st, pages, page)? {

@@ -111,6 +111,12 @@ impl State {
         seg.mapped_bytes_in(b.addr(), b.size())
     }
 
+    /// Whether `page_move_budget` has added slack: page moves have cost more than their
+    /// budget of the job's time, so growth makes fewer, larger chunks (`chunk_pages_for`).
+    pub fn moves_over_budget(&self) -> bool {
+        self.config.page_move_budget > 0.0 && self.paging.moves.extra_slack() > 0.0
+    }
+
     /// The share of peak live bytes that paged segments may keep beyond it: `page_slack`
     /// plus the extra that `page_move_budget` added (none while the budget is 0, even if set
     /// to 0 at run time since the extra was last adjusted).
