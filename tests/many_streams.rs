@@ -82,7 +82,10 @@ fn work_and_memory_per_stream_do_not_grow_with_the_stream_count() {
         st.paging.reclaim_steps
     );
     assert!(c.unmaps >= STREAMS - 1, "chunks moved: {c:?}");
-    assert!(c.maps + c.unmaps <= 4 * STREAMS, "{c:?}");
+    // A page mapped per stream at first, then per growth two one-page chunks mapped (3 MiB
+    // spans two pages) and the ones under the last free block unmapped: a constant per
+    // stream.
+    assert!(c.maps + c.unmaps <= 5 * STREAMS, "{c:?}");
     // Reserved stays linear: a page per stream and the one moving block's.
     assert!(st.reserved_bytes.all().current as u64 <= (STREAMS + 8) * 2 * MIB);
     for p in ptrs {

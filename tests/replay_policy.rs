@@ -76,21 +76,22 @@ const RESNET: &str = "resnet18_infer_varbatch";
 const GPT2: &str = "gpt2_generate_dynamic";
 
 /// Small footprint (about 300 MiB), batch size changing every call: the free blocks'
-/// layout changes every step, so growth keeps moving chunks (about half of the maps are
-/// remaps), and 8 MiB chunks are a sizeable share of the footprint.
+/// layout changes every step, so growth keeps moving chunks (most maps are remaps), in
+/// chunks of one page: larger ones, a sizeable share of the footprint, stayed pinned
+/// (1.095 with chunks of a quarter of the run, at least 8 MiB).
 #[test]
 fn variable_batch_inference_at_the_default_lag() {
     let r = replay_trace(RESNET, 2);
-    // Today: 1.095, 266 maps + 215 unmaps.
-    within(&r, 2, 1.10, 500);
+    // Today: 1.047, 676 maps + 528 unmaps.
+    within(&r, 2, 1.05, 1250);
     assert!(r.unmaps > 100, "the batch changes every call: pages move");
 }
 
 #[test]
 fn variable_batch_inference_with_the_gpu_at_once_done_or_far_behind() {
-    // Today: lag 0: 1.115, 264 + 216; lag 16: 1.108, 319 + 264.
-    within(&replay_trace(RESNET, 0), 0, 1.12, 500);
-    within(&replay_trace(RESNET, 16), 16, 1.12, 600);
+    // Today: lag 0: 1.047, 745 + 595; lag 16: 1.047, 872 + 722.
+    within(&replay_trace(RESNET, 0), 0, 1.05, 1400);
+    within(&replay_trace(RESNET, 16), 16, 1.05, 1650);
 }
 
 /// A KV cache grown token by token: each step allocates the cache one token longer before
@@ -99,15 +100,16 @@ fn variable_batch_inference_with_the_gpu_at_once_done_or_far_behind() {
 #[test]
 fn kv_cache_generation_at_the_default_lag() {
     let r = replay_trace(GPT2, 2);
-    // Today: 1.078, 111 maps + 26 unmaps.
-    within(&r, 2, 1.08, 150);
+    // Today: 1.027, 266 maps + 30 unmaps (1.078 with chunks of a quarter of the run: a
+    // shorter cache left on a chunk of the longer one pinned it).
+    within(&r, 2, 1.03, 310);
 }
 
 #[test]
 fn kv_cache_generation_with_the_gpu_at_once_done_or_far_behind() {
-    // Today: lag 0: 1.108, 114 + 29; lag 16: as at lag 2.
-    within(&replay_trace(GPT2, 0), 0, 1.11, 160);
-    within(&replay_trace(GPT2, 16), 16, 1.08, 150);
+    // Today: lag 0: as at lag 2; lag 16: 1.030, 266 + 29.
+    within(&replay_trace(GPT2, 0), 0, 1.03, 310);
+    within(&replay_trace(GPT2, 16), 16, 1.031, 310);
 }
 
 /// Inference on 43.5 GiB (batch 4-40 x 1-4K tokens, eager attention): single tensors of
@@ -118,13 +120,13 @@ fn kv_cache_generation_with_the_gpu_at_once_done_or_far_behind() {
 #[test]
 fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
     const EAGER: &str = "eager_attn_infer_40g";
-    // Today: 1.027 at the default slack, 1.019 at 0.02, 1.000 at 0, each at lags 0, 2, 64,
-    // with up to 1,520 maps + 1,101 unmaps.
+    // Today: up to 1.024 at the default slack, 1.020 at 0.02, 1.0013 at 0, at lags 0, 2,
+    // 64, with up to 2,387 maps + 1,668 unmaps.
     for lag in [0, 2, 64] {
         let mut last = f64::INFINITY;
-        for (slack, bound) in [("0.03125", 1.03), ("0.02", 1.02), ("0", 1.001)] {
+        for (slack, bound) in [("0.03125", 1.025), ("0.02", 1.02), ("0", 1.002)] {
             let r = replay_with(EAGER, lag, &format!("page_slack:{slack}"));
-            within(&r, lag, bound, 2700);
+            within(&r, lag, bound, 4200);
             assert_eq!(
                 r.device_allocs, 0,
                 "{EAGER} lag {lag} slack {slack}: plain segments"
