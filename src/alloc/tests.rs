@@ -965,6 +965,38 @@ fn extra_slack_grows_in_steps_over_budget_in_two_windows_and_decays_only_after_a
 }
 
 #[test]
+fn a_burst_of_moves_in_a_job_within_its_budget_raises_no_slack() {
+    use super::paging::budget::MoveClock;
+    use std::time::{Duration, Instant};
+    let ms = Duration::from_millis;
+    let (budget, slack) = (0.02, 1.0 / 32.0);
+    // Growth every 5 ms that spends 4 ms moving pages: windows close early, far over budget.
+    let burst = |clock: &mut MoveClock, from: Instant, growths: u32| {
+        for i in 0..growths {
+            let at = from + ms(5) * i;
+            clock.start_growth();
+            clock.note_moved(true);
+            clock.account(at, at + ms(4), budget, slack);
+        }
+    };
+    // The job starts (a growth that moves nothing), runs 5 s, then a burst of 20 moves:
+    // 80 ms of moving in 5.1 s is 1.6%, within the 2% budget.
+    let t0 = Instant::now();
+    let mut clock = MoveClock::default();
+    clock.start_growth();
+    clock.account(t0, t0 + ms(1), budget, slack);
+    burst(&mut clock, t0 + ms(5000), 20);
+    assert_eq!(clock.extra_slack(), 0.0, "a burst in a job within budget");
+    // Bursts that go on put the job as a whole over budget: the slack rises.
+    burst(&mut clock, t0 + ms(5100), 100);
+    assert!(clock.extra_slack() > 0.0, "moves that go on");
+    // A job that does nothing but move from its start adapts at once.
+    let mut busy = MoveClock::default();
+    burst(&mut busy, t0, 10);
+    assert!(busy.extra_slack() > 0.0, "a job of moves");
+}
+
+#[test]
 fn page_bits_count_across_words() {
     use super::paging::table::PageBits;
     use std::collections::BTreeSet;
