@@ -677,3 +677,33 @@ fn shards_growing_at_once_stay_within_the_limit() {
         a.free(p).unwrap();
     }
 }
+
+#[test]
+fn waits_for_a_busy_device_while_a_stream_lends_pages_do_not_count_as_move_time() {
+    // Two streams with shards of their own on a device too small for both: each growth
+    // takes the pages the other stream freed, waiting (10 ms, a busy device) until the
+    // device is past that free. The wait happens in the lending shard, but it is the
+    // growing shard's growth that it delays: it is not page-move time there either.
+    let sim = SimDriver::new(1, 256 * MIB).with_event_lag(2);
+    let (sim, _f, a) = faulty_on(
+        sim,
+        "per_stream_shards:True",
+        Duration::ZERO,
+        Some(Duration::ZERO),
+        Duration::from_millis(10),
+    );
+    let base = a.page_slack().unwrap();
+    for step in 0..12u64 {
+        let stream = StreamId(1 + step % 2);
+        let p = a.malloc((180 + step % 3 * 10) * MIB, stream).unwrap();
+        a.free(p).unwrap();
+    }
+    let paging = a.stats().unwrap().paging;
+    assert!(paging.chunks_borrowed > 0, "{paging:?}");
+    assert!(
+        paging.host_waits > 4,
+        "the device was waited on: {paging:?}"
+    );
+    assert_accounted(&sim, &a);
+    assert_eq!(a.page_slack().unwrap(), base, "{paging:?}");
+}

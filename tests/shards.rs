@@ -608,3 +608,14 @@ fn streams_growing_at_once_on_two_threads_lend_to_each_other_without_deadlock() 
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+#[test]
+fn an_oom_past_the_limit_counts_other_streams_parked_blocks_as_cached() {
+    let (_sim, a) = sharded(256 * MIB, "per_process_memory_fraction:0.25");
+    // Stream 2's freed block stays parked for a request of its size: cached free memory.
+    let q = a.malloc(50 * MIB, S2).unwrap();
+    a.free(q).unwrap();
+    let e = a.malloc(70 * MIB, S1).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfMemory);
+    assert!(e.message.contains("50.00 MiB cached free"), "{}", e.message);
+}

@@ -825,9 +825,9 @@ impl DeviceAllocator {
                 ),
             ));
         }
-        // Every shard held at once (in slot order; no other path holds two), so that no
-        // allocation slips in between the check and the release, and a refusal leaves every
-        // shard open.
+        // Every shard held at once (in slot order; no other path waits for a shard's lock
+        // while holding another: a growth only tries them, `lending`), so that no allocation
+        // slips in between the check and the release, and a refusal leaves every shard open.
         let shards: Vec<&Shard> = self.shards().collect();
         let mut locked = Vec::with_capacity(shards.len());
         for shard in &shards {

@@ -41,6 +41,7 @@ use super::Shard;
 use crate::driver::StreamId;
 use crate::error::Result;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 impl Shard {
     /// The live high-water mark and the bytes reserved elsewhere that a growth of `len` more
@@ -82,7 +83,11 @@ impl Shard {
             if short == 0 {
                 break;
             }
-            match other.lend_idle(stream, short, fit, page) {
+            let (lent, waited) = other.lend_idle(stream, short, fit, page);
+            // The lender waited for the device on this growth's behalf: time this growth
+            // did not spend moving pages (`MoveClock`).
+            st.moves_mut().note_wait(waited);
+            match lent {
                 Ok(lent) => borrowed.extend(lent),
                 // The lender keeps what it could not unmap (`reclaim` parks it).
                 Err(e) => tracing::debug!(device = self.device, "no idle memory lent: {e}"),
@@ -98,24 +103,40 @@ impl Shard {
     /// Gives up to about `pages` pages of this shard's idle memory to a growth on stream
     /// `borrower`: parked chunks, then chunks under free blocks (waiting for the device as
     /// `reclaim` does). Nothing while this shard is busy, shut down or capturing a graph
-    /// (nothing may move then).
+    /// (nothing may move then). Also returns how long it waited for the device.
     fn lend_idle(
         &self,
         borrower: StreamId,
         pages: usize,
         fit: usize,
         page: u64,
-    ) -> Result<Vec<Spare>> {
+    ) -> (Result<Vec<Spare>>, Duration) {
         let Some(mut st) = self.state.try_lock() else {
-            return Ok(Vec::new());
+            return (Ok(Vec::new()), Duration::ZERO);
         };
         if self.lifecycle.is_shut_down() || st.capturing() || st.page_size() != Some(page) {
-            return Ok(Vec::new());
+            return (Ok(Vec::new()), Duration::ZERO);
         }
+        // Waits are counted under this lock (`note_wait`), which no reset can take meanwhile.
+        let waited_before = st.stats().paging.wait_ns;
+        let lent = self.lend_locked(&mut st, borrower, pages, fit, page);
+        let waited = st.stats().paging.wait_ns.saturating_sub(waited_before);
+        (lent, Duration::from_nanos(waited))
+    }
+
+    /// `lend_idle` with this shard's state held.
+    fn lend_locked(
+        &self,
+        st: &mut State,
+        borrower: StreamId,
+        pages: usize,
+        fit: usize,
+        page: u64,
+    ) -> Result<Vec<Spare>> {
         // Blocks parked for reuse at their exact size go back to the free lists first, so
         // that their pages can be found.
-        self.merge_set_aside(&mut st);
-        let mut parked = self.unpark_all(&mut st, page);
+        self.merge_set_aside(st);
+        let mut parked = self.unpark_all(st, page);
         // Largest first; what is not wanted stays parked here.
         parked.sort_by_key(|s| std::cmp::Reverse(s.pages));
         let mut lent = Vec::new();
@@ -123,22 +144,22 @@ impl Shard {
             if pages_of(&lent) < pages {
                 lent.push(spare);
             } else {
-                self.park(&mut st, spare, page);
+                self.park(st, spare, page);
             }
         }
         let short = pages.saturating_sub(pages_of(&lent));
         if short > 0 {
-            match self.reclaim(&mut st, short, 0, fit, 0..0, Pending::WaitOn(borrower)) {
+            match self.reclaim(st, short, 0, fit, 0..0, Pending::WaitOn(borrower)) {
                 Ok(unmapped) => lent.extend(unmapped),
                 Err(e) => {
                     for spare in lent {
-                        self.park(&mut st, spare, page);
+                        self.park(st, spare, page);
                     }
                     return Err(e);
                 }
             }
         }
-        self.publish_live(&st);
+        self.publish_live(st);
         Ok(lent)
     }
 }

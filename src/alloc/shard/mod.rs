@@ -491,7 +491,10 @@ impl Shard {
 
     /// What this shard holds, for another shard's OOM message.
     pub(in crate::alloc) fn holdings(&self) -> Result<Elsewhere> {
-        let st = self.lock()?;
+        let mut st = self.lock()?;
+        // Parked (and held) blocks are cached free memory too, as in this shard's own OOM
+        // message (`out_of_memory`).
+        self.merge_set_aside(&mut st);
         let (cached, largest_free) = st.cached_free();
         Ok(Elsewhere {
             live: st.stats().allocated_bytes.all().current as u64,
