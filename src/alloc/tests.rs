@@ -994,6 +994,16 @@ fn a_burst_of_moves_in_a_job_within_its_budget_raises_no_slack() {
     let mut busy = MoveClock::default();
     burst(&mut busy, t0, 10);
     assert!(busy.extra_slack() > 0.0, "a job of moves");
+    // An hour of quiet does not hide a phase of steady moves for long: the job's share is
+    // taken over its last 30 s, so moves at 80% pass the 2% budget within about a second.
+    let mut late = MoveClock::default();
+    late.start_growth();
+    late.account(t0, t0 + ms(1), budget, slack);
+    let hour = t0 + Duration::from_secs(3600);
+    late.start_growth();
+    late.account(hour, hour + ms(1), budget, slack);
+    burst(&mut late, hour + ms(10), 400);
+    assert!(late.extra_slack() > 0.0, "moves 2 s into a new phase");
 }
 
 #[test]

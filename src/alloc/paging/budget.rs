@@ -25,6 +25,11 @@ const EXTRA_SLACK_STEP: f64 = 1.5;
 /// ... and larger ones where moves take more than this many times the budget.
 const SEVERE_OVERRUN: f64 = 8.0;
 const SEVERE_EXTRA_SLACK_STEP: f64 = 3.0;
+/// The job's share of time spent moving pages (the gate on a window over budget, see
+/// `MoveClock::account`) is taken over at most this span: long enough to hold a warm-up's
+/// bursts among the work around them, short enough that an hour of quiet does not hide a
+/// phase that moves pages all the time for more than a few seconds.
+const JOB_SPAN: Duration = Duration::from_secs(30);
 /// Extra slack that `page_move_budget` may add: reserved stays within twice peak live.
 const MAX_EXTRA_SLACK: f64 = 1.0;
 /// The first step of extra slack when `page_slack` is smaller.
@@ -60,7 +65,8 @@ pub struct MoveClock {
     quiet_windows: u32,
     /// The last window closed with moves over the budget.
     over_budget: bool,
-    /// When the first growth started, and the moving time since: the job's share so far.
+    /// Where the job's span starts (its first growth, or `JOB_SPAN` back), and the moving
+    /// time in it: the job's share.
     first_growth: Option<Instant>,
     moved_in_all: Duration,
 }
@@ -111,16 +117,23 @@ impl MoveClock {
             self.moving += moved;
             self.moved_in_all += moved;
         }
-        let since_first = now - *self.first_growth.get_or_insert(started);
+        let mut since_first = now - *self.first_growth.get_or_insert(started);
+        if since_first > JOB_SPAN {
+            // Older time counts in proportion: the span keeps its share, now JOB_SPAN long.
+            let keep = JOB_SPAN.as_secs_f64() / since_first.as_secs_f64();
+            self.moved_in_all = self.moved_in_all.mul_f64(keep);
+            self.first_growth = Some(now - JOB_SPAN);
+            since_first = JOB_SPAN;
+        }
         let window = now - *self.window_start.get_or_insert(started);
         let early = closes_early(window, self.moving, budget);
         if window < MOVE_WINDOW && !early {
             return None;
         }
         let mut share = self.moving.as_secs_f64() / window.as_secs_f64();
-        // A window over budget counts only while the job as a whole is too, counted from
-        // its first growth: moves come in bursts (warm-up, a new batch shape), and a burst
-        // that takes 20% of a few ms costs a job that has run for seconds nothing near its
+        // A window over budget counts only while the job as a whole is too (over its last
+        // `JOB_SPAN`): moves come in bursts (warm-up, a new batch shape), and a burst that
+        // takes 20% of a few ms costs a job that has run for seconds nothing near its
         // budget. A job that does little but move pages is over budget in all, and adapts
         // as fast as before.
         let in_all = self.moved_in_all.as_secs_f64() / since_first.as_secs_f64().max(1e-9);
