@@ -416,13 +416,7 @@ mod tests {
     /// compared after every change.
     #[test]
     fn orders_like_a_btree_of_size_and_address() {
-        let mut seed = 0x2545F4914F6CDD1Du64;
-        let mut rand = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rand = super::super::test_rng();
         for round in 0..40 {
             let mut index = SizeIndex::default();
             let mut reference: BTreeMap<(u64, DevicePtr), BlockId> = BTreeMap::new();

@@ -168,13 +168,7 @@ mod tests {
     /// removed or never-listed address misses.
     #[test]
     fn finds_what_a_hash_map_finds() {
-        let mut seed = 0x2545F4914F6CDD1Du64;
-        let mut rand = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rand = crate::alloc::core::test_rng();
         let mut blocks = BlockArena::default();
         let mut map = LiveMap::default();
         let mut reference: HashMap<DevicePtr, BlockId> = HashMap::new();
