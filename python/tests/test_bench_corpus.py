@@ -81,6 +81,21 @@ def test_table_pairs_rounds_and_keeps_failed_runs(tmp_path):
     assert "met on 1 of 2 workloads" in out.stdout
 
 
+def test_sharded_ccalloc_is_measured_against_the_others_requested_peak(tmp_path):
+    # With per_stream_shards its own requested peak is the sum of the shards' peaks (here
+    # 1.5x the true one): dividing by it would make 10.3 GiB reserved read as 0.69.
+    sharded = record("multistream_pipeline", "ccalloc@per_stream_shards:True", 1, 1.0, 1.03)
+    sharded["requested_bytes.all.peak"] = 15 * GIB
+    rows = [record("multistream_pipeline", "native", 1, 1.0, 1.5), sharded]
+    f = tmp_path / "corpus.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(f))
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("| multistream_pipeline"))
+    assert line.split(" | ")[2:4] == ["1.500", "1.030"], line
+    assert "sum of its shards' peaks" in out.stdout
+
+
 def test_plan_splits_over_calls():
     names = ["gpt2_train_varlen", "moe_train", "resnet50_train", "bert_infer_varlen"]
     out = run(sys.executable, os.path.join(CORPUS, "table.py"), "plan", "300", "3", "2",
