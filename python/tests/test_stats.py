@@ -6,7 +6,7 @@ import types
 import pytest
 
 import ccalloc
-from conftest import MiB
+from conftest import MiB, run_python
 
 ARRAYS = [
     "allocation",
@@ -247,3 +247,28 @@ def test_paging_stats_count_growth_until_reset(alloc, fresh_stats):
 def test_paging_stats_bad_device():
     with pytest.raises(ccalloc.InvalidDeviceError):
         ccalloc.paging_stats(7)
+
+
+def test_chunks_borrowed_between_streams_read_through_the_struct():
+    # With a shard per stream, stream 2's growth takes the pages stream 1 freed. Read
+    # through ctypes, the new last field and the ones before it must be the C struct's.
+    out = run_python(
+        """
+        import ccalloc
+        MiB = 1 << 20
+        p = ccalloc.malloc(64 * MiB, stream=1)
+        ccalloc.free(p)
+        q = ccalloc.malloc(64 * MiB, stream=2)
+        s = ccalloc.paging_stats()
+        print(s["growths"], s["chunks_mapped"], s["chunks_unmapped"], s["chunks_borrowed"],
+              s["page_slack"], ccalloc.memory_reserved() // MiB)
+        ccalloc.free(q)
+        """,
+        env={"CCALLOC_CONF": "per_stream_shards:True"},
+    )
+    assert out.returncode == 0, out.stderr
+    growths, mapped, unmapped, borrowed, slack, reserved = out.stdout.split()
+    assert int(growths) == 2
+    assert 0 < int(borrowed) <= int(unmapped) <= int(mapped)
+    assert float(slack) == pytest.approx(1 / 32)
+    assert int(reserved) <= 64 + 8, "stream 2 reused stream 1's pages"
