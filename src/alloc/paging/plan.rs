@@ -156,7 +156,7 @@ pub fn reclaim_candidates(
                     first: chunk.first,
                     pages: chunk.pages,
                     stream: seg.stream,
-                    last_free: chunk.last_free,
+                    last_free: seg.last_free(chunk),
                 });
             }
         }

@@ -50,8 +50,9 @@ pub struct Chunk {
     pub first: usize,
     pub pages: usize,
     /// The `State::free_seq` of the last free of a block on the chunk's pages (0: none
-    /// since it was mapped): its last use on the device came before that free.
-    pub last_free: u64,
+    /// since it was mapped), not counting frees still in `PagedSegment::unstamped`: read it
+    /// through `PagedSegment::last_free`.
+    last_free: u64,
 }
 
 /// Physical memory in hand, not mapped anywhere: `pages` pages under one handle.
@@ -80,6 +81,13 @@ pub struct PagedSegment {
     starts: PageBits,
     /// Frees since the last one that asked for a fence.
     frees_since_fence: u32,
+    /// The newest free, not yet stamped on its chunks' `last_free`: the pages it touched,
+    /// and its `free_seq`. A free stamps every chunk it touches, and a large block spans up
+    /// to 16; a block freed again and again at the same place (the same-size loop) only
+    /// updates the seq here. Stamped when a free of other pages comes, and before the
+    /// chunks change (`set_chunk`, `take_chunk`), so that it applies to the chunks of its
+    /// free; read through `last_free`.
+    unstamped: Option<(Range<usize>, u64)>,
     /// The mapped pages, twice (both kept by `set_chunk` and `take_chunk` alone): a bitmap
     /// counts them a word at a time (a hand-out checks every page it covers), a set walks
     /// the few mapped pages of a free block that may span most of the segment.
@@ -177,6 +185,7 @@ impl PagedSegment {
             firsts: BTreeSet::new(),
             starts: PageBits::new(count),
             frees_since_fence: 0,
+            unstamped: None,
             mapped: PageBits::new(count),
             mapped_set: BTreeSet::new(),
         }
@@ -318,24 +327,60 @@ impl PagedSegment {
     /// a fence: the first, then every `FREES_PER_FENCE`-th.
     pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
         let touched = self.touched(addr, len);
-        // A mapped page lies in the chunk starting last at or before it; the other chunks
-        // the block touches start inside it.
-        let holding_start = if self.mapped.get(touched.start) {
-            self.starts.last_at_or_below(touched.start)
-        } else {
-            None
-        };
-        let inside = self.starts.ones(touched.start + 1..touched.end);
-        for first in holding_start.into_iter().chain(inside) {
-            self.chunks.get_mut(&first).expect("listed").last_free = seq;
+        match &mut self.unstamped {
+            // Seqs only grow: the newer free of the same pages stamps the same chunks later.
+            Some((pages, last)) if *pages == touched => *last = seq,
+            _ => {
+                self.stamp_free();
+                self.unstamped = Some((touched, seq));
+                // A block on one page stamps one chunk: at once, while its page is at hand.
+                if self.unstamped.as_ref().is_some_and(|(t, _)| t.len() <= 1) {
+                    self.stamp_free();
+                }
+            }
         }
         let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
         self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
         due
     }
 
+    /// Stamps the unstamped free, if any, on the chunks it touches.
+    fn stamp_free(&mut self) {
+        if let Some((touched, seq)) = self.unstamped.take() {
+            // A mapped page lies in the chunk starting last at or before it; the other
+            // chunks the block touches start inside it.
+            let holding_start = if self.mapped.get(touched.start) {
+                self.starts.last_at_or_below(touched.start)
+            } else {
+                None
+            };
+            let inside = self.starts.ones(touched.start + 1..touched.end);
+            for first in holding_start.into_iter().chain(inside) {
+                self.chunks.get_mut(&first).expect("listed").last_free = seq;
+            }
+        }
+    }
+
+    /// The `free_seq` of the last free of a block on `chunk`'s pages (0: none since it was
+    /// mapped): the device's last use of them came before that free.
+    pub fn last_free(&self, chunk: &Chunk) -> u64 {
+        let end = chunk.first + chunk.pages;
+        match &self.unstamped {
+            // As `stamp_free` picks them: the chunk holding the first page touched, or one
+            // starting inside the pages touched.
+            Some((touched, seq))
+                if (chunk.first <= touched.start && touched.start < end)
+                    || (touched.start < chunk.first && chunk.first < touched.end) =>
+            {
+                *seq
+            }
+            _ => chunk.last_free,
+        }
+    }
+
     /// `spare` is now mapped at pages `first..`.
     pub fn set_chunk(&mut self, first: usize, spare: Spare) {
+        self.stamp_free();
         let chunk = Chunk {
             handle: spare.handle,
             first,
@@ -353,6 +398,7 @@ impl PagedSegment {
 
     /// The chunk starting at page `first` is no longer mapped: its memory.
     pub fn take_chunk(&mut self, first: usize) -> Spare {
+        self.stamp_free();
         let chunk = self.chunks.remove(&first).expect("chunks are taken whole");
         self.firsts.remove(&first);
         self.starts.clear(first);
@@ -493,7 +539,7 @@ mod tests {
                 let stamped: Vec<usize> = seg
                     .firsts
                     .iter()
-                    .filter(|&first| seg.chunks[first].last_free == seq)
+                    .filter(|&first| seg.last_free(&seg.chunks[first]) == seq)
                     .copied()
                     .collect();
                 assert_eq!(stamped, want, "[{start:#x}, +{len:#x})");
