@@ -101,6 +101,11 @@ impl Plan {
         );
     }
 
+    /// Pages of the longest unfilled run: the largest chunk that fits somewhere.
+    pub fn largest_gap(&self) -> usize {
+        self.gaps.iter().map(|g| g.len()).max().unwrap_or(0)
+    }
+
     pub fn placed_pages(&self) -> usize {
         self.placed.iter().map(|(_, s)| s.pages).sum()
     }

@@ -249,12 +249,11 @@ impl Shard {
         let over = over_budget(st, plan, spares, *budget).min(plan.unfilled()) as u64;
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
-            let fit = plan.gaps.iter().map(|g| g.len()).max().unwrap_or(0);
             let taken = self.reclaim(
                 st,
                 over as usize,
                 batch,
-                fit,
+                plan.largest_gap(),
                 rest.clone(),
                 Pending::WaitOn(stream),
             )?;
@@ -265,8 +264,7 @@ impl Shard {
             self.release_smallest(st, spares, surplus, page)?;
             let short = over_budget(st, plan, spares, *budget).min(plan.unfilled());
             if short > 0 {
-                let fit = plan.gaps.iter().map(|g| g.len()).max().unwrap_or(0);
-                let borrowed = self.borrow_idle(st, stream, short, fit, page);
+                let borrowed = self.borrow_idle(st, stream, short, plan.largest_gap(), page);
                 if !borrowed.is_empty() {
                     // Reserved elsewhere fell by what was lent.
                     *budget += pages_of(&borrowed) as u64 * page;
