@@ -333,10 +333,6 @@ impl PagedSegment {
             _ => {
                 self.stamp_free();
                 self.unstamped = Some((touched, seq));
-                // A block on one page stamps one chunk: at once, while its page is at hand.
-                if self.unstamped.as_ref().is_some_and(|(t, _)| t.len() <= 1) {
-                    self.stamp_free();
-                }
             }
         }
         let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
