@@ -168,6 +168,26 @@ pub const ARRAY_NAMES: [&str; 9] = [
     "requested_bytes",
 ];
 
+/// The per-pool counters of `$stats` (a `DeviceStats`, or the C `ccalloc_stats`, whose
+/// fields are named alike), each borrowed with `$borrow` (`&` or `&mut`), in `ARRAY_NAMES`'
+/// order: the one list of those fields.
+macro_rules! per_pool_arrays {
+    ($stats:expr, $($borrow:tt)+) => {
+        [
+            $($borrow)+ $stats.allocation,
+            $($borrow)+ $stats.segment,
+            $($borrow)+ $stats.active,
+            $($borrow)+ $stats.inactive_split,
+            $($borrow)+ $stats.allocated_bytes,
+            $($borrow)+ $stats.reserved_bytes,
+            $($borrow)+ $stats.active_bytes,
+            $($borrow)+ $stats.inactive_split_bytes,
+            $($borrow)+ $stats.requested_bytes,
+        ]
+    };
+}
+pub(crate) use per_pool_arrays;
+
 /// Everything PyTorch's `memory_stats()` reports for one device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceStats {
@@ -295,17 +315,7 @@ impl DeviceStats {
 
     /// Every per-pool counter with its PyTorch name (`ARRAY_NAMES`' order).
     pub fn arrays(&self) -> [(&'static str, &StatArray); 9] {
-        let arrays = [
-            &self.allocation,
-            &self.segment,
-            &self.active,
-            &self.inactive_split,
-            &self.allocated_bytes,
-            &self.reserved_bytes,
-            &self.active_bytes,
-            &self.inactive_split_bytes,
-            &self.requested_bytes,
-        ];
+        let arrays = per_pool_arrays!(self, &);
         std::array::from_fn(|i| (ARRAY_NAMES[i], arrays[i]))
     }
 
@@ -411,17 +421,7 @@ impl DeviceStats {
     }
 
     fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
-        [
-            &mut self.allocation,
-            &mut self.segment,
-            &mut self.active,
-            &mut self.inactive_split,
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.inactive_split_bytes,
-            &mut self.requested_bytes,
-        ]
+        per_pool_arrays!(self, &mut)
     }
 
     /// Zeroes every `allocated`/`freed` total and the event counters, as PyTorch does.

@@ -189,17 +189,7 @@ impl From<&StatArray> for ccalloc_stat_array {
 impl ccalloc_stats {
     /// Every per-pool counter with its PyTorch name, for checks that run over all of them.
     pub fn arrays(&self) -> [(&'static str, &ccalloc_stat_array); 9] {
-        let arrays = [
-            &self.allocation,
-            &self.segment,
-            &self.active,
-            &self.inactive_split,
-            &self.allocated_bytes,
-            &self.reserved_bytes,
-            &self.active_bytes,
-            &self.inactive_split_bytes,
-            &self.requested_bytes,
-        ];
+        let arrays = crate::alloc::stats::per_pool_arrays!(self, &);
         std::array::from_fn(|i| (crate::alloc::stats::ARRAY_NAMES[i], arrays[i]))
     }
 
