@@ -77,24 +77,14 @@ fn main() {
     let slowest = runs.iter().map(|r| r.0).max().unwrap_or_default();
     // Counted from the first thread's start: with one thread, exactly the timed steps.
     let (after, before) = (a.stats().unwrap().paging, runs[0].1);
-    let paging = PagingCounters {
-        growths: after.growths - before.growths,
-        moving_growths: after.moving_growths - before.moving_growths,
-        chunks_mapped: after.chunks_mapped - before.chunks_mapped,
-        chunks_unmapped: after.chunks_unmapped - before.chunks_unmapped,
-        host_waits: after.host_waits - before.host_waits,
-        growth_ns: after.growth_ns - before.growth_ns,
-        moving_ns: after.moving_ns - before.moving_ns,
-        wait_ns: after.wait_ns - before.wait_ns,
-        reclaim_steps: after.reclaim_steps - before.reclaim_steps,
-        chunks_borrowed: after.chunks_borrowed - before.chunks_borrowed,
-    };
+    let paging = after.since(&before);
     let stats = a.stats().unwrap();
     println!(
-        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits",
+        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; {} growths past it; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits",
         slowest.as_nanos() as f64 / (steps * threads) as f64,
         stats.reserved_bytes.all().peak as f64 / stats.active_bytes.all().peak as f64,
         a.page_slack().unwrap(),
+        paging.growths_past_slack,
         paging.growth_ns as f64 / 1e6,
         paging.growths,
         paging.moving_growths,

@@ -147,12 +147,15 @@ typedef struct {
   // device was running the work queued before the moved pages were freed, so these
   // waits are not what `page_move_budget` limits.
   uint64_t wait_ns;
-  // The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
-  // `page_move_budget` has added).
+  // The share of peak live bytes that growth may keep beyond it while page moves are
+  // within `page_move_budget` (the `page_slack` setting).
   double page_slack;
   // Of the chunks mapped, those taken from idle memory of the device's other shards
   // (with `per_stream_shards`): memory that changed streams without being released.
   uint64_t chunks_borrowed;
+  // Growths that mapped new memory past the slack because page moves had taken their
+  // share of the time (`page_move_budget`): where reserved rose above the slack bound.
+  uint64_t growths_past_slack;
 } ccalloc_paging_stats;
 
 // Names a private pool; identical in layout to PyTorch's `c10::cuda::MempoolId_t`

@@ -392,9 +392,11 @@ def paging_stats(device: Any = None) -> Dict[str, Any]:
     that moved pages from under free blocks), ``chunks_mapped``, ``chunks_unmapped``,
     ``host_waits`` (the host waited for the device), ``growth_ns`` and ``moving_ns`` (wall
     time in growth, and in growth that moved pages), ``wait_ns`` (of that, the host's waits
-    for the device), ``page_slack`` (the share of peak live bytes that may now be kept
-    beyond it: ``page_slack`` plus what ``page_move_budget`` added), and ``chunks_borrowed``
-    (chunks taken from other streams' idle memory with ``per_stream_shards``). Counts and times restart at :func:`reset_accumulated_memory_stats`.
+    for the device), ``page_slack`` (the share of peak live bytes growth may keep beyond
+    it while moves are within ``page_move_budget``), ``chunks_borrowed`` (chunks taken from
+    other streams' idle memory with ``per_stream_shards``), and ``growths_past_slack``
+    (growths that mapped new memory past the slack because moves had taken their share of
+    the time). Counts and times restart at :func:`reset_accumulated_memory_stats`.
     """
     out = _lib.ccalloc_paging_stats()
     _call("ccalloc_get_paging_stats", _device_index(device), ctypes.byref(out))

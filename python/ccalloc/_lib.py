@@ -314,6 +314,7 @@ class ccalloc_paging_stats(ctypes.Structure):
         ("wait_ns", c_uint64),
         ("page_slack", c_double),
         ("chunks_borrowed", c_uint64),
+        ("growths_past_slack", c_uint64),
     ]
 
 

@@ -274,9 +274,29 @@ pub struct PagingCounters {
     pub reclaim_steps: u64,
     /// Chunks taken from the device's other shards' idle memory (`shard::lending`).
     pub chunks_borrowed: u64,
+    /// Growths that mapped new memory past the slack because page moves had spent their
+    /// share of the time (`page_move_budget`, `MoveClock`).
+    pub growths_past_slack: u64,
 }
 
 impl PagingCounters {
+    /// What was counted between `earlier` (a read of the same counters) and these.
+    pub fn since(&self, earlier: &PagingCounters) -> PagingCounters {
+        PagingCounters {
+            growths: self.growths - earlier.growths,
+            moving_growths: self.moving_growths - earlier.moving_growths,
+            chunks_mapped: self.chunks_mapped - earlier.chunks_mapped,
+            chunks_unmapped: self.chunks_unmapped - earlier.chunks_unmapped,
+            host_waits: self.host_waits - earlier.host_waits,
+            growth_ns: self.growth_ns - earlier.growth_ns,
+            moving_ns: self.moving_ns - earlier.moving_ns,
+            wait_ns: self.wait_ns - earlier.wait_ns,
+            reclaim_steps: self.reclaim_steps - earlier.reclaim_steps,
+            chunks_borrowed: self.chunks_borrowed - earlier.chunks_borrowed,
+            growths_past_slack: self.growths_past_slack - earlier.growths_past_slack,
+        }
+    }
+
     fn add(&mut self, o: &PagingCounters) {
         self.growths += o.growths;
         self.moving_growths += o.moving_growths;
@@ -288,6 +308,7 @@ impl PagingCounters {
         self.wait_ns += o.wait_ns;
         self.reclaim_steps += o.reclaim_steps;
         self.chunks_borrowed += o.chunks_borrowed;
+        self.growths_past_slack += o.growths_past_slack;
     }
 }
 

@@ -904,106 +904,70 @@ fn parking_pauses_when_parked_blocks_are_not_reused() {
 }
 
 #[test]
-fn a_move_window_closes_early_only_on_a_plain_overrun() {
-    use super::paging::budget::closes_early;
-    use std::time::Duration;
-    let ms = Duration::from_millis;
-    // 20 ms of moves in 40 ms (50%, 25 times the 2% budget): closes at once.
-    assert!(closes_early(ms(40), ms(20), 0.02));
-    // The same share over less than 12 ms is too short to judge.
-    assert!(!closes_early(ms(10), ms(6), 0.02));
-    // A few moves, nearly all of a 12 ms window: under 5 ms of moves.
-    assert!(!closes_early(ms(12), ms(4), 0.02));
-    assert!(closes_early(ms(12), ms(5), 0.02));
-    // 10 ms of moves over 100 ms is 10%: over budget, but not 8 times over (16%).
-    assert!(!closes_early(ms(100), ms(10), 0.02));
-    assert!(closes_early(ms(100), ms(17), 0.02));
-    // A larger budget needs a larger share.
-    assert!(!closes_early(ms(100), ms(30), 0.05));
-    assert!(closes_early(ms(100), ms(41), 0.05));
-}
-
-#[test]
-fn extra_slack_grows_in_steps_over_budget_in_two_windows_and_decays_only_after_a_quiet_spell() {
-    use super::paging::budget::next_extra_slack as next;
-    let base = 1.0 / 32.0;
-    // Over budget: 1.5-fold (from the base at first), 3-fold past 8 times the budget,
-    // capped at 1.
-    assert_eq!(next(0.0, 0, 1, 0.03, 0.02, base, true), (1.5 * base, 0));
-    assert_eq!(next(0.25, 0, 1, 0.10, 0.02, base, true), (0.375, 0));
-    assert_eq!(next(0.25, 0, 1, 0.16, 0.02, base, true), (0.375, 0));
-    assert_eq!(next(0.0, 0, 1, 0.17, 0.02, base, true), (3.0 * base, 0));
-    assert_eq!(next(0.25, 0, 1, 0.9, 0.02, base, true), (0.75, 0));
-    assert_eq!(next(0.8, 3, 1, 0.50, 0.02, base, true), (1.0, 0));
-    // Between a quarter of the budget and the budget: unchanged, and the quiet count restarts.
-    assert_eq!(next(0.25, 4, 1, 0.01, 0.02, base, true), (0.25, 0));
-    // Quiet windows: it holds until the spell is long enough, then halves once.
-    let (mut extra, mut quiet) = (0.25, 0);
-    let mut halvings = Vec::new();
-    for window in 0..25 {
-        let before = extra;
-        (extra, quiet) = next(extra, quiet, 1, 0.0, 0.02, base, true);
-        if extra != before {
-            halvings.push(window);
-        }
-    }
-    assert_eq!(halvings, vec![4, 9, 14, 19, 24]);
-    assert_eq!(extra, 0.0, "under half the base it drops to 0");
-    // An overrun in the middle of a quiet spell starts the count again.
-    assert_eq!(next(0.25, 4, 1, 0.05, 0.02, base, false), (0.25, 0));
-    // A quiet gap spanning many windows (no growth closed them) counts for all of them.
-    assert_eq!(next(0.25, 0, 5, 0.0, 0.02, base, true), (0.125, 0));
-    assert_eq!(next(0.25, 0, 3, 0.0, 0.02, base, true), (0.25, 3));
-    // A window shorter than one (closed early) is no quiet time.
-    assert_eq!(next(0.25, 4, 0, 0.0, 0.5, base, true), (0.25, 4));
-    // One window over budget after one within it is a burst: nothing changes but the quiet
-    // count; the next window over budget raises it.
-    assert_eq!(next(0.25, 4, 1, 0.9, 0.02, base, false), (0.25, 0));
-    assert_eq!(next(0.0, 0, 0, 0.5, 0.02, base, false), (0.0, 0));
-    // Budget 0 drops the extra slack at once.
-    assert_eq!(next(0.5, 0, 1, 0.9, 0.0, base, true), (0.0, 0));
-}
-
-#[test]
-fn a_burst_of_moves_in_a_job_within_its_budget_raises_no_slack() {
+fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
     use super::paging::budget::MoveClock;
     use std::time::{Duration, Instant};
     let ms = Duration::from_millis;
-    let (budget, slack) = (0.02, 1.0 / 32.0);
-    // Growth every 5 ms that spends 4 ms moving pages: windows close early, far over budget.
-    let burst = |clock: &mut MoveClock, from: Instant, growths: u32| {
-        for i in 0..growths {
-            let at = from + ms(5) * i;
-            clock.start_growth();
-            clock.note_moved(true);
-            clock.account(at, at + ms(4), budget, slack);
-        }
+    let budget = 0.02;
+    // A growth from `at` that moved pages for `took` (less `waited`, the device's time).
+    let growth = |clock: &mut MoveClock, at: Instant, took: Duration, waited: Duration| {
+        clock.start_growth();
+        clock.note_moved(true);
+        clock.note_wait(waited);
+        clock.account(at, at + took, budget)
     };
-    // The job starts (a growth that moves nothing), runs 5 s, then a burst of 20 moves:
-    // 80 ms of moving in 5.1 s is 1.6%, within the 2% budget.
     let t0 = Instant::now();
-    let mut clock = MoveClock::default();
-    clock.start_growth();
-    clock.account(t0, t0 + ms(1), budget, slack);
-    burst(&mut clock, t0 + ms(5000), 20);
-    assert_eq!(clock.extra_slack(), 0.0, "a burst in a job within budget");
-    // Bursts that go on put the job as a whole over budget: the slack rises.
-    burst(&mut clock, t0 + ms(5100), 100);
-    assert!(clock.extra_slack() > 0.0, "moves that go on");
-    // A job that does nothing but move from its start adapts at once.
-    let mut busy = MoveClock::default();
-    burst(&mut busy, t0, 10);
-    assert!(busy.extra_slack() > 0.0, "a job of moves");
-    // An hour of quiet does not hide a phase of steady moves for long: the job's share is
-    // taken over its last 30 s, so moves at 80% pass the 2% budget within about a second.
-    let mut late = MoveClock::default();
-    late.start_growth();
-    late.account(t0, t0 + ms(1), budget, slack);
-    let hour = t0 + Duration::from_secs(3600);
-    late.start_growth();
-    late.account(hour, hour + ms(1), budget, slack);
-    burst(&mut late, hour + ms(10), 400);
-    assert!(late.extra_slack() > 0.0, "moves 2 s into a new phase");
+    let mut clock = MoveClock::started_at(t0);
+    assert!(
+        !clock.may_move(t0, budget),
+        "nothing is allowed before any time has passed"
+    );
+    // After 5 s, 100 ms of moves are allowed, however they bunch: 24 growths of 4 ms fit.
+    let mut at = t0 + ms(5000);
+    for _ in 0..24 {
+        assert!(clock.may_move(at, budget));
+        assert_eq!(growth(&mut clock, at, ms(4), ms(0)), None);
+        at += ms(4);
+    }
+    assert!(!clock.spent_lately());
+    // The 26th spends the last of it: the one log line, and growth then maps new memory.
+    assert!(clock.may_move(at, budget));
+    assert_eq!(growth(&mut clock, at, ms(4), ms(0)), None);
+    at += ms(4);
+    assert!(clock.may_move(at, budget));
+    assert_eq!(growth(&mut clock, at, ms(4), ms(0)), Some(ms(4)));
+    at += ms(4);
+    assert!(!clock.may_move(at, budget));
+    assert!(
+        clock.spent_lately(),
+        "growth makes coarser chunks for a while"
+    );
+    // Waits for the device cost nothing: 1 s of waits in a 5 ms growth spends 5 ms.
+    let later = at + ms(1000);
+    assert!(clock.may_move(later, budget), "1 s refills 20 ms");
+    assert_eq!(growth(&mut clock, later, ms(1005), ms(1000)), None);
+    assert!(clock.may_move(later + ms(1005), budget));
+    // An hour of quiet banks no more than the budget's share of 30 s (600 ms).
+    let hour = later + Duration::from_secs(3600);
+    let mut spent = 0;
+    let mut at = hour;
+    while clock.may_move(at, budget) {
+        growth(&mut clock, at, ms(10), ms(0));
+        at += ms(10);
+        spent += 10;
+    }
+    assert!(
+        (600..=620).contains(&spent),
+        "{spent} ms of moves after an hour's quiet"
+    );
+    assert!(clock.spent_lately(), "ran out again after the hour");
+    // Budget 0 bounds nothing.
+    let mut free = MoveClock::started_at(t0);
+    assert!(free.may_move(t0, 0.0));
+    free.start_growth();
+    free.note_moved(true);
+    assert_eq!(free.account(t0, t0 + ms(1000), 0.0), None);
+    assert!(free.may_move(t0 + ms(1000), 0.0));
 }
 
 #[test]

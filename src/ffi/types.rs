@@ -114,12 +114,15 @@ pub struct ccalloc_paging_stats {
     /// device was running the work queued before the moved pages were freed, so these
     /// waits are not what `page_move_budget` limits.
     pub wait_ns: u64,
-    /// The share of peak live bytes that may now be kept beyond it (`page_slack` plus what
-    /// `page_move_budget` has added).
+    /// The share of peak live bytes that growth may keep beyond it while page moves are
+    /// within `page_move_budget` (the `page_slack` setting).
     pub page_slack: f64,
     /// Of the chunks mapped, those taken from idle memory of the device's other shards
     /// (with `per_stream_shards`): memory that changed streams without being released.
     pub chunks_borrowed: u64,
+    /// Growths that mapped new memory past the slack because page moves had taken their
+    /// share of the time (`page_move_budget`): where reserved rose above the slack bound.
+    pub growths_past_slack: u64,
 }
 
 impl ccalloc_paging_stats {
@@ -135,6 +138,7 @@ impl ccalloc_paging_stats {
             wait_ns: p.wait_ns,
             page_slack,
             chunks_borrowed: p.chunks_borrowed,
+            growths_past_slack: p.growths_past_slack,
         }
     }
 }

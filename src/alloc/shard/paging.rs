@@ -113,9 +113,15 @@ impl Shard {
         let slack = slack_bytes(high, share, page);
         let started = Instant::now();
         st.moves_mut().start_growth();
-        let mut budget = (high + slack)
-            .min(self.hard_limit(st))
-            .saturating_sub(elsewhere);
+        // While moves have spent their allowance, growth maps new memory rather than move
+        // pages within the slack: reserved rises by this growth alone (`MoveClock`).
+        let soft = if self.may_move(st, started) {
+            high + slack
+        } else {
+            st.stats_mut().paging.growths_past_slack += 1;
+            u64::MAX
+        };
+        let mut budget = soft.min(self.hard_limit(st)).saturating_sub(elsewhere);
         let mut plan = Plan::new(&missing);
         let mut spares = self.unpark_all(st, page);
         let gathered = self.gather(
@@ -203,17 +209,21 @@ impl Shard {
             return;
         }
         let budget = st.config().page_move_budget;
-        let page_slack = st.config().page_slack;
-        if let Some((share, window)) = st.moves_mut().account(started, now, budget, page_slack) {
+        if let Some(cost) = st.moves_mut().account(started, now, budget) {
             tracing::info!(
                 device = self.device,
-                "page moves took {:.1}% of the last {:.0} ms (budget {:.1}%): page slack now {:.3} of peak live",
-                share * 100.0,
-                window.as_secs_f64() * 1e3,
+                "page moves have taken {:.1}% of the time (the last: {:.1} ms): growth maps new memory until moving fits the budget again",
                 budget * 100.0,
-                st.page_slack()
+                cost.as_secs_f64() * 1e3,
             );
         }
+    }
+
+    /// Whether a growth starting at `now` may move pages: always on the sim without GPU
+    /// costs (replays do not time moves), else while moves are within their allowance.
+    fn may_move(&self, st: &mut State, now: Instant) -> bool {
+        let budget = st.config().page_move_budget;
+        !self.times_page_moves || st.moves_mut().may_move(now, budget)
     }
 
     /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved

@@ -83,7 +83,7 @@ struct Paging {
     live_high_water: u64,
     /// Counts frees into the cache: the clock of `Chunk::last_free` and fences.
     free_seq: u64,
-    /// The time page moves take (see `Shard::account_growth`).
+    /// The time page moves may still take (see `Shard::account_growth`).
     moves: MoveClock,
     /// Pending fences, and which frees are known done on the device.
     fences: Fences,
@@ -134,7 +134,10 @@ impl State {
                 used: BTreeMap::new(),
                 used_hint: (0, 0),
             },
-            paging: Paging::default(),
+            paging: Paging {
+                moves: MoveClock::started_at(std::time::Instant::now()),
+                ..Paging::default()
+            },
             parked: Parked::default(),
             events: Events::default(),
             stats: DeviceStats::default(),

@@ -111,22 +111,17 @@ impl State {
         seg.mapped_bytes_in(b.addr(), b.size())
     }
 
-    /// Whether `page_move_budget` has added slack: page moves have cost more than their
-    /// budget of the job's time, so growth makes fewer, larger chunks (`chunk_pages_for`).
+    /// Whether page moves have lately spent their allowance (`MoveClock`): moves here cost
+    /// more than `page_move_budget`, so growth makes fewer, larger chunks
+    /// (`chunk_pages_for`), and each later move of them takes fewer calls.
     pub fn moves_over_budget(&self) -> bool {
-        self.config.page_move_budget > 0.0 && self.paging.moves.extra_slack() > 0.0
+        self.config.page_move_budget > 0.0 && self.paging.moves.spent_lately()
     }
 
-    /// The share of peak live bytes that paged segments may keep beyond it: `page_slack`
-    /// plus the extra that `page_move_budget` added (none while the budget is 0, even if set
-    /// to 0 at run time since the extra was last adjusted).
+    /// The share of peak live bytes that paged segments may keep beyond it while page moves
+    /// are within their budget.
     pub fn page_slack(&self) -> f64 {
-        let extra = if self.config.page_move_budget > 0.0 {
-            self.paging.moves.extra_slack()
-        } else {
-            0.0
-        };
-        self.config.page_slack + extra
+        self.config.page_slack
     }
 
     /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
