@@ -535,6 +535,66 @@ fn waits_for_a_busy_device_do_not_count_as_page_move_time() {
     );
 }
 
+/// The harness's churn mixed (random sizes of 256 B-256 MiB, one of `live` replaced per
+/// step) for `steps` steps on `a`, after `pause` (the job's time so far); returns the
+/// paging counters of the steps.
+fn churn_mixed(
+    a: &DeviceAllocator,
+    live: usize,
+    pause: Duration,
+    steps: usize,
+) -> ccalloc::PagingCounters {
+    let mut seed = 11u64;
+    let mut size = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let unit = (seed >> 11) as f64 / (1u64 << 53) as f64;
+        (256f64.ln() + unit * ((256 * MIB) as f64 / 256.0).ln()).exp() as u64
+    };
+    let mut blocks: Vec<u64> = (0..live)
+        .map(|_| a.malloc(size(), StreamId(0)).unwrap())
+        .collect();
+    std::thread::sleep(pause);
+    let before = a.stats().unwrap().paging;
+    for step in 0..steps {
+        let i = step % blocks.len();
+        a.free(blocks[i]).unwrap();
+        blocks[i] = a.malloc(size(), StreamId(0)).unwrap();
+    }
+    let paging = a.stats().unwrap().paging.since(&before);
+    for p in blocks {
+        a.free(p).unwrap();
+    }
+    paging
+}
+
+#[test]
+fn page_moves_while_the_device_is_busy_cost_no_allowance() {
+    // The churn below moves pages on most steps, each call as slow as on an H100. On an idle
+    // device (events complete at once) moves soon spend their allowance; on a busy one (an
+    // event completes only once 8 later ones were recorded on its stream: the device is
+    // that far behind) every growth ends before the device has run the work queued before
+    // it, so moves delay nothing and are not refused. (Where growth has to synchronize
+    // the stream, the device does run dry, and those moves do count.) The job has run
+    // 0.5 s first: 10 ms of moves allowed at 2%.
+    let run = |lag: u64| {
+        let sim = SimDriver::new(1, 64 << 30)
+            .with_call_costs(CallCosts::h100())
+            .with_event_lag(lag);
+        let a = DeviceAllocator::new(0, Arc::new(sim), Config::default()).unwrap();
+        churn_mixed(&a, 128, Duration::from_millis(500), 600)
+    };
+    let (idle, busy) = (run(0), run(8));
+    eprintln!("idle: {idle:?}\nbusy: {busy:?}");
+    assert!(idle.growths_past_slack > 0, "{idle:?}");
+    assert!(
+        busy.growths_past_slack * 4 < idle.growths_past_slack,
+        "{busy:?}"
+    );
+    assert!(busy.moving_growths > idle.moving_growths, "{busy:?}");
+}
+
 #[test]
 fn a_short_burst_of_page_moves_stops_moving_within_tens_of_ms() {
     // The GPU harness's churn mixed: random sizes of 256 B-256 MiB, one of the live blocks
@@ -574,7 +634,9 @@ fn a_short_burst_of_page_moves_stops_moving_within_tens_of_ms() {
     );
     // Moves have cost more than their budget: new memory comes in chunks of a quarter of
     // the run, at least 4 pages (20 MiB = 10 pages: 4 + 4 + 2, not ten of one page), so
-    // that moving it later costs fewer calls.
+    // that moving it later costs fewer calls. (Cached memory goes first: the request must
+    // make new chunks.)
+    a.empty_cache().unwrap();
     let before = sim.counters(0);
     let fresh = a.malloc(20 * MIB, StreamId(9)).unwrap();
     let after = sim.counters(0);

@@ -914,7 +914,7 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
         clock.start_growth();
         clock.note_moved(true);
         clock.note_wait(waited);
-        clock.account(at, at + took, budget)
+        clock.account(at, at + took, budget, false)
     };
     let t0 = Instant::now();
     let mut clock = MoveClock::started_at(t0);
@@ -961,12 +961,29 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
         "{spent} ms of moves after an hour's quiet"
     );
     assert!(clock.spent_lately(), "ran out again after the hour");
+    // A growth that ends with the device still busy spends nothing, and the first one
+    // credits a job that keeps its device busy, once, with 30 s at the budget's share.
+    let mut job = MoveClock::started_at(t0);
+    job.start_growth();
+    job.note_moved(true);
+    assert_eq!(job.account(t0 + ms(100), t0 + ms(150), budget, true), None);
+    let mut at = t0 + ms(150);
+    let mut spent = 0;
+    while job.may_move(at, budget) {
+        growth(&mut job, at, ms(10), ms(0));
+        at += ms(10);
+        spent += 10;
+    }
+    assert!((600..=620).contains(&spent), "{spent} ms after the credit");
+    job.start_growth();
+    job.account(at, at + ms(1), budget, true);
+    assert!(!job.may_move(at + ms(1), budget), "the credit comes once");
     // Budget 0 bounds nothing.
     let mut free = MoveClock::started_at(t0);
     assert!(free.may_move(t0, 0.0));
     free.start_growth();
     free.note_moved(true);
-    assert_eq!(free.account(t0, t0 + ms(1000), 0.0), None);
+    assert_eq!(free.account(t0, t0 + ms(1000), 0.0, false), None);
     assert!(free.may_move(t0 + ms(1000), 0.0));
 }
 

@@ -7,7 +7,7 @@ use super::super::paging::table::{chunk_pages_for, pages_of, Spare};
 use super::super::sizing::PoolKind;
 use super::super::state::State;
 use super::super::{driver_error, Shard};
-use crate::driver::{DevicePtr, PhysHandle, StreamId};
+use crate::driver::{DevicePtr, EventId, PhysHandle, StreamId};
 use crate::error::Result;
 use std::ops::Range;
 use std::time::Instant;
@@ -115,7 +115,16 @@ impl Shard {
         st.moves_mut().start_growth();
         // While moves have spent their allowance, growth maps new memory rather than move
         // pages within the slack: reserved rises by this growth alone (`MoveClock`).
-        let soft = if self.may_move(st, started) {
+        let may_move = self.may_move(st, started);
+        let growth = Growth {
+            started,
+            busy_probe: if may_move {
+                self.busy_probe(st, stream)
+            } else {
+                None
+            },
+        };
+        let soft = if may_move {
             high + slack
         } else {
             st.stats_mut().paging.growths_past_slack += 1;
@@ -143,7 +152,7 @@ impl Shard {
             for spare in in_hand.into_iter().chain(spares) {
                 self.park(st, spare, page);
             }
-            self.account_growth(st, started);
+            self.account_growth(st, growth);
             return Err(e);
         }
         let refused = plan.unfilled() > 0;
@@ -163,7 +172,7 @@ impl Shard {
         }
         if refused {
             // A growth too, if a failed one: its time (and waits) was spent all the same.
-            self.account_growth(st, started);
+            self.account_growth(st, growth);
         }
         released?;
         if refused {
@@ -172,7 +181,7 @@ impl Shard {
         plan.placed.sort_by_key(|&(first, _)| first);
         let mut done = 0;
         let mapped = self.map_plan(st, base, &plan.placed, &missing, &mut done);
-        self.account_growth(st, started);
+        self.account_growth(st, growth);
         if let Err(e) = mapped {
             // Undo this request's mappings so nothing it touched stays reserved. (A chunk
             // that will not unmap stays mapped under the free block: reserved, reclaimable.
@@ -193,9 +202,20 @@ impl Shard {
     /// mapping), failed ones included. On a GPU its time also feeds the move clock
     /// (`MoveClock::account`): a workload whose page moves cost more than `page_move_budget`
     /// gets a larger cache instead, while one that moves little keeps reserved ≈ live.
-    fn account_growth(&self, st: &mut State, started: Instant) {
+    fn account_growth(&self, st: &mut State, growth: Growth) {
+        let Growth {
+            started,
+            busy_probe,
+        } = growth;
         let now = Instant::now();
         let took = now - started;
+        // The device still had work from before the growth began: it never ran dry, so the
+        // moves delayed nothing (see `MoveClock`). A failed query counts as dry.
+        let busy = busy_probe.is_some_and(|event| {
+            let done = self.driver.event_done(self.device, event).unwrap_or(true);
+            self.driver.destroy_event(self.device, event);
+            !done
+        });
         let moved = st.moves().moved();
         let paging = &mut st.stats_mut().paging;
         paging.growths += 1;
@@ -209,7 +229,7 @@ impl Shard {
             return;
         }
         let budget = st.config().page_move_budget;
-        if let Some(cost) = st.moves_mut().account(started, now, budget) {
+        if let Some(cost) = st.moves_mut().account(started, now, budget, busy) {
             tracing::info!(
                 device = self.device,
                 "page moves have taken {:.1}% of the time (the last: {:.1} ms): growth maps new memory until moving fits the budget again",
@@ -217,6 +237,17 @@ impl Shard {
                 cost.as_secs_f64() * 1e3,
             );
         }
+    }
+
+    /// An event recorded on `stream` as a growth that may move pages begins, when page
+    /// moves are timed against a budget: should it still be pending when the growth ends,
+    /// the device was busy with earlier work all along (`account_growth`). None while a
+    /// capture is open (a record would join the graph) or when the record fails.
+    fn busy_probe(&self, st: &State, stream: StreamId) -> Option<EventId> {
+        if !self.times_page_moves || st.config().page_move_budget == 0.0 || st.capturing() {
+            return None;
+        }
+        self.driver.record_event(self.device, stream).ok()
     }
 
     /// Whether a growth starting at `now` may move pages: always on the sim without GPU
@@ -539,4 +570,13 @@ impl Shard {
         }
         result
     }
+}
+
+/// A growth under way, for `Shard::account_growth`: when it began, and the event that tells
+/// whether the device was busy throughout (`Shard::busy_probe`). Accounted once, on every
+/// way out of `map_pages`.
+#[derive(Clone, Copy)]
+struct Growth {
+    started: Instant,
+    busy_probe: Option<EventId>,
 }
