@@ -919,39 +919,39 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
     let t0 = Instant::now();
     let mut clock = MoveClock::started_at(t0);
     assert!(
-        !clock.may_move(t0, budget, 0),
+        !clock.may_move(t0, budget),
         "nothing is allowed before any time has passed"
     );
     // After 5 s, 100 ms of moves are allowed, however they bunch: 24 growths of 4 ms fit.
     let mut at = t0 + ms(5000);
     for _ in 0..24 {
-        assert!(clock.may_move(at, budget, 0));
+        assert!(clock.may_move(at, budget));
         assert_eq!(growth(&mut clock, at, ms(4), ms(0)), None);
         at += ms(4);
     }
     assert!(!clock.spent_lately());
     // The 26th spends the last of it: the one log line, and growth then maps new memory.
-    assert!(clock.may_move(at, budget, 0));
+    assert!(clock.may_move(at, budget));
     assert_eq!(growth(&mut clock, at, ms(4), ms(0)), None);
     at += ms(4);
-    assert!(clock.may_move(at, budget, 0));
+    assert!(clock.may_move(at, budget));
     assert_eq!(growth(&mut clock, at, ms(4), ms(0)), Some(ms(4)));
     at += ms(4);
-    assert!(!clock.may_move(at, budget, 0));
+    assert!(!clock.may_move(at, budget));
     assert!(
         clock.spent_lately(),
         "growth makes coarser chunks for a while"
     );
     // Waits for the device cost nothing: 1 s of waits in a 5 ms growth spends 5 ms.
     let later = at + ms(1000);
-    assert!(clock.may_move(later, budget, 0), "1 s refills 20 ms");
+    assert!(clock.may_move(later, budget), "1 s refills 20 ms");
     assert_eq!(growth(&mut clock, later, ms(1005), ms(1000)), None);
-    assert!(clock.may_move(later + ms(1005), budget, 0));
+    assert!(clock.may_move(later + ms(1005), budget));
     // An hour of quiet banks no more than the budget's share of 30 s (600 ms).
     let hour = later + Duration::from_secs(3600);
     let mut spent = 0;
     let mut at = hour;
-    while clock.may_move(at, budget, 0) {
+    while clock.may_move(at, budget) {
         growth(&mut clock, at, ms(10), ms(0));
         at += ms(10);
         spent += 10;
@@ -961,51 +961,30 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
         "{spent} ms of moves after an hour's quiet"
     );
     assert!(clock.spent_lately(), "ran out again after the hour");
-    // The first growth that ends with the device still busy credits a job that keeps its
-    // device busy, once, with 30 s at the budget's share, for moves of growth that lifts
-    // the live high-water mark; other moves (steady state) are paid from the allowance.
+    // A growth that ends with the device still busy spends nothing, and the first one
+    // credits a job that keeps its device busy, once, with 30 s at the budget's share.
     let mut job = MoveClock::started_at(t0);
-    assert!(job.may_move(t0 + ms(100), budget, 1 << 20));
     job.start_growth();
-    assert_eq!(job.account(t0 + ms(100), t0 + ms(101), budget, true), None);
-    let mut at = t0 + ms(101);
-    let (mut spent, mut high) = (0, 1u64 << 20);
-    loop {
-        high += 1 << 20;
-        if !job.may_move(at, budget, high) {
-            break;
-        }
+    job.note_moved(true);
+    assert_eq!(job.account(t0 + ms(100), t0 + ms(150), budget, true), None);
+    let mut at = t0 + ms(150);
+    let mut spent = 0;
+    while job.may_move(at, budget) {
         growth(&mut job, at, ms(10), ms(0));
         at += ms(10);
         spent += 10;
     }
-    assert!(
-        (600..=620).contains(&spent),
-        "{spent} ms of moves lifting the high-water mark"
-    );
-    // Steady state: the high-water mark stays; the allowance was spent by the overdraft.
-    assert!(!job.may_move(at, budget, high));
-    // The credit comes once: more busy growth adds nothing.
+    assert!((600..=620).contains(&spent), "{spent} ms after the credit");
     job.start_growth();
     job.account(at, at + ms(1), budget, true);
-    assert!(!job.may_move(at + ms(1), budget, high + (1 << 20)));
-    // With the credit left, a move below the high-water mark still needs the allowance.
-    let mut fresh = MoveClock::started_at(t0);
-    fresh.may_move(t0, budget, 1 << 20);
-    fresh.start_growth();
-    fresh.account(t0, t0, budget, true);
-    assert!(
-        !fresh.may_move(t0, budget, 1 << 20),
-        "steady state, nothing earned"
-    );
-    assert!(fresh.may_move(t0, budget, 2 << 20), "lifting the mark");
+    assert!(!job.may_move(at + ms(1), budget), "the credit comes once");
     // Budget 0 bounds nothing.
     let mut free = MoveClock::started_at(t0);
-    assert!(free.may_move(t0, 0.0, 0));
+    assert!(free.may_move(t0, 0.0));
     free.start_growth();
     free.note_moved(true);
     assert_eq!(free.account(t0, t0 + ms(1000), 0.0, false), None);
-    assert!(free.may_move(t0 + ms(1000), 0.0, 0));
+    assert!(free.may_move(t0 + ms(1000), 0.0));
 }
 
 #[test]

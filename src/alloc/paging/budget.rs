@@ -38,27 +38,26 @@ pub fn slack_bytes(high: u64, share: f64, page: u64) -> u64 {
 //
 // A job seen to keep its device busy (some growth ended before the device had run the
 // work queued before it) gets, once, a warm-up credit of the budget's share of
-// `ALLOWANCE_SPAN`, for the moves of growth that lifts the live high-water mark: the
-// footprint still growing, new peak shapes, where moves bunch while the job has run for
-// little time and where the peak is set. A training or inference job runs on for
-// minutes, over which these moves are within budget. Without it, on the H100, a 40 GiB
-// attention job refused 6 growths their moves and reserved 1.59x live (1.03 with them),
-// a diffusion training job (unet) 14, at 1.15x. Moves under the high-water mark (steady
-// state) are paid from the budget's share alone: with the credit open to them, unet kept
-// 1.03x but its steady loop took 1.14x native's time (3 paired rounds) in a 17 s run. A
-// loop of allocations with no kernels behind it (the hot-path harness) never shows a busy
-// device: its moves are all of its time, and it earns only its share.
+// `ALLOWANCE_SPAN`. Moves bunch at warm-up, when the job has run for little time, and the
+// peak is set there; a training or inference job runs on for minutes, over which the
+// warm-up's moves are within budget. Without it, a diffusion training job (unet) had
+// earned about 60 ms by its first steps, refused 9 growths their moves and reserved 1.12x
+// live against 1.03 with them; a 40 GiB attention job refused 6 and reserved 1.59x
+// (before the busy device's moves were free). A loop of allocations with no kernels
+// behind it (the hot-path harness) never shows a busy device: its moves are its time, and
+// it earns only the budget's share of it.
 //
-// What a move costs: the host time of the growth that moved, less the host's waits for the
-// device (`note_wait`). A wait blocks the host until the device has run the work queued
+// What a move costs: nothing if the device was busy throughout, with work queued before
+// the growth began (an event recorded then is still pending at its end): the host was
+// ahead, and its next launches still come before the device runs dry, so a job the device
+// limits is not slowed. Otherwise the host time of the growth that moved, less the host's
+// waits for the device (`note_wait`). A wait blocks the host until the device has run the work queued
 // before the pages were freed; the device keeps running that work meanwhile, so the wait
 // delays the job by no more than the device's idle time after it (until the host queues
 // the next kernel), not by its length. On a job the device limits, waits are long and
 // nearly free; counted as move time, they would refuse moves (and buy memory) to save
 // nothing. The driver calls of a move (unmap, map, grant access) hold the host, and the
-// device starves once its queue runs dry: that is the cost the budget bounds. (A move
-// that ends with the device still busy is not free: the host's lead over the device
-// shrinks by its length, and moves at every step of a loop use it up.)
+// device starves once its queue runs dry: that is the cost the budget bounds.
 
 /// Time page moves may still take (see above), and the growth under way.
 #[derive(Default)]
@@ -71,14 +70,8 @@ pub struct MoveClock {
     reclaimed: bool,
     /// The host's waits for the device during the growth under way.
     waited: Duration,
-    /// Whether the job has had its warm-up credit (see above) ...
+    /// Whether the job has had its warm-up credit (see above).
     warm_up_credited: bool,
-    /// ... and the seconds of it left, for growth that lifts the live high-water mark.
-    warm_up: f64,
-    /// The live high-water mark at the last growth, and whether the growth under way lifts
-    /// it.
-    high_seen: u64,
-    lifts_high: bool,
     /// When the allowance last ran out (growth then makes coarser chunks: `spent_lately`).
     ran_out: Option<Instant>,
 }
@@ -93,22 +86,14 @@ impl MoveClock {
         }
     }
 
-    /// Whether a growth at `now`, with the live high-water mark then `high`, may move
-    /// pages under `budget` (a share of the time; 0 puts no bound on moves).
-    pub fn may_move(&mut self, now: Instant, budget: f64, high: u64) -> bool {
-        self.lifts_high = high > self.high_seen;
-        self.high_seen = self.high_seen.max(high);
+    /// Whether a growth at `now` may move pages under `budget` (a share of the time; 0 puts
+    /// no bound on moves).
+    pub fn may_move(&mut self, now: Instant, budget: f64) -> bool {
         if budget == 0.0 {
             return true;
         }
         self.accrue(now, budget);
-        self.allowance > 0.0 || (self.lifts_high && self.warm_up > 0.0)
-    }
-
-    /// Whether a growth should find out if the device is busy: until the warm-up credit
-    /// is given.
-    pub fn wants_busy_probe(&self) -> bool {
-        !self.warm_up_credited
+        self.allowance > 0.0
     }
 
     /// Whether the allowance ran out within the last `ALLOWANCE_SPAN`: moves here cost more
@@ -149,12 +134,11 @@ impl MoveClock {
         self.reclaimed
     }
 
-    /// Counts a growth that ran from `started` to `now` on a GPU; `busy`: the device was
-    /// busy throughout. If it moved pages, their cost (its host time less its waits) is
-    /// spent from the warm-up credit where the growth lifted the live high-water mark, else
-    /// (and for any overdraft) from the allowance. Returns the cost when this growth spent
-    /// the last of the allowance after a span with some left (worth a log line: growth
-    /// maps new memory for a while).
+    /// Counts a growth that ran from `started` to `now` on a GPU: if it moved pages, their
+    /// cost (its host time less its waits; none if the device was busy throughout,
+    /// `busy`) is spent from the allowance. Returns the cost when this growth spent the
+    /// last of it after a span with some left (worth a log line: growth maps new memory
+    /// for a while).
     pub fn account(
         &mut self,
         started: Instant,
@@ -164,29 +148,22 @@ impl MoveClock {
     ) -> Option<Duration> {
         self.accrue(now, budget);
         if busy && !self.warm_up_credited {
-            // A job that keeps its device busy: its warm-up (see above).
+            // The job keeps its device busy: it is the warm-up of a job that runs on
+            // (see above), and moves at warm-up set its peak.
             self.warm_up_credited = true;
-            self.warm_up = budget * ALLOWANCE_SPAN.as_secs_f64();
+            self.allowance = self.allowance.max(budget * ALLOWANCE_SPAN.as_secs_f64());
         }
-        if !self.reclaimed || budget == 0.0 {
+        if !self.reclaimed || busy || budget == 0.0 {
             return None;
         }
-        let mut cost = (now - started).saturating_sub(self.waited).as_secs_f64();
-        if self.lifts_high && self.warm_up > 0.0 {
-            let covered = cost.min(self.warm_up);
-            self.warm_up -= covered;
-            cost -= covered;
-            if cost == 0.0 {
-                return None;
-            }
-        }
+        let cost = (now - started).saturating_sub(self.waited);
         let had = self.allowance > 0.0;
-        self.allowance -= cost;
+        self.allowance -= cost.as_secs_f64();
         if !had || self.allowance > 0.0 {
             return None;
         }
         let quiet_before = !self.spent_lately();
         self.ran_out = Some(now);
-        quiet_before.then(|| Duration::from_secs_f64(cost))
+        quiet_before.then_some(cost)
     }
 }

@@ -115,7 +115,7 @@ impl Shard {
         st.moves_mut().start_growth();
         // While moves have spent their allowance, growth maps new memory rather than move
         // pages within the slack: reserved rises by this growth alone (`MoveClock`).
-        let may_move = self.may_move(st, started, high);
+        let may_move = self.may_move(st, started);
         let growth = Growth {
             started,
             busy_probe: if may_move {
@@ -209,8 +209,8 @@ impl Shard {
         } = growth;
         let now = Instant::now();
         let took = now - started;
-        // The device still had work from before the growth began: a job that keeps its
-        // device busy (see `MoveClock`). A failed query counts as idle.
+        // The device still had work from before the growth began: it never ran dry, so the
+        // moves delayed nothing (see `MoveClock`). A failed query counts as dry.
         let busy = busy_probe.is_some_and(|event| {
             let done = self.driver.event_done(self.device, event).unwrap_or(true);
             self.driver.destroy_event(self.device, event);
@@ -240,16 +240,11 @@ impl Shard {
     }
 
     /// An event recorded on `stream` as a growth that may move pages begins, when page
-    /// moves are timed against a budget and the job has not yet shown that it keeps its
-    /// device busy: should it still be pending when the growth ends, the device was busy
-    /// with earlier work all along (`account_growth`). None while a capture is open (a
-    /// record would join the graph) or when the record fails.
+    /// moves are timed against a budget: should it still be pending when the growth ends,
+    /// the device was busy with earlier work all along (`account_growth`). None while a
+    /// capture is open (a record would join the graph) or when the record fails.
     fn busy_probe(&self, st: &State, stream: StreamId) -> Option<EventId> {
-        if !self.times_page_moves
-            || st.config().page_move_budget == 0.0
-            || st.capturing()
-            || !st.moves().wants_busy_probe()
-        {
+        if !self.times_page_moves || st.config().page_move_budget == 0.0 || st.capturing() {
             return None;
         }
         self.driver.record_event(self.device, stream).ok()
@@ -257,9 +252,9 @@ impl Shard {
 
     /// Whether a growth starting at `now` may move pages: always on the sim without GPU
     /// costs (replays do not time moves), else while moves are within their allowance.
-    fn may_move(&self, st: &mut State, now: Instant, high: u64) -> bool {
+    fn may_move(&self, st: &mut State, now: Instant) -> bool {
         let budget = st.config().page_move_budget;
-        !self.times_page_moves || st.moves_mut().may_move(now, budget, high)
+        !self.times_page_moves || st.moves_mut().may_move(now, budget)
     }
 
     /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved
