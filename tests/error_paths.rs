@@ -535,6 +535,18 @@ fn waits_for_a_busy_device_do_not_count_as_page_move_time() {
     );
 }
 
+/// The hot-path harness's mixed sizes: log-uniform over 256 B-256 MiB, from a fixed seed.
+fn mixed_sizes() -> impl FnMut() -> u64 {
+    let mut seed = 11u64;
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let unit = (seed >> 11) as f64 / (1u64 << 53) as f64;
+        (256f64.ln() + unit * ((256 * MIB) as f64 / 256.0).ln()).exp() as u64
+    }
+}
+
 /// The harness's churn mixed (random sizes of 256 B-256 MiB, one of `live` replaced per
 /// step) for `steps` steps on `a`, after `pause` (the job's time so far); returns the
 /// paging counters of the steps.
@@ -544,14 +556,7 @@ fn churn_mixed(
     pause: Duration,
     steps: usize,
 ) -> ccalloc::PagingCounters {
-    let mut seed = 11u64;
-    let mut size = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        let unit = (seed >> 11) as f64 / (1u64 << 53) as f64;
-        (256f64.ln() + unit * ((256 * MIB) as f64 / 256.0).ln()).exp() as u64
-    };
+    let mut size = mixed_sizes();
     let mut blocks: Vec<u64> = (0..live)
         .map(|_| a.malloc(size(), StreamId(0)).unwrap())
         .collect();
@@ -603,14 +608,7 @@ fn a_short_burst_of_page_moves_stops_moving_within_tens_of_ms() {
     // within the 0.2 s such a burst lasts.
     let sim = Arc::new(SimDriver::new(1, 64 << 30).with_call_costs(CallCosts::h100()));
     let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
-    let mut seed = 11u64;
-    let mut size = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        let unit = (seed >> 11) as f64 / (1u64 << 53) as f64;
-        (256f64.ln() + unit * ((256 * MIB) as f64 / 256.0).ln()).exp() as u64
-    };
+    let mut size = mixed_sizes();
     let mut live: Vec<u64> = (0..128)
         .map(|_| a.malloc(size(), StreamId(0)).unwrap())
         .collect();
