@@ -587,8 +587,12 @@ fn page_moves_while_the_device_is_busy_cost_no_allowance() {
         let sim = SimDriver::new(1, 64 << 30)
             .with_call_costs(CallCosts::h100())
             .with_event_lag(lag);
-        let a = DeviceAllocator::new(0, Arc::new(sim), Config::default()).unwrap();
-        churn_mixed(&a, 128, Duration::from_millis(500), 600)
+        let sim = Arc::new(sim);
+        let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+        let paging = churn_mixed(&a, 128, Duration::from_millis(500), 600);
+        // Each growth's probe of the device is destroyed; only fences stay pending.
+        assert!(sim.live_events() <= 64, "{} events", sim.live_events());
+        paging
     };
     let (idle, busy) = (run(0), run(8));
     eprintln!("idle: {idle:?}\nbusy: {busy:?}");

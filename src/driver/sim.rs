@@ -387,6 +387,12 @@ impl SimDriver {
         })
     }
 
+    /// Events recorded and not yet destroyed, on every device: what a caller that forgets
+    /// `destroy_event` leaks.
+    pub fn live_events(&self) -> usize {
+        self.events.len()
+    }
+
     pub fn counters(&self, device: usize) -> SimCounters {
         self.devices
             .get(device)

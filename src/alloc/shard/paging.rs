@@ -173,10 +173,12 @@ impl Shard {
         if refused {
             // A growth too, if a failed one: its time (and waits) was spent all the same.
             self.account_growth(st, growth);
-        }
-        released?;
-        if refused {
+            released?;
             return Ok(false);
+        }
+        if let Err(e) = released {
+            self.account_growth(st, growth);
+            return Err(e);
         }
         plan.placed.sort_by_key(|&(first, _)| first);
         let mut done = 0;
@@ -573,9 +575,9 @@ impl Shard {
 }
 
 /// A growth under way, for `Shard::account_growth`: when it began, and the event that tells
-/// whether the device was busy throughout (`Shard::busy_probe`). Accounted once, on every
-/// way out of `map_pages`.
-#[derive(Clone, Copy)]
+/// whether the device was busy throughout (`Shard::busy_probe`). Accounted (which
+/// destroys the event) once, on every way out of `map_pages`: not `Copy`, so that a second
+/// use does not compile.
 struct Growth {
     started: Instant,
     busy_probe: Option<EventId>,
