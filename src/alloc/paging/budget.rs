@@ -40,24 +40,25 @@ pub fn slack_bytes(high: u64, share: f64, page: u64) -> u64 {
 // work queued before it) gets, once, a warm-up credit of the budget's share of
 // `ALLOWANCE_SPAN`. Moves bunch at warm-up, when the job has run for little time, and the
 // peak is set there; a training or inference job runs on for minutes, over which the
-// warm-up's moves are within budget. Without it, a diffusion training job (unet) had
-// earned about 60 ms by its first steps, refused 9 growths their moves and reserved 1.12x
-// live against 1.03 with them; a 40 GiB attention job refused 6 and reserved 1.59x
-// (before the busy device's moves were free). A loop of allocations with no kernels
-// behind it (the hot-path harness) never shows a busy device: its moves are its time, and
-// it earns only the budget's share of it.
+// warm-up's moves are within budget. On the H100, with the allowance alone a 40 GiB
+// attention job refused 9 growths their moves and reserved 1.59x live, a diffusion
+// training job (unet) 14 and 1.15x; with the credit, 1.027x and 1.031x. The price: in a
+// run shorter than `ALLOWANCE_SPAN` the credit pays for steady-state moves too (unet's
+// loop took 1.14x native's time). A loop of allocations with no kernels behind it (the
+// hot-path harness) never shows a busy device: its moves are its time, and it earns only
+// the budget's share of it.
 //
 // What a move costs: nothing if the device was busy throughout, with work queued before
 // the growth began (an event recorded then is still pending at its end): the host was
-// ahead, and its next launches still come before the device runs dry, so a job the device
-// limits is not slowed. Otherwise the host time of the growth that moved, less the host's
-// waits for the device (`note_wait`). A wait blocks the host until the device has run the work queued
-// before the pages were freed; the device keeps running that work meanwhile, so the wait
-// delays the job by no more than the device's idle time after it (until the host queues
-// the next kernel), not by its length. On a job the device limits, waits are long and
-// nearly free; counted as move time, they would refuse moves (and buy memory) to save
-// nothing. The driver calls of a move (unmap, map, grant access) hold the host, and the
-// device starves once its queue runs dry: that is the cost the budget bounds.
+// ahead, and its next launches still come before the device runs dry. Otherwise the host
+// time of the growth that moved, less the host's waits for the device (`note_wait`). A
+// wait blocks the host until the device has run the work queued before the pages were
+// freed; the device keeps running that work meanwhile, so the wait delays the job by no
+// more than the device's idle time after it (until the host queues the next kernel), not
+// by its length. On a job the device limits, waits are long and nearly free; counted as
+// move time, they would refuse moves (and buy memory) to save nothing. The driver calls
+// of a move (unmap, map, grant access) hold the host, and the device starves once its
+// queue runs dry: that is the cost the budget bounds.
 
 /// Time page moves may still take (see above), and the growth under way.
 #[derive(Default)]
