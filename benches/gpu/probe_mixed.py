@@ -23,5 +23,5 @@ d = {k: p[k] - p0[k] for k in p if isinstance(p[k], int)}
 print(f"conf={os.environ.get('CCALLOC_CONF','')!r} steps={steps} {dt/steps*1e9:.0f} ns/step; "
       f"growth {d['growth_ns']/1e9/dt*100:.1f}% moving {d['moving_ns']/1e9/dt*100:.1f}% of the time; "
       f"growths {d['growths']} moving {d['moving_growths']} mapped {d['chunks_mapped']} unmapped {d['chunks_unmapped']} "
-      f"waits {d['host_waits']}; slack {p['page_slack']:.3f}; reserved {ccalloc.memory_reserved()/2**30:.2f} GiB")
+      f"waits {d['host_waits']}; past the slack {d['growths_past_slack']}; reserved {ccalloc.memory_reserved()/2**30:.2f} GiB")
 for q in live: ccalloc.free(q)
