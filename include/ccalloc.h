@@ -153,8 +153,9 @@ typedef struct {
   // Of the chunks mapped, those taken from idle memory of the device's other shards
   // (with `per_stream_shards`): memory that changed streams without being released.
   uint64_t chunks_borrowed;
-  // Growths that mapped new memory past the slack because page moves had taken their
-  // share of the time (`page_move_budget`): where reserved rose above the slack bound.
+  // Growths refused page moves because moves had taken their share of the time
+  // (`page_move_budget`): each mapped new memory instead, past the slack bound where it
+  // needed more than the slack held.
   uint64_t growths_past_slack;
 } ccalloc_paging_stats;
 

@@ -628,14 +628,10 @@ impl DeviceAllocator {
         Ok(sum)
     }
 
-    /// The share of peak live bytes that paged segments may now keep beyond it: `page_slack`
-    /// plus what `page_move_budget` has added (the largest over streams).
+    /// The share of peak live bytes that paged segments may keep beyond it while page moves
+    /// are within their budget (the `page_slack` setting).
     pub fn page_slack(&self) -> Result<f64> {
-        let mut slack = self.config()?.page_slack;
-        for shard in self.shards() {
-            slack = slack.max(shard.page_slack()?);
-        }
-        Ok(slack)
+        Ok(self.config()?.page_slack)
     }
 
     pub fn reset_peak_stats(&self) -> Result<()> {

@@ -274,8 +274,9 @@ pub struct PagingCounters {
     pub reclaim_steps: u64,
     /// Chunks taken from the device's other shards' idle memory (`shard::lending`).
     pub chunks_borrowed: u64,
-    /// Growths that mapped new memory past the slack because page moves had spent their
-    /// share of the time (`page_move_budget`, `MoveClock`).
+    /// Growths refused page moves because moves had spent their share of the time
+    /// (`page_move_budget`, `MoveClock`): each mapped new memory instead, past the slack
+    /// where it needed more than the slack held.
     pub growths_past_slack: u64,
 }
 
@@ -283,17 +284,19 @@ impl PagingCounters {
     /// What was counted between `earlier` (a read of the same counters) and these.
     pub fn since(&self, earlier: &PagingCounters) -> PagingCounters {
         PagingCounters {
-            growths: self.growths - earlier.growths,
-            moving_growths: self.moving_growths - earlier.moving_growths,
-            chunks_mapped: self.chunks_mapped - earlier.chunks_mapped,
-            chunks_unmapped: self.chunks_unmapped - earlier.chunks_unmapped,
-            host_waits: self.host_waits - earlier.host_waits,
-            growth_ns: self.growth_ns - earlier.growth_ns,
-            moving_ns: self.moving_ns - earlier.moving_ns,
-            wait_ns: self.wait_ns - earlier.wait_ns,
-            reclaim_steps: self.reclaim_steps - earlier.reclaim_steps,
-            chunks_borrowed: self.chunks_borrowed - earlier.chunks_borrowed,
-            growths_past_slack: self.growths_past_slack - earlier.growths_past_slack,
+            growths: self.growths.saturating_sub(earlier.growths),
+            moving_growths: self.moving_growths.saturating_sub(earlier.moving_growths),
+            chunks_mapped: self.chunks_mapped.saturating_sub(earlier.chunks_mapped),
+            chunks_unmapped: self.chunks_unmapped.saturating_sub(earlier.chunks_unmapped),
+            host_waits: self.host_waits.saturating_sub(earlier.host_waits),
+            growth_ns: self.growth_ns.saturating_sub(earlier.growth_ns),
+            moving_ns: self.moving_ns.saturating_sub(earlier.moving_ns),
+            wait_ns: self.wait_ns.saturating_sub(earlier.wait_ns),
+            reclaim_steps: self.reclaim_steps.saturating_sub(earlier.reclaim_steps),
+            chunks_borrowed: self.chunks_borrowed.saturating_sub(earlier.chunks_borrowed),
+            growths_past_slack: self
+                .growths_past_slack
+                .saturating_sub(earlier.growths_past_slack),
         }
     }
 

@@ -978,6 +978,19 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
     job.start_growth();
     job.account(at, at + ms(1), budget, true);
     assert!(!job.may_move(at + ms(1), budget), "the credit comes once");
+    // Moves a refused growth still makes (forced by the hard limit or the OOM path) are
+    // not charged: a phase at the limit must not leave a debt that outlasts it.
+    let mut forced = MoveClock::started_at(t0);
+    let at = t0 + ms(1000);
+    assert!(forced.may_move(at, budget), "20 ms earned");
+    for i in 0..20 {
+        let at = at + ms(100) * i;
+        forced.start_growth();
+        forced.note_refused();
+        forced.note_moved(true);
+        forced.account(at, at + ms(100), budget, false);
+    }
+    assert!(forced.may_move(at + ms(2000), budget));
     // Budget 0 bounds nothing.
     let mut free = MoveClock::started_at(t0);
     assert!(free.may_move(t0, 0.0));
@@ -1462,4 +1475,21 @@ fn each_stream_counts_its_own_paged_segments_and_those_released_count_no_more() 
         let c = sim.counters(0);
         assert_eq!((c.bytes_in_use, c.live_reservations), (0, 0), "{conf}");
     }
+}
+
+#[test]
+fn paging_counts_since_a_reset_read_zero() {
+    use super::stats::PagingCounters;
+    let earlier = PagingCounters {
+        growths: 5,
+        growths_past_slack: 2,
+        ..PagingCounters::default()
+    };
+    let after_reset = PagingCounters {
+        growths: 1,
+        ..PagingCounters::default()
+    };
+    let d = after_reset.since(&earlier);
+    assert_eq!((d.growths, d.growths_past_slack), (0, 0));
+    assert_eq!(earlier.since(&after_reset).growths, 4);
 }

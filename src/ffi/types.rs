@@ -120,8 +120,9 @@ pub struct ccalloc_paging_stats {
     /// Of the chunks mapped, those taken from idle memory of the device's other shards
     /// (with `per_stream_shards`): memory that changed streams without being released.
     pub chunks_borrowed: u64,
-    /// Growths that mapped new memory past the slack because page moves had taken their
-    /// share of the time (`page_move_budget`): where reserved rose above the slack bound.
+    /// Growths refused page moves because moves had taken their share of the time
+    /// (`page_move_budget`): each mapped new memory instead, past the slack bound where it
+    /// needed more than the slack held.
     pub growths_past_slack: u64,
 }
 

@@ -67,8 +67,11 @@ pub struct MoveClock {
     as_of: Option<Instant>,
     /// Seconds of moving the job may still spend; below zero by at most one growth's moves.
     allowance: f64,
-    /// Set when a reclaim moves chunks: only growth that moved spends the allowance.
+    /// Set when a reclaim moves chunks: only growth that moved spends the allowance ...
     reclaimed: bool,
+    /// ... and was not refused moves: what such a growth still moves, the hard limit or
+    /// the OOM path forced, and charged, it would put the allowance in debt without bound.
+    refused: bool,
     /// The host's waits for the device during the growth under way.
     waited: Duration,
     /// Whether the job has had its warm-up credit (see above).
@@ -117,12 +120,18 @@ impl MoveClock {
     /// A growth starts: it has moved nothing and waited for nothing yet.
     pub fn start_growth(&mut self) {
         self.reclaimed = false;
+        self.refused = false;
         self.waited = Duration::ZERO;
     }
 
     /// The growth under way waited `waited` for the device (see `MoveClock`).
     pub fn note_wait(&mut self, waited: Duration) {
         self.waited += waited;
+    }
+
+    /// The growth under way may not move pages by choice (see `refused`).
+    pub fn note_refused(&mut self) {
+        self.refused = true;
     }
 
     /// The growth under way unmapped chunks to reuse their memory (`moved`).
@@ -154,7 +163,7 @@ impl MoveClock {
             self.warm_up_credited = true;
             self.allowance = self.allowance.max(budget * ALLOWANCE_SPAN.as_secs_f64());
         }
-        if !self.reclaimed || busy || budget == 0.0 {
+        if !self.reclaimed || self.refused || busy || budget == 0.0 {
             return None;
         }
         let cost = (now - started).saturating_sub(self.waited);

@@ -549,12 +549,6 @@ impl Shard {
         Ok(stats)
     }
 
-    /// The share of peak live bytes that paged segments may now keep beyond it: `page_slack`
-    /// plus what `page_move_budget` has added.
-    pub fn page_slack(&self) -> Result<f64> {
-        Ok(self.lock()?.page_slack())
-    }
-
     pub fn reset_peak_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
         // Held blocks count as allocated here: the new peaks must not include them.

@@ -116,18 +116,17 @@ impl Shard {
         // While moves have spent their allowance, growth maps new memory rather than move
         // pages within the slack: reserved rises by this growth alone (`MoveClock`).
         let may_move = self.may_move(st, started);
+        // Probed whether moves may or not: a job refused them early may be the warm-up the
+        // credit is for.
         let growth = Growth {
             started,
-            busy_probe: if may_move {
-                self.busy_probe(st, stream)
-            } else {
-                None
-            },
+            busy_probe: self.busy_probe(st, stream),
         };
         let soft = if may_move {
             high + slack
         } else {
             st.stats_mut().paging.growths_past_slack += 1;
+            st.moves_mut().note_refused();
             u64::MAX
         };
         let mut budget = soft.min(self.hard_limit(st)).saturating_sub(elsewhere);
@@ -241,7 +240,7 @@ impl Shard {
         }
     }
 
-    /// An event recorded on `stream` as a growth that may move pages begins, when page
+    /// An event recorded on `stream` as a growth begins, when page
     /// moves are timed against a budget: should it still be pending when the growth ends,
     /// the device was busy with earlier work all along (`account_growth`). None while a
     /// capture is open (a record would join the graph) or when the record fails.
