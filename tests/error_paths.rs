@@ -605,6 +605,50 @@ fn page_moves_while_the_device_is_busy_cost_no_allowance() {
 }
 
 #[test]
+fn streams_with_shards_of_their_own_share_one_move_budget() {
+    // One thread churns mixed sizes on 8 streams, each with a shard of its own, every
+    // driver call as slow as on an H100, for 1.5 s. The budget is the job's: moves on all
+    // streams together must stay near 2% of the time, not 2% per shard (16.5% before the
+    // shards shared one allowance).
+    let sim = Arc::new(SimDriver::new(1, 64 << 30).with_call_costs(CallCosts::h100()));
+    let mut config = Config::default();
+    config.apply("per_stream_shards:True").unwrap();
+    let a = DeviceAllocator::new(0, sim, config).unwrap();
+    let mut size = mixed_sizes();
+    let streams: Vec<StreamId> = (1..=8).map(StreamId).collect();
+    let mut live: Vec<(u64, StreamId)> = (0..64)
+        .map(|i| {
+            let s = streams[i % streams.len()];
+            (a.malloc(size() / 8, s).unwrap(), s)
+        })
+        .collect();
+    let start = std::time::Instant::now();
+    let mut step = 0;
+    while start.elapsed() < Duration::from_millis(1500) {
+        let i = step % live.len();
+        a.free(live[i].0).unwrap();
+        live[i].0 = a.malloc(size() / 8, live[i].1).unwrap();
+        step += 1;
+    }
+    let took = start.elapsed();
+    let paging = a.stats().unwrap().paging;
+    for (p, _) in live {
+        a.free(p).unwrap();
+    }
+    let moving = Duration::from_nanos(paging.moving_ns.saturating_sub(paging.wait_ns));
+    let share = moving.as_secs_f64() / took.as_secs_f64();
+    eprintln!(
+        "{step} steps; moving {moving:?} = {:.1}% of {took:?}; {paging:?}",
+        share * 100.0
+    );
+    assert!(
+        paging.growths_past_slack > 0,
+        "moves were refused: {paging:?}"
+    );
+    assert!(share < 0.06, "moves took {:.1}% of the time", share * 100.0);
+}
+
+#[test]
 fn a_short_burst_of_page_moves_stops_moving_within_tens_of_ms() {
     // The GPU harness's churn mixed: random sizes of 256 B-256 MiB, one of the live blocks
     // replaced per step, each driver call as slow as on an H100. Moves would take most of

@@ -23,6 +23,7 @@
 
 use super::core::free_lists::{PoolId, RouteFilter};
 use super::front::{self, FrontOf, Fronts, GiveBack};
+use super::paging::budget::Allowance;
 use super::shard::DeviceWide;
 use super::state::Elsewhere;
 use super::stats::DeviceReserved;
@@ -104,6 +105,9 @@ pub struct DeviceAllocator {
     /// The memory limit, a layer over the driver given (see `driver::layers::limit`).
     limit: Arc<Limit>,
     device_reserved: Arc<DeviceReserved>,
+    /// The time page moves may still take on the device (`paging::budget`), from its
+    /// creation: its shards spend it together.
+    moves: Arc<Mutex<Allowance>>,
     shards: Arc<Shards>,
     setup: Mutex<Setup>,
     /// Whether `shutdown` has run: the device's one record of it (see `Lifecycle`).
@@ -143,6 +147,7 @@ impl DeviceAllocator {
             driver: limit.clone(),
             limit,
             device_reserved: Arc::default(),
+            moves: Allowance::started_at(std::time::Instant::now()),
             shards: Arc::default(),
             setup: Mutex::new(Setup {
                 config,
@@ -225,6 +230,7 @@ impl DeviceAllocator {
             setup.config.clone(),
             DeviceWide {
                 device_reserved: self.device_reserved.clone(),
+                moves: self.moves.clone(),
                 lifecycle: self.lifecycle.clone(),
                 siblings: Arc::downgrade(&self.shards),
             },

@@ -1,6 +1,7 @@
 //! How many cached pages growth may keep beyond the live high-water mark (`page_slack`), and
 //! how much time page moves may take (`page_move_budget`): the move allowance.
 
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Growth may keep `page_slack` (config) times the live high-water mark as cached pages
@@ -60,13 +61,49 @@ pub fn slack_bytes(high: u64, share: f64, page: u64) -> u64 {
 // of a move (unmap, map, grant access) hold the host, and the device starves once its
 // queue runs dry: that is the cost the budget bounds.
 
-/// Time page moves may still take (see above), and the growth under way.
+/// The allowance of a device (see above): shared by its shards, so that with
+/// `per_stream_shards` moves on all streams together take the budget's share, not each.
 #[derive(Default)]
-pub struct MoveClock {
-    /// When the allowance was last brought up to date; none before the first look.
+pub struct Allowance {
+    /// When it was last brought up to date; none before the first look.
     as_of: Option<Instant>,
     /// Seconds of moving the job may still spend; below zero by at most one growth's moves.
-    allowance: f64,
+    seconds: f64,
+    /// Whether the job has had its warm-up credit (see above).
+    warm_up_credited: bool,
+    /// When it last ran out (growth then makes coarser chunks: `MoveClock::spent_lately`).
+    ran_out: Option<Instant>,
+}
+
+impl Allowance {
+    /// An allowance whose clock starts at `now` (the allocator's start: the job's time
+    /// counts from there), to share between a device's shards.
+    pub fn started_at(now: Instant) -> Arc<Mutex<Allowance>> {
+        Arc::new(Mutex::new(Allowance {
+            as_of: Some(now),
+            ..Allowance::default()
+        }))
+    }
+
+    fn accrue(&mut self, now: Instant, budget: f64) {
+        let since = now.saturating_duration_since(*self.as_of.get_or_insert(now));
+        let most = budget * ALLOWANCE_SPAN.as_secs_f64();
+        // An allowance over the cap (the budget was lowered) comes down to it.
+        self.seconds = (self.seconds + budget * since.as_secs_f64()).min(most);
+        self.as_of = Some(self.as_of.map_or(now, |t| t.max(now)));
+    }
+
+    fn spent_lately(&self) -> bool {
+        match (self.ran_out, self.as_of) {
+            (Some(out), Some(now)) => now.saturating_duration_since(out) < ALLOWANCE_SPAN,
+            _ => false,
+        }
+    }
+}
+
+/// A shard's view of its device's `Allowance`, and the growth under way there.
+pub struct MoveClock {
+    shared: Arc<Mutex<Allowance>>,
     /// Set when a reclaim moves chunks: only growth that moved spends the allowance ...
     reclaimed: bool,
     /// ... and was not refused moves: what such a growth still moves, the hard limit or
@@ -74,20 +111,35 @@ pub struct MoveClock {
     refused: bool,
     /// The host's waits for the device during the growth under way.
     waited: Duration,
-    /// Whether the job has had its warm-up credit (see above).
-    warm_up_credited: bool,
-    /// When the allowance last ran out (growth then makes coarser chunks: `spent_lately`).
-    ran_out: Option<Instant>,
+}
+
+impl Default for MoveClock {
+    /// A clock of its own, started at its first use.
+    fn default() -> Self {
+        Self::sharing(&Arc::default())
+    }
 }
 
 impl MoveClock {
-    /// Starts the allowance's clock at `now` (the allocator's start: the job's time counts
-    /// from there).
+    /// A clock of its own, started at `now`.
+    #[cfg(test)]
     pub fn started_at(now: Instant) -> Self {
+        Self::sharing(&Allowance::started_at(now))
+    }
+
+    /// A clock that spends the device's `shared` allowance.
+    pub fn sharing(shared: &Arc<Mutex<Allowance>>) -> Self {
         Self {
-            as_of: Some(now),
-            ..Self::default()
+            shared: shared.clone(),
+            reclaimed: false,
+            refused: false,
+            waited: Duration::ZERO,
         }
+    }
+
+    /// The shared allowance; its state is plain figures, whole after any panic elsewhere.
+    fn allowance(&self) -> MutexGuard<'_, Allowance> {
+        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Whether a growth at `now` may move pages under `budget` (a share of the time; 0 puts
@@ -96,25 +148,15 @@ impl MoveClock {
         if budget == 0.0 {
             return true;
         }
-        self.accrue(now, budget);
-        self.allowance > 0.0
+        let mut allowance = self.allowance();
+        allowance.accrue(now, budget);
+        allowance.seconds > 0.0
     }
 
     /// Whether the allowance ran out within the last `ALLOWANCE_SPAN`: moves here cost more
     /// than the budget, so each should take fewer calls.
     pub fn spent_lately(&self) -> bool {
-        match (self.ran_out, self.as_of) {
-            (Some(out), Some(now)) => now.saturating_duration_since(out) < ALLOWANCE_SPAN,
-            _ => false,
-        }
-    }
-
-    fn accrue(&mut self, now: Instant, budget: f64) {
-        let since = now.saturating_duration_since(*self.as_of.get_or_insert(now));
-        let most = budget * ALLOWANCE_SPAN.as_secs_f64();
-        // An allowance over the cap (the budget was lowered) comes down to it.
-        self.allowance = (self.allowance + budget * since.as_secs_f64()).min(most);
-        self.as_of = Some(self.as_of.map_or(now, |t| t.max(now)));
+        self.allowance().spent_lately()
     }
 
     /// A growth starts: it has moved nothing and waited for nothing yet.
@@ -156,24 +198,26 @@ impl MoveClock {
         budget: f64,
         busy: bool,
     ) -> Option<Duration> {
-        self.accrue(now, budget);
-        if busy && !self.warm_up_credited {
+        let (reclaimed, refused, waited) = (self.reclaimed, self.refused, self.waited);
+        let mut allowance = self.allowance();
+        allowance.accrue(now, budget);
+        if busy && !allowance.warm_up_credited {
             // The job keeps its device busy: it is the warm-up of a job that runs on
             // (see above), and moves at warm-up set its peak.
-            self.warm_up_credited = true;
-            self.allowance = self.allowance.max(budget * ALLOWANCE_SPAN.as_secs_f64());
+            allowance.warm_up_credited = true;
+            allowance.seconds = allowance.seconds.max(budget * ALLOWANCE_SPAN.as_secs_f64());
         }
-        if !self.reclaimed || self.refused || busy || budget == 0.0 {
+        if !reclaimed || refused || busy || budget == 0.0 {
             return None;
         }
-        let cost = (now - started).saturating_sub(self.waited);
-        let had = self.allowance > 0.0;
-        self.allowance -= cost.as_secs_f64();
-        if !had || self.allowance > 0.0 {
+        let cost = (now - started).saturating_sub(waited);
+        let had = allowance.seconds > 0.0;
+        allowance.seconds -= cost.as_secs_f64();
+        if !had || allowance.seconds > 0.0 {
             return None;
         }
-        let quiet_before = !self.spent_lately();
-        self.ran_out = Some(now);
+        let quiet_before = !allowance.spent_lately();
+        allowance.ran_out = Some(now);
         quiet_before.then_some(cost)
     }
 }

@@ -14,6 +14,7 @@ pub mod restore;
 
 use super::blocks::{BlockId, PoolId};
 use super::device::{Lifecycle, Shards};
+use super::paging::budget::Allowance;
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State};
 use super::stats::{self, DeviceStats};
@@ -23,7 +24,7 @@ use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
 use crate::sync::{poisoned, Guard, SpinThenBlock};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, Weak};
 
 /// Paged segments a (stream, pool) may have. Each spans the device's size in addresses, so
 /// a request finds no free range only when live blocks are scattered across it; a few more
@@ -74,6 +75,8 @@ pub(crate) struct Shard {
 /// What a device's shards share with it and with each other.
 pub(in crate::alloc) struct DeviceWide {
     pub device_reserved: Arc<stats::DeviceReserved>,
+    /// The time page moves may still take, on all the device's streams together.
+    pub moves: Arc<Mutex<Allowance>>,
     pub lifecycle: Arc<Lifecycle>,
     pub siblings: Weak<Shards>,
 }
@@ -89,6 +92,7 @@ impl Shard {
     ) -> Self {
         let DeviceWide {
             device_reserved,
+            moves,
             lifecycle,
             siblings,
         } = shared;
@@ -100,7 +104,7 @@ impl Shard {
             device,
             total_memory,
             driver,
-            state: SpinThenBlock::new(State::new(config, limit, device_reserved)),
+            state: SpinThenBlock::new(State::new(config, limit, device_reserved, moves)),
             fronts: Arc::new(fronts),
             lifecycle,
             free_fence_interval,

@@ -11,7 +11,7 @@ mod segments;
 use super::core::blocks::PoolId;
 use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
-use super::paging::budget::MoveClock;
+use super::paging::budget::{Allowance, MoveClock};
 use super::paging::fences::Fences;
 use super::paging::plan::DirtyKeys;
 use super::paging::table::{PagedSegments, Spare};
@@ -22,7 +22,7 @@ use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
 use parked::Parked;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A block freed while other streams may still use it; reusable once every event completes.
 pub struct AwaitingEvents {
@@ -122,7 +122,13 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(config: Config, limit: u64, device_reserved: Arc<DeviceReserved>) -> Self {
+    /// A shard's state; its page moves spend the device's `moves` allowance.
+    pub fn new(
+        config: Config,
+        limit: u64,
+        device_reserved: Arc<DeviceReserved>,
+        moves: Arc<Mutex<Allowance>>,
+    ) -> Self {
         Self {
             config,
             limit,
@@ -135,7 +141,7 @@ impl State {
                 used_hint: (0, 0),
             },
             paging: Paging {
-                moves: MoveClock::started_at(std::time::Instant::now()),
+                moves: MoveClock::sharing(&moves),
                 ..Paging::default()
             },
             parked: Parked::default(),
