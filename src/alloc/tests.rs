@@ -991,6 +991,31 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
         forced.account(at, at + ms(100), budget, false);
     }
     assert!(forced.may_move(at + ms(2000), budget));
+    // A while at budget 0 (set at run time) keeps the allowance and the warm-up credit.
+    let mut paused = MoveClock::started_at(t0);
+    assert!(paused.may_move(t0 + ms(5000), budget), "100 ms earned");
+    paused.start_growth();
+    paused.account(t0 + ms(5000), t0 + ms(5001), 0.0, true);
+    paused.start_growth();
+    paused.note_moved(true);
+    assert_eq!(
+        paused.account(t0 + ms(5001), t0 + ms(5051), budget, false),
+        None
+    );
+    assert!(
+        paused.may_move(t0 + ms(5051), budget),
+        "the 100 ms were kept"
+    );
+    paused.start_growth();
+    paused.account(t0 + ms(5051), t0 + ms(5052), budget, true);
+    let mut spent = 0;
+    let mut at = t0 + ms(5052);
+    while paused.may_move(at, budget) {
+        growth(&mut paused, at, ms(10), ms(0));
+        at += ms(10);
+        spent += 10;
+    }
+    assert!(spent >= 600, "{spent} ms: the credit came after the pause");
     // Budget 0 bounds nothing.
     let mut free = MoveClock::started_at(t0);
     assert!(free.may_move(t0, 0.0));

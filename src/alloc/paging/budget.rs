@@ -198,6 +198,11 @@ impl MoveClock {
         budget: f64,
         busy: bool,
     ) -> Option<Duration> {
+        if budget == 0.0 {
+            // No bound, and nothing to keep: a budget of 0 for a while (set at run time)
+            // must not cap the allowance at 0 or use up the warm-up credit.
+            return None;
+        }
         let (reclaimed, refused, waited) = (self.reclaimed, self.refused, self.waited);
         let mut allowance = self.allowance();
         allowance.accrue(now, budget);
@@ -207,7 +212,7 @@ impl MoveClock {
             allowance.warm_up_credited = true;
             allowance.seconds = allowance.seconds.max(budget * ALLOWANCE_SPAN.as_secs_f64());
         }
-        if !reclaimed || refused || busy || budget == 0.0 {
+        if !reclaimed || refused || busy {
             return None;
         }
         let cost = (now - started).saturating_sub(waited);
