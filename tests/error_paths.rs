@@ -32,6 +32,9 @@ struct Faulty {
     slow_wait: Duration,
     releases_fail: std::sync::atomic::AtomicBool,
     allocate_panics: std::sync::atomic::AtomicBool,
+    /// Physical memory runs out past this many bytes in use (0: at the sim's capacity), as
+    /// on a GPU whose context and other processes hold part of what it reports.
+    physical_limit: AtomicU64,
 }
 
 impl Faulty {
@@ -109,6 +112,10 @@ impl Driver for Faulty {
         self.sim.free_address(d, p, s)
     }
     fn create_physical(&self, d: usize, s: u64) -> DriverResult<PhysHandle> {
+        let limit = self.physical_limit.load(SeqCst);
+        if limit > 0 && self.sim.counters(d).bytes_in_use + s > limit {
+            return Err(DriverError::OutOfMemory);
+        }
         self.sim.create_physical(d, s)
     }
     fn release_physical(&self, d: usize, h: PhysHandle, s: u64) -> DriverResult<()> {
@@ -190,6 +197,7 @@ fn faulty_on(
         slow_wait,
         releases_fail: false.into(),
         allocate_panics: false.into(),
+        physical_limit: 0.into(),
     });
     let mut config = Config::default();
     config.apply(conf).unwrap();
@@ -701,6 +709,65 @@ fn a_short_burst_of_page_moves_stops_moving_within_tens_of_ms() {
         a.free(p).unwrap();
     }
     a.empty_cache().unwrap();
+}
+
+#[test]
+fn a_refused_move_on_a_full_device_moves_what_it_lacks_not_everything() {
+    // Page moves are timed against a budget of a millionth of the time: the first move
+    // spends more than the job earns in minutes, and later growth is refused moves. The
+    // device reports 1 GiB but has no physical memory past what is in use: the growth must
+    // move what it lacks from under the free 200 MiB block, and leave the rest cached
+    // there, not take the OOM path (which takes every reclaimable chunk and gives back the
+    // ones it does not need).
+    let (sim, f, a) = faulty_with(
+        1 << 30,
+        "page_move_budget:0.000001",
+        Duration::ZERO,
+        Some(Duration::ZERO),
+    );
+    let x = a.malloc(64 * MIB, StreamId(2)).unwrap();
+    a.free(x).unwrap();
+    let y = a.malloc(96 * MIB, StreamId(3)).unwrap();
+    assert!(
+        a.stats().unwrap().paging.moving_growths > 0,
+        "the first move"
+    );
+    a.free(y).unwrap();
+    a.empty_cache().unwrap();
+    let big = a.malloc(200 * MIB, StreamId(0)).unwrap();
+    let keep = a.malloc(8 * MIB, StreamId(0)).unwrap();
+    a.free(big).unwrap();
+    let before = sim.counters(0);
+    f.physical_limit.store(before.bytes_in_use, SeqCst);
+    let p = a.malloc(100 * MIB + 1, StreamId(1)).unwrap();
+    let after = sim.counters(0);
+    let paging = a.stats().unwrap().paging;
+    eprintln!("{paging:?}\n{after:?}");
+    assert!(
+        paging.growths_past_slack > 0,
+        "moves were refused: {paging:?}"
+    );
+    // The OOM path would synchronize the device and give back all of the free block's
+    // 200 MiB that the request does not use; moving what was lacking gives back at most
+    // one chunk that fit nowhere (a quarter of the block: moves had overrun their budget).
+    assert_eq!(
+        after.synchronize_calls, before.synchronize_calls,
+        "{after:?}"
+    );
+    assert!(
+        after.bytes_in_use + 50 * MIB >= before.bytes_in_use,
+        "{} of {} MiB still held",
+        after.bytes_in_use / MIB,
+        before.bytes_in_use / MIB
+    );
+    assert_eq!(a.stats().unwrap().num_alloc_retries, 0);
+    assert_accounted(&sim, &a);
+    for q in [p, keep] {
+        a.free(q).unwrap();
+    }
+    f.physical_limit.store(0, SeqCst);
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
 
 #[test]

@@ -176,6 +176,11 @@ impl MoveClock {
         self.refused = true;
     }
 
+    /// Whether the growth under way was refused moves (`note_refused`).
+    pub fn refused(&self) -> bool {
+        self.refused
+    }
+
     /// The growth under way unmapped chunks to reuse their memory (`moved`).
     pub fn note_moved(&mut self, moved: bool) {
         self.reclaimed |= moved;

@@ -316,6 +316,27 @@ impl Shard {
             }
         }
         self.add_new_chunks(st, plan, page)?;
+        if plan.unfilled() > 0 && !capturing && st.moves().refused() {
+            // Moves were refused to save time, but the device has no new memory: move what
+            // the request lacks, as within the allowance (chunks that fit nowhere go back
+            // to make room for ones that do), before the OOM path below takes every
+            // reclaimable chunk and gives back what it does not need.
+            let taken = self.reclaim(
+                st,
+                plan.unfilled(),
+                0,
+                plan.largest_gap(),
+                rest.clone(),
+                Pending::WaitOn(stream),
+            )?;
+            spares.extend(taken);
+            plan.fill(spares);
+            if plan.unfilled() > 0 {
+                let lacking = plan.unfilled();
+                self.release_smallest(st, spares, lacking, page)?;
+                self.add_new_chunks(st, plan, page)?;
+            }
+        }
         if plan.unfilled() > 0 && !capturing {
             // Out of memory: take every reclaimable chunk, then the plain cache too.
             let all = self.reclaim(st, usize::MAX, 0, usize::MAX, rest, Pending::WaitOn(stream))?;
