@@ -291,16 +291,7 @@ impl Shard {
         let over = over_budget(st, plan, spares, *budget).min(plan.unfilled()) as u64;
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
-            let taken = self.reclaim(
-                st,
-                over as usize,
-                batch,
-                plan.largest_gap(),
-                rest.clone(),
-                Pending::WaitOn(stream),
-            )?;
-            spares.extend(taken);
-            plan.fill(spares);
+            self.move_into_plan(st, plan, spares, over as usize, batch, &rest, stream)?;
             // What fits nowhere goes back to the device before new memory is made.
             let surplus = pages_of(spares).saturating_sub(batch);
             self.release_smallest(st, spares, surplus, page)?;
@@ -321,16 +312,8 @@ impl Shard {
             // the request lacks, as within the allowance (chunks that fit nowhere go back
             // to make room for ones that do), before the OOM path below takes every
             // reclaimable chunk and gives back what it does not need.
-            let taken = self.reclaim(
-                st,
-                plan.unfilled(),
-                0,
-                plan.largest_gap(),
-                rest.clone(),
-                Pending::WaitOn(stream),
-            )?;
-            spares.extend(taken);
-            plan.fill(spares);
+            let lacking = plan.unfilled();
+            self.move_into_plan(st, plan, spares, lacking, 0, &rest, stream)?;
             if plan.unfilled() > 0 {
                 let lacking = plan.unfilled();
                 self.release_smallest(st, spares, lacking, page)?;
@@ -350,6 +333,26 @@ impl Shard {
                 self.add_new_chunks(st, plan, page)?;
             }
         }
+        Ok(())
+    }
+
+    /// Moves `want` pages (and `batch` more, to park) from under free blocks into `spares`,
+    /// chunks that fit `plan`'s largest gap first, and fills the plan from them.
+    #[allow(clippy::too_many_arguments)]
+    fn move_into_plan(
+        &self,
+        st: &mut State,
+        plan: &mut Plan,
+        spares: &mut Vec<Spare>,
+        want: usize,
+        batch: usize,
+        rest: &Range<DevicePtr>,
+        stream: StreamId,
+    ) -> Result<()> {
+        let fit = plan.largest_gap();
+        let taken = self.reclaim(st, want, batch, fit, rest.clone(), Pending::WaitOn(stream))?;
+        spares.extend(taken);
+        plan.fill(spares);
         Ok(())
     }
 
