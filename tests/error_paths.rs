@@ -425,6 +425,17 @@ fn a_failing_map_or_grant_in_the_middle_of_growth_loses_no_memory() {
     }
 }
 
+/// Sizes of 4-64 MiB, whole MiB, from `seed`: most such requests move pages in a churn of
+/// a few live blocks.
+fn sizes_of_4_to_64_mib(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (4 + (seed >> 33) % 61) * MIB
+    }
+}
+
 #[test]
 fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
     // Random sizes of 4-64 MiB, 8 live, one replaced per step: most steps move pages. Each
@@ -436,13 +447,7 @@ fn slow_page_moves_buy_a_larger_cache_within_the_budget() {
             Duration::ZERO,
             Some(Duration::from_micros(300)),
         );
-        let mut seed = 7u64;
-        let mut size = || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (4 + (seed >> 33) % 61) * MIB
-        };
+        let mut size = sizes_of_4_to_64_mib(7);
         let mut live: Vec<(u64, u64)> = (0..8)
             .map(|_| {
                 let n = size();
@@ -506,13 +511,7 @@ fn waits_for_a_busy_device_do_not_count_as_page_move_time() {
         Some(Duration::ZERO),
         Duration::from_millis(10),
     );
-    let mut seed = 11u64;
-    let mut size = || {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (4 + (seed >> 33) % 61) * MIB
-    };
+    let mut size = sizes_of_4_to_64_mib(11);
     let mut live: Vec<u64> = (0..8)
         .map(|_| a.malloc(size(), StreamId(0)).unwrap())
         .collect();
