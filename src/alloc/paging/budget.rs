@@ -85,11 +85,16 @@ impl Allowance {
         }))
     }
 
+    /// The most it holds: the budget's share of `ALLOWANCE_SPAN`, which is also the
+    /// warm-up credit.
+    fn most(budget: f64) -> f64 {
+        budget * ALLOWANCE_SPAN.as_secs_f64()
+    }
+
     fn accrue(&mut self, now: Instant, budget: f64) {
         let since = now.saturating_duration_since(*self.as_of.get_or_insert(now));
-        let most = budget * ALLOWANCE_SPAN.as_secs_f64();
         // An allowance over the cap (the budget was lowered) comes down to it.
-        self.seconds = (self.seconds + budget * since.as_secs_f64()).min(most);
+        self.seconds = (self.seconds + budget * since.as_secs_f64()).min(Self::most(budget));
         self.as_of = Some(self.as_of.map_or(now, |t| t.max(now)));
     }
 
@@ -215,7 +220,7 @@ impl MoveClock {
             // The job keeps its device busy: it is the warm-up of a job that runs on
             // (see above), and moves at warm-up set its peak.
             allowance.warm_up_credited = true;
-            allowance.seconds = allowance.seconds.max(budget * ALLOWANCE_SPAN.as_secs_f64());
+            allowance.seconds = allowance.seconds.max(Allowance::most(budget));
         }
         if !reclaimed || refused || busy {
             return None;

@@ -109,8 +109,7 @@ impl Shard {
         }
         // Every page mapped here counts as reserved; parked chunks already do.
         let (high, elsewhere) = self.weighed_high_water(st, len)?;
-        let share = st.page_slack();
-        let slack = slack_bytes(high, share, page);
+        let slack = slack_bytes(high, st.config().page_slack, page);
         let started = Instant::now();
         st.moves_mut().start_growth();
         // While moves have spent their allowance, growth maps new memory rather than move
@@ -240,10 +239,10 @@ impl Shard {
         }
     }
 
-    /// An event recorded on `stream` as a growth begins, when page
-    /// moves are timed against a budget: should it still be pending when the growth ends,
-    /// the device was busy with earlier work all along (`account_growth`). None while a
-    /// capture is open (a record would join the graph) or when the record fails.
+    /// An event recorded on `stream` as a growth begins, when page moves are timed against
+    /// a budget: should it still be pending when the growth ends, the device was busy with
+    /// earlier work all along (`account_growth`). None while a capture is open (a record
+    /// would join the graph) or when the record fails.
     fn busy_probe(&self, st: &State, stream: StreamId) -> Option<EventId> {
         if !self.times_page_moves || st.config().page_move_budget == 0.0 || st.capturing() {
             return None;

@@ -118,12 +118,6 @@ impl State {
         self.config.page_move_budget > 0.0 && self.paging.moves.spent_lately()
     }
 
-    /// The share of peak live bytes that paged segments may keep beyond it while page moves
-    /// are within their budget.
-    pub fn page_slack(&self) -> f64 {
-        self.config.page_slack
-    }
-
     /// Whether the free block `id`, taken for `rounded` bytes, lacks some of their pages.
     pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
         let block = self.book.blocks.get(id);
