@@ -12,6 +12,7 @@ use crate::driver::{Advice, DevicePtr, Driver, HostKind, Location, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::lock;
 use once_cell::sync::OnceCell;
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -654,13 +655,53 @@ impl ThreadHazard {
 
 impl Drop for ThreadHazard {
     fn drop(&mut self) {
+        // Forgotten by this thread before it is given back: another thread may take it next.
+        let _ = CALLS.try_with(|c| c.slot.set(None));
         self.0.runtime.store(std::ptr::null_mut(), Ordering::SeqCst);
         self.0.taken.store(false, Ordering::Release);
     }
 }
 
 thread_local! {
+    /// Owns the calling thread's slot (registered on its first call), and gives it back when
+    /// the thread exits; `CALLS.slot` names the same slot meanwhile.
     static HAZARD: Result<ThreadHazard> = ThreadHazard::register();
+}
+
+/// What every C API call of a thread reads: in one const-initialised thread-local without a
+/// destructor, so that reading it is a single thread-local access with no lazy-init check,
+/// and it stays readable while the thread's other thread-locals are destroyed.
+struct ThreadCalls {
+    /// How many C API calls this thread is inside (more than one: a call made from a
+    /// callback, such as a pool's stream filter, inside another call).
+    depth: Cell<u32>,
+    /// The slot `HAZARD` owns, once registered; `None` before that and once it is given
+    /// back (`ThreadHazard::drop`).
+    slot: Cell<Option<&'static HazardSlot>>,
+}
+
+thread_local! {
+    static CALLS: ThreadCalls = const {
+        ThreadCalls {
+            depth: Cell::new(0),
+            slot: Cell::new(None),
+        }
+    };
+}
+
+/// This thread's hazard slot, registered on first use; `None` once the thread's storage is
+/// gone (a call from a thread-local destructor).
+fn own_slot() -> Option<Result<&'static HazardSlot>> {
+    if let Some(slot) = CALLS.with(|c| c.slot.get()) {
+        return Some(Ok(slot));
+    }
+    HAZARD
+        .try_with(|h| {
+            let slot = h.as_ref().map_err(Error::clone)?.0;
+            CALLS.with(|c| c.slot.set(Some(slot)));
+            Ok(slot)
+        })
+        .ok()
 }
 
 /// Set in a child process by the `pthread_atfork` handler: the parent's allocator state
@@ -692,30 +733,45 @@ pub(crate) fn is_forked_child() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
-thread_local! {
-    /// How many C API calls this thread is inside (more than one: a call made from a
-    /// callback, such as a pool's stream filter, inside another call).
-    static CALL_DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
 /// Counts the calling thread into a C API call until dropped (`ffi::boundary::guard`).
 pub(crate) struct CallScope(());
 
 impl CallScope {
+    #[inline]
     pub(crate) fn enter() -> Self {
-        let _ = CALL_DEPTH.try_with(|d| d.set(d.get() + 1));
+        CALLS.with(|c| c.depth.set(c.depth.get() + 1));
         Self(())
     }
 }
 
 impl Drop for CallScope {
+    #[inline]
     fn drop(&mut self) {
-        let _ = CALL_DEPTH.try_with(|d| d.set(d.get().saturating_sub(1)));
+        CALLS.with(|c| c.depth.set(c.depth.get().saturating_sub(1)));
     }
 }
 
 fn nested_call() -> bool {
-    CALL_DEPTH.try_with(|d| d.get() > 1).unwrap_or(false)
+    CALLS.with(|c| c.depth.get() > 1)
+}
+
+/// The running runtime when this thread's hazard slot names it already (the last call used
+/// it): a slot keeps the runtime it names allocated, so no other runtime can have been
+/// published at its address since, and `GLOBAL` naming it means it is the running one. One
+/// thread-local read and two loads; `None` sends the caller to `protect`.
+#[inline]
+fn named_by_own_slot() -> Option<&'static Runtime> {
+    if is_forked_child() {
+        return None;
+    }
+    let ptr = GLOBAL.load(Ordering::SeqCst);
+    let slot = CALLS.with(|c| c.slot.get())?;
+    if ptr.is_null() || slot.runtime.load(Ordering::Relaxed) != ptr {
+        return None;
+    }
+    // SAFETY: non-null values come from `Box::into_raw` in `init_global`; this one stays
+    // allocated while the hazard slot names it.
+    Some(unsafe { &*ptr })
 }
 
 /// The running runtime, published in this thread's hazard slot so that it is not freed
@@ -726,28 +782,26 @@ fn protect() -> Result<Option<&'static Runtime>> {
         if ptr.is_null() {
             return Ok(None);
         }
-        let published = HAZARD.try_with(|h| {
-            let h = h.as_ref().map_err(Error::clone)?;
-            let mine = h.0.runtime.load(Ordering::Relaxed);
-            if mine == ptr {
-                return Ok(());
-            }
-            if !mine.is_null() && nested_call() {
-                // The outer call still uses the runtime this slot names.
-                return Err(Error::new(
-                    ErrorKind::ShutDown,
-                    "ccalloc was shut down and started again during this call",
-                ));
-            }
-            h.0.runtime.store(ptr, Ordering::SeqCst);
-            Ok(())
-        });
-        match published {
-            Ok(result) => result?,
-            // This thread's storage is gone (a call from a thread-local destructor): the
-            // runtime is pinned instead, under the lock that reclaiming takes.
-            Err(_) => return pin_running(),
+        // Without a slot (a call from a thread-local destructor) the runtime is pinned
+        // instead, under the lock that reclaiming takes.
+        let Some(slot) = own_slot() else {
+            return pin_running();
+        };
+        let slot = slot?;
+        let mine = slot.runtime.load(Ordering::Relaxed);
+        if mine == ptr {
+            // See `named_by_own_slot`.
+            // SAFETY: as there.
+            return Ok(Some(unsafe { &*ptr }));
         }
+        if !mine.is_null() && nested_call() {
+            // The outer call still uses the runtime this slot names.
+            return Err(Error::new(
+                ErrorKind::ShutDown,
+                "ccalloc was shut down and started again during this call",
+            ));
+        }
+        slot.runtime.store(ptr, Ordering::SeqCst);
         // Published while still running: a shutdown retires it only after this point, and
         // `reclaim` then sees the slot.
         if GLOBAL.load(Ordering::SeqCst) == ptr {
@@ -805,18 +859,27 @@ fn reclaim(lifecycle: &mut Lifecycle) -> Vec<Runtime> {
 /// Clears the calling thread's hazard slot, unless it is inside an outer call.
 fn release_own_hazard() {
     if !nested_call() {
-        let _ = HAZARD.try_with(|h| {
-            if let Ok(h) = h {
-                h.0.runtime.store(std::ptr::null_mut(), Ordering::SeqCst);
-            }
-        });
+        if let Some(slot) = CALLS.with(|c| c.slot.get()) {
+            slot.runtime.store(std::ptr::null_mut(), Ordering::SeqCst);
+        }
     }
 }
 
 /// The running global runtime, or why there is none. A call racing a shutdown and init
 /// gets one or the other: the runtime, or `ShutDown` (`NotInitialized` only before the
 /// first successful init).
+#[inline]
 pub fn global() -> Result<&'static Runtime> {
+    match named_by_own_slot() {
+        Some(runtime) => Ok(runtime),
+        None => global_slow(),
+    }
+}
+
+/// `global` when this thread's slot does not name the running runtime already.
+#[cold]
+#[inline(never)]
+fn global_slow() -> Result<&'static Runtime> {
     check_not_forked()?;
     if let Some(runtime) = protect()? {
         return Ok(runtime);
