@@ -155,6 +155,7 @@ pub(crate) fn set_recording(enabled: bool, max_entries: usize, clear: bool) -> R
     Ok(())
 }
 
+#[inline]
 pub(crate) fn is_recording() -> bool {
     RECORDING.load(Ordering::Relaxed)
 }
@@ -229,10 +230,16 @@ pub(crate) fn record(action: Action, device: i32, addr: u64, size: u64, stream: 
 }
 
 /// A block was handed out.
+#[inline]
 pub(crate) fn allocated(device: i32, addr: u64, size: u64, stream: u64) {
-    if !is_recording() {
-        return;
+    if is_recording() {
+        record_allocated(device, addr, size, stream);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn record_allocated(device: i32, addr: u64, size: u64, stream: u64) {
     with_recorder(|r| {
         let block = LiveBlock {
             size,
@@ -259,10 +266,16 @@ pub(crate) fn free_delayed(device: i32, addr: u64) {
 
 /// A block was freed by its caller: `free_requested`, and `free_completed` too unless other
 /// streams still use it. A block allocated before recording began is recorded with size 0.
+#[inline]
 pub(crate) fn freed(device: i32, addr: u64) {
-    if !is_recording() {
-        return;
+    if is_recording() {
+        record_freed(device, addr);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn record_freed(device: i32, addr: u64) {
     with_recorder(|r| {
         let block = r.live.remove(&(device, addr)).unwrap_or(LiveBlock {
             size: 0,

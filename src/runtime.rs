@@ -183,7 +183,22 @@ impl Runtime {
     }
 
     /// The allocator of `device`, created on first use.
+    #[inline]
     pub fn device(&self, device: i64) -> Result<&DeviceAllocator> {
+        let started = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .and_then(OnceCell::get);
+        match started {
+            Some(started) => Ok(started),
+            None => self.start_device(device),
+        }
+    }
+
+    /// `device` when its allocator is not started yet, or the index is wrong.
+    #[cold]
+    #[inline(never)]
+    fn start_device(&self, device: i64) -> Result<&DeviceAllocator> {
         let device = self.check_device_index(device)?;
         self.start(&self.devices[device], |config| {
             DeviceAllocator::new(device, self.driver.clone(), config.clone())
@@ -215,6 +230,7 @@ impl Runtime {
         self.devices.iter().filter_map(OnceCell::get)
     }
 
+    #[inline]
     pub fn malloc(&self, size: u64, device: i64, stream: StreamId) -> Result<DevicePtr> {
         self.device(device)?.malloc(size, stream)
     }
@@ -228,6 +244,7 @@ impl Runtime {
     }
 
     /// `free` for a block allocated on `stream`: its stream's shard is asked first.
+    #[inline]
     pub fn free_on(&self, ptr: DevicePtr, device: i64, stream: StreamId) -> Result<()> {
         let allocator = self.device(device)?;
         allocator

@@ -50,16 +50,16 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// `CCALLOC_DRIVER_UNAVAILABLE` (`runtime::FORKED_MESSAGE`), before any lock is taken or
 /// anything is logged: a parent thread that held a lock at the fork does not exist in the
 /// child, and would never release it.
+#[inline]
 pub(crate) fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status {
     if crate::runtime::is_forked_child() {
-        set_last_error(crate::runtime::FORKED_MESSAGE);
-        return ccalloc_status::CCALLOC_DRIVER_UNAVAILABLE;
+        return forked();
     }
     let _scope = crate::runtime::CallScope::enter();
-    let (status, message, panicked) = match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => return ccalloc_status::CCALLOC_OK,
-        Ok(Err(error)) => (error.kind.status(), error.message, false),
-        Err(payload) => (
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => ccalloc_status::CCALLOC_OK,
+        Ok(Err(error)) => record_failure(error.kind.status(), error.message, false),
+        Err(payload) => record_failure(
             ccalloc_status::CCALLOC_INTERNAL_ERROR,
             format!(
                 "internal error (panic caught at the C boundary): {}",
@@ -67,7 +67,21 @@ pub(crate) fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status 
             ),
             true,
         ),
-    };
+    }
+}
+
+/// `guard`'s answer in a forked child.
+#[cold]
+#[inline(never)]
+fn forked() -> ccalloc_status {
+    set_last_error(crate::runtime::FORKED_MESSAGE);
+    ccalloc_status::CCALLOC_DRIVER_UNAVAILABLE
+}
+
+/// Logs a failed call's message and keeps it as the thread's last error; returns `status`.
+#[cold]
+#[inline(never)]
+fn record_failure(status: ccalloc_status, message: String, panicked: bool) -> ccalloc_status {
     let _ = catch_unwind(AssertUnwindSafe(|| {
         if panicked {
             tracing::error!("{message}");

@@ -157,6 +157,7 @@ pub extern "C" fn ccalloc_free(ptr: *mut c_void, device: i32) -> ccalloc_status 
 }
 
 /// `Runtime::malloc`, recorded in the history (an OOM too) when recording is on.
+#[inline]
 fn traced_malloc(
     rt: &Runtime,
     size: usize,
@@ -168,15 +169,20 @@ fn traced_malloc(
             crate::history::allocated(device, ptr, size as u64, stream as u64);
             Ok(ptr)
         }
-        Err(e) => {
-            if e.kind == ErrorKind::OutOfMemory {
-                tracing::warn!(device, "{}", e.message);
-                let oom = crate::history::Action::Oom;
-                crate::history::record(oom, device, 0, size as u64, stream as u64);
-            }
-            Err(e)
-        }
+        Err(e) => Err(trace_failed_malloc(e, size, device, stream)),
     }
+}
+
+/// Logs and records an allocation that ran out of memory; returns `error`.
+#[cold]
+#[inline(never)]
+fn trace_failed_malloc(error: Error, size: usize, device: i32, stream: cudaStream_t) -> Error {
+    if error.kind == ErrorKind::OutOfMemory {
+        tracing::warn!(device, "{}", error.message);
+        let oom = crate::history::Action::Oom;
+        crate::history::record(oom, device, 0, size as u64, stream as u64);
+    }
+    error
 }
 
 /// Records that a live block is used on `stream` as well as its own.
@@ -342,10 +348,16 @@ pub extern "C" fn ccalloc_torch_free(
 
 /// The hook-style functions have no status to return: log what failed (the message stays
 /// in `ccalloc_last_error()`).
+#[inline]
 fn log_torch_failure(call: &str, status: ccalloc_status) {
-    if status == ccalloc_status::CCALLOC_OK {
-        return;
+    if status != ccalloc_status::CCALLOC_OK {
+        say_torch_failure(call, status);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn say_torch_failure(call: &str, status: ccalloc_status) {
     // Outside `guard`, so a failure to log (a closed stderr, thread exit) must not unwind
     // into C: it is dropped.
     let _ = std::panic::catch_unwind(|| {
