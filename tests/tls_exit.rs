@@ -1,7 +1,8 @@
 //! A failing C call made from a thread-local destructor at thread exit (a C++ `thread_local`
 //! holding a tensor, say) after ccalloc's own last-error thread-local was destroyed: the
-//! status must come back, and the process must not abort. Each scenario runs in a child
-//! process, since an abort would take the test runner with it.
+//! status must come back, and the process must not abort; a call that can succeed there (a
+//! running ccalloc, after this thread's hazard slot was given back) does. Each scenario runs
+//! in a child process, since an abort would take the test runner with it.
 use std::process::Command;
 
 struct FreesAtExit;
@@ -39,16 +40,56 @@ fn scenario(order: &str) {
     .unwrap();
 }
 
+struct AllocatesAtExit;
+
+impl Drop for AllocatesAtExit {
+    fn drop(&mut self) {
+        // Running, and this thread's hazard slot is given back by now: the call still works.
+        let p = ccalloc::capi::ccalloc_torch_alloc(4096, 0, std::ptr::null_mut());
+        assert!(!p.is_null());
+        let status = ccalloc::capi::ccalloc_free(p, 0);
+        assert_eq!(status, ccalloc::capi::ccalloc_status::CCALLOC_OK);
+    }
+}
+
+thread_local! {
+    static ALLOCATES_AT_EXIT: AllocatesAtExit = const { AllocatesAtExit };
+}
+
+/// A thread that used the running ccalloc, then calls it again from a destructor that runs
+/// after ccalloc's thread-locals are destroyed.
+fn running_scenario() {
+    std::env::set_var("CCALLOC_BACKEND", "sim");
+    assert_eq!(
+        ccalloc::capi::ccalloc_init(),
+        ccalloc::capi::ccalloc_status::CCALLOC_OK
+    );
+    std::thread::spawn(|| {
+        ALLOCATES_AT_EXIT.with(|_| {});
+        let p = ccalloc::capi::ccalloc_torch_alloc(4096, 0, std::ptr::null_mut());
+        assert!(!p.is_null());
+        ccalloc::capi::ccalloc_torch_free(p, 4096, 0, std::ptr::null_mut());
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        ccalloc::capi::ccalloc_shutdown(),
+        ccalloc::capi::ccalloc_status::CCALLOC_OK
+    );
+}
+
 #[test]
 fn child() {
-    if let Ok(order) = std::env::var("CCALLOC_TLS_EXIT_CHILD") {
-        scenario(&order);
+    match std::env::var("CCALLOC_TLS_EXIT_CHILD").as_deref() {
+        Ok("running") => running_scenario(),
+        Ok(order) => scenario(order),
+        Err(_) => {}
     }
 }
 
 #[test]
 fn a_failing_call_from_a_thread_local_destructor_returns_its_status() {
-    for order in ["ours_first", "theirs_first"] {
+    for order in ["ours_first", "theirs_first", "running"] {
         let out = Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "child", "--nocapture", "--test-threads=1"])
             .env("CCALLOC_TLS_EXIT_CHILD", order)
