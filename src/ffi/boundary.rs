@@ -116,3 +116,33 @@ pub(super) fn require_out<T>(out: *mut T, name: &str) -> Result<(), Error> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::CStr;
+
+    fn last_error() -> String {
+        // SAFETY: this thread's NUL-terminated last error.
+        unsafe { CStr::from_ptr(last_error_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    #[test]
+    fn guard_turns_errors_and_panics_into_a_status_and_the_last_error() {
+        assert_eq!(guard(|| Ok(())), ccalloc_status::CCALLOC_OK);
+        let status = guard(|| Err(invalid("size is 0")));
+        assert_eq!(status, ccalloc_status::CCALLOC_INVALID_ARGUMENT);
+        assert_eq!(last_error(), "size is 0");
+        // A success leaves the last error as it was.
+        assert_eq!(guard(|| Ok(())), ccalloc_status::CCALLOC_OK);
+        assert_eq!(last_error(), "size is 0");
+        let status = guard(|| panic!("a bug in the body"));
+        assert_eq!(status, ccalloc_status::CCALLOC_INTERNAL_ERROR);
+        assert_eq!(
+            last_error(),
+            "internal error (panic caught at the C boundary): a bug in the body"
+        );
+    }
+}
