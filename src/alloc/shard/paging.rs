@@ -168,15 +168,11 @@ impl Shard {
                 released = released.and(self.release_chunk(st, spare, page));
             }
         }
-        if refused {
+        if refused || released.is_err() {
             // A growth too, if a failed one: its time (and waits) was spent all the same.
             self.account_growth(st, growth);
             released?;
             return Ok(false);
-        }
-        if let Err(e) = released {
-            self.account_growth(st, growth);
-            return Err(e);
         }
         plan.placed.sort_by_key(|&(first, _)| first);
         let mut done = 0;
