@@ -739,7 +739,7 @@ pub(crate) const FORKED_MESSAGE: &str =
 
 /// Fails at once, taking no lock, in a child process forked after ccalloc was initialized.
 pub(crate) fn check_not_forked() -> Result<()> {
-    if FORKED.load(Ordering::Relaxed) {
+    if is_forked_child() {
         return Err(Error::new(ErrorKind::DriverUnavailable, FORKED_MESSAGE));
     }
     Ok(())
