@@ -17,6 +17,9 @@
 #   ROUNDS       default 3. Round r runs each workload's allocators back to back, the list
 #                rotated by r-1 (A B C, B C A, C A B), so no allocator always runs first.
 #   REPS         timed loops per process after one warm-up loop (default 2)
+#   PIN_CPUS     a taskset CPU list (e.g. 2): every run's process is bound to those CPUs, so
+#                that which core (and whose caches) a launch-bound loop lands on does not
+#                move its time from process to process; unset: not bound
 #   RUN_TIMEOUT  seconds per process (default 150); a run that times out or crashes gives a
 #                record with its error, and the table goes on
 #   OUT          results (default /tmp/corpus): corpus-SESSION.jsonl (one record a run),
@@ -99,8 +102,10 @@ run_one() {
     local w=$1 a=$2 r=$3
     shift 3
     local log="$LOGS/$w.$a.r$r.log" rc
+    local pin=()
+    [ -n "${PIN_CPUS:-}" ] && pin=(taskset -c "$PIN_CPUS")
     CORPUS_ROUND=$r CORPUS_SESSION=$SESSION timeout -k 10 "$RUN_TIMEOUT" \
-        "$PYTHON" "$HERE/run.py" "$w" "$a" --reps "$REPS" "$@" >"$log" 2>&1
+        "${pin[@]}" "$PYTHON" "$HERE/run.py" "$w" "$a" --reps "$REPS" "$@" >"$log" 2>&1
     rc=$?
     if grep -q '^CORPUS ' "$log"; then
         grep '^CORPUS ' "$log" | sed 's/^CORPUS //' >>"$JSONL"

@@ -128,6 +128,21 @@ def write_trace(torch, path: str) -> dict:
     return {"trace": path, "trace_events": len(events)}
 
 
+# The paging counters that accrue, differenced over the timed loops ("loop_paging"): how much
+# of the steady state's time went to growing (driver calls, moves, waits on fences) and how
+# many growths moved or were refused their moves there. What is left of a time difference
+# against native is not the paging policy.
+LOOP_PAGING_KEYS = ("growths", "moving_growths", "growths_past_slack", "growth_ns", "moving_ns", "wait_ns")
+
+
+def paging_now(stats):
+    """ccalloc's paging counters now, or None for an allocator without them."""
+    if stats is None or not hasattr(stats, "paging_stats"):
+        return None
+    p = stats.paging_stats()
+    return {k: p[k] for k in LOOP_PAGING_KEYS}
+
+
 def main() -> int:
     if "--list" in sys.argv[1:]:
         return listing()
@@ -174,6 +189,7 @@ def main() -> int:
             torch.cuda.synchronize()
 
     loop_start = [None]
+    paging_at_warm = None
     try:
         t0 = time.perf_counter()
         if shared:
@@ -208,6 +224,7 @@ def main() -> int:
             seconds = round(end - (loop_start[0] if shared else start), 4)
             if i == 0:
                 record["warmup_seconds"] = seconds
+                paging_at_warm = paging_now(stats)
             else:
                 record["loop_seconds"].append(seconds)
     except Exception as e:  # the record still goes out, with the error and the peaks so far
@@ -221,6 +238,8 @@ def main() -> int:
         if hasattr(stats, "paging_stats"):
             record["paging"] = stats.paging_stats()
             record["ccalloc_conf"] = os.environ.get("CCALLOC_CONF", "")
+            if paging_at_warm is not None and record["loop_seconds"]:
+                record["loop_paging"] = {k: record["paging"][k] - paging_at_warm[k] for k in LOOP_PAGING_KEYS}
     if args.trace:
         record["traced"] = True
         record.update(write_trace(torch, os.path.join(args.trace, f"{args.name}.trace.csv.gz")))

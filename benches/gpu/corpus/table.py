@@ -71,6 +71,19 @@ def ratio_cell(values):
     return f"{med:.3f} [{min(values):.3f}–{max(values):.3f}]"
 
 
+def loop_growth_cell(runs):
+    """ccalloc's time growing (driver calls, moves, fence waits) within its timed loops, as a
+    share of their time: the median over runs, with the growths and moving growths of the run
+    that spent the most. The part of a time ratio that the paging policy can explain."""
+    runs = [r for r in runs if r.get("loop_paging")]
+    if not runs:
+        return "—"
+    shares = [r["loop_paging"]["growth_ns"] / 1e9 / sum(r["loop_seconds"]) for r in runs]
+    worst = max(runs, key=lambda r: r["loop_paging"]["growth_ns"])["loop_paging"]
+    return (f"{100 * statistics.median(shares):.1f}% ({worst['growths']} growths, "
+            f"{worst['moving_growths']} moved)")
+
+
 def table(paths, replay_path=None) -> int:
     records = [r for r in load(paths) if not r.get("traced")]
     if not records:
@@ -100,6 +113,9 @@ def table(paths, replay_path=None) -> int:
 
     others = [a for a in allocs if a == "ccalloc"] + [a for a in allocs if a not in ("native", "ccalloc")]
     head = ["workload", "requested"] + [f"{a} res/req" for a in allocs] + [f"{a} / native time" for a in others]
+    in_loops = any(r.get("loop_paging") for w in names for r in by.get((w, "ccalloc"), []))
+    if in_loops:
+        head += ["ccalloc growth in loops"]
     if replay:
         head += ["replay ccalloc (torch)"]
     head += ["goal"]
@@ -140,6 +156,8 @@ def table(paths, replay_path=None) -> int:
                       for r in by.get((w, a), []) if ok(r) and (r.get("session", ""), r["round"]) in native]
             times[a] = ratios
             cells.append(ratio_cell(ratios))
+        if in_loops:
+            cells.append(loop_growth_cell([r for r in by.get((w, "ccalloc"), []) if ok(r)]))
         if replay:
             rep = replay.get(w)
             if rep:
@@ -178,6 +196,11 @@ def table(paths, replay_path=None) -> int:
     print(f"{len(records)} runs, {len(rounds)} rounds over {len(sessions)} call(s); res/req = worst over runs; "
           "time = median over rounds of ccalloc's (or expandable's) median loop seconds / native's "
           "in the same round [min–max over rounds].")
+    if in_loops:
+        print("ccalloc growth in loops: the share of its timed loops' seconds spent growing (mapping, moving "
+              "pages, waiting on fences), median over runs; in brackets the growths and moving growths of "
+              "the run that grew the longest. A time ratio above 1 by more than this share is not the "
+              "paging policy's cost.")
     devices = sorted({r["device"] for r in records if r.get("device")})
     if devices:
         print("Device: " + ", ".join(devices) + "; torch " + ", ".join(sorted({r["torch"] for r in records if r.get("torch")})))
