@@ -425,3 +425,67 @@ fn shutdown_counts_only_the_callers_blocks() {
         assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
     }
 }
+
+#[test]
+fn a_same_size_loop_of_large_blocks_is_served_by_the_front() {
+    for conf in CONFS {
+        for size in [32 * MIB, 512 * MIB] {
+            let (sim, a) = allocator(4 << 30, conf);
+            let p = a.malloc(size, S0).unwrap();
+            a.free(p).unwrap();
+            let calls = sim.counters(0);
+            for _ in 0..1000 {
+                let q = a.malloc(size, S0).unwrap();
+                assert_eq!(q, p);
+                a.free(q).unwrap();
+            }
+            assert_eq!(sim.counters(0).maps, calls.maps);
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocated_bytes.all().current, 0, "{conf} {size}");
+            assert_eq!(s.allocated_bytes.all().peak, size as i64);
+            assert_eq!(s.allocation.all().allocated, 1001);
+            // Held in the front, it is still freed once only.
+            assert_eq!(a.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+            let other =
+                std::thread::scope(|s| s.spawn(|| a.free(p).unwrap_err().kind).join().unwrap());
+            assert_eq!(other, ErrorKind::DoubleFree);
+        }
+    }
+}
+
+/// A large block waits in its thread's front only until that thread next visits the shard:
+/// then it is the shard's, as if freed there at once, and a smaller request is cut from it
+/// instead of mapping more.
+#[test]
+fn a_large_block_held_by_a_front_goes_back_at_its_threads_next_visit() {
+    for conf in CONFS {
+        let (sim, a) = allocator(4 << 30, conf);
+        let p = a.malloc(32 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        let maps = sim.counters(0).maps;
+        let q = a.malloc(16 * MIB, S0).unwrap();
+        assert_eq!(q, p, "{conf}: cut from the returned block");
+        assert_eq!(sim.counters(0).maps, maps, "{conf}: nothing mapped");
+        a.free(q).unwrap();
+    }
+}
+
+/// Another thread's request never waits on memory a front holds: growth takes held blocks
+/// back first, so reserved memory does not grow for a block some thread keeps.
+#[test]
+fn a_large_block_another_thread_holds_does_not_cost_memory() {
+    for conf in CONFS {
+        let (_sim, a) = allocator(4 << 30, conf);
+        let p = a.malloc(256 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        let reserved = a.stats().unwrap().reserved_bytes.all().current;
+        let q =
+            std::thread::scope(|s| s.spawn(|| a.malloc(256 * MIB, S0).unwrap()).join().unwrap());
+        assert_eq!(
+            a.stats().unwrap().reserved_bytes.all().current,
+            reserved,
+            "{conf}"
+        );
+        a.free(q).unwrap();
+    }
+}

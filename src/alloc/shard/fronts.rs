@@ -33,20 +33,21 @@ impl Shard {
 
     /// Gives a freed block to `cell` (see `front`) when it may wait there: a paged block of
     /// the general cache, used on its own stream only, not oversize, outside captures.
-    /// Returns the front's (held, out) census, or `None` when the block stays here.
+    /// Returns the front's census, or `None` when the block stays here.
     pub(in crate::alloc) fn adopt(
         &self,
         st: &mut State,
         id: BlockId,
         cell: &front::FrontCell,
-    ) -> Option<(u32, u32)> {
+    ) -> Option<front::Census> {
         let b = st.block(id);
         let eligible = b.paged()
             && b.owner().is_none()
             && b.stream_uses().is_empty()
             && !b.counted_oversize()
-            && b.size() <= front::FRONT_MAX_BLOCK
-            && !st.capturing();
+            && !st.capturing()
+            // A large block stands in for a parked one: not while parking pauses.
+            && (b.size() <= front::FRONT_MAX_BLOCK || !st.parking_paused());
         if !eligible {
             return None;
         }
@@ -57,6 +58,21 @@ impl Shard {
             self.free_drained(st, old);
         }
         Some(census)
+    }
+
+    /// The calling thread's held blocks over `front::FRONT_MAX_BLOCK` are freed here, as it
+    /// begins a visit (`malloc`, `free`): before this visit could have used them, so the
+    /// shard ends as if they had been freed here in the first place. Returns whether any
+    /// came back (live bytes fell).
+    pub(in crate::alloc) fn return_large_held(&self, st: &mut State) -> bool {
+        let (returned, reused) = front::take_large_held(&self.fronts);
+        // Each reuse in the front stands for a park and its reuse here.
+        st.note_parked_reuses(reused);
+        let any = !returned.is_empty();
+        for entry in returned {
+            self.free_drained(st, entry);
+        }
+        any
     }
 
     /// The shard's one drain of its fronts (`front::Fronts::drain`): every held block is

@@ -147,6 +147,8 @@ impl Shard {
             ));
         }
         let mut st = self.lock()?;
+        // Published below, with the allocation.
+        self.return_large_held(&mut st);
         st.set_oom_final(oom_final);
         if size > self.total_memory {
             // Larger than the device: fail at once, without flushing the cache for nothing.
@@ -199,7 +201,7 @@ impl Shard {
         let mut found = st.take_cached(owner, pool, stream, rounded);
         let lacks_pages =
             |st: &State, (id, ready): (BlockId, bool)| !ready && st.needs_pages(id, rounded);
-        if (st.parked_count() > 0 || st.front_blocks() > 0)
+        if (st.parked_count() > 0 || st.front_small_blocks() > 0)
             && found.is_none_or(|f| lacks_pages(st, f))
         {
             // Parked blocks (and those held in thread fronts) may hold the mapped pages this
@@ -406,11 +408,15 @@ impl Shard {
     /// cache. `NotLive` (nothing changed) when `ptr` is not a live block of this shard.
     pub(in crate::alloc) fn free(&self, ptr: DevicePtr) -> Result<Freed> {
         let mut st = self.lock()?;
+        if self.return_large_held(&mut st) {
+            self.publish_live(&st);
+        }
         let Some(id) = st.live_block(ptr) else {
             return Ok(Freed::NotLive);
         };
         self.detach_from_front(&mut st, id, ptr)?;
-        let adopted = front::with_adopter(&self.fronts, |adopter| {
+        let large = st.block(id).size() > front::FRONT_MAX_BLOCK;
+        let adopted = front::with_adopter(&self.fronts, large, |adopter| {
             let census = adopter.and_then(|cell| self.adopt(&mut st, id, cell));
             (census.is_some(), census)
         });

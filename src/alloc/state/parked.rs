@@ -86,6 +86,20 @@ impl State {
         Some(fence_due)
     }
 
+    /// Whether parking pauses now (blocks were rarely reused).
+    pub fn parking_paused(&self) -> bool {
+        self.parked.gate.paused_for() > 0
+    }
+
+    /// Counts `n` blocks a thread front reused where parking would have: each as a park
+    /// and its reuse, so that the parking's reuse record reads as without the front.
+    pub fn note_parked_reuses(&mut self, n: u32) {
+        for _ in 0..n {
+            self.parked.gate.note_set_aside();
+            self.parked.gate.note_reuse();
+        }
+    }
+
     /// Hands out a parked block of exactly `rounded` bytes on `stream`, if there is one.
     pub fn take_parked(
         &mut self,
