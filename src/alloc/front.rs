@@ -89,6 +89,10 @@ pub struct Entry {
     pub id: BlockId,
     /// Freed by the caller (else handed out again by the front).
     pub held: bool,
+    /// Its pages carry its free through the shard, with the fence recorded then
+    /// (`Shard::adopt`), and it was not handed out since: its free in the shard later adds
+    /// nothing to them (`FreedAt::Stamped`).
+    pub pages_stamped: bool,
     /// When it was last freed, for eviction of the oldest.
     stamp: u64,
 }
@@ -110,6 +114,7 @@ impl Entry {
             pool,
             id,
             held: false,
+            pages_stamped: false,
             stamp: 0,
         }
     }
@@ -242,6 +247,7 @@ impl Front {
             ),
         };
         entry.held = false;
+        entry.pages_stamped = false;
         let entry = *entry;
         self.counts.hand(&entry);
         self.census.held -= 1;

@@ -51,8 +51,9 @@ impl State {
     /// flushed to the free lists first. A parked block never costs memory: any request that
     /// would map pages flushes them all first (`malloc`), as does every slow path. Only
     /// paged blocks park: they count no inactive splits, so the statistics read exactly as
-    /// if the block had merged; plain segments keep PyTorch's figures for those.
-    pub fn park(&mut self, id: BlockId) -> Option<bool> {
+    /// if the block had merged; plain segments keep PyTorch's figures for those. `stamp`:
+    /// as `cache_freed`.
+    pub fn park(&mut self, id: BlockId, stamp: bool) -> Option<bool> {
         let block = self.book.blocks.get(id);
         if !block.paged() || block.owner().is_some() {
             return None;
@@ -72,7 +73,7 @@ impl State {
             }
         }
         self.parked.gate.note_set_aside();
-        let fence_due = self.end_use(id);
+        let fence_due = self.end_use(id, stamp);
         self.book.blocks.get_mut(id).mark_parked();
         self.parked
             .by_size
