@@ -69,7 +69,8 @@ pub const FRONT_LARGE_SLOTS: usize = 2;
 /// with blocks up to 1 GiB held). Returned at the next visit, a large block reaches the
 /// shard before anything the shard does could have used it, so a thread's own sequence
 /// leaves the shard as parking it at once would, and the same-size loop of large tensors
-/// still runs without the shard's lock.
+/// still runs without the shard's lock. Not with per-stream shards (`Shard::adopt` says
+/// why).
 pub const FRONT_MAX_BLOCK: u64 = 1 << 20;
 /// Adoptions counted before a front judges its reuse ...
 const ADOPTIONS_PER_REVIEW: u64 = 64;

@@ -33,8 +33,11 @@ impl Shard {
 
     /// Gives a freed block to `cell` (see `front`) when it may wait there: a paged block of
     /// the general cache, used on its own stream only, not oversize, outside captures; one
-    /// over `front::FRONT_MAX_BLOCK` only while parking does not pause. Returns the front's
-    /// census, or `None` when the block stays here.
+    /// over `front::FRONT_MAX_BLOCK` only while parking does not pause, and only without
+    /// per-stream shards: other shards weigh this one's live bytes, held blocks included,
+    /// in their growth's budget (`weighed_high_water`), and the holder's next visit here,
+    /// which would return it, may never come. Returns the front's census, or `None` when
+    /// the block stays here.
     pub(in crate::alloc) fn adopt(
         &self,
         st: &mut State,
@@ -49,7 +52,7 @@ impl Shard {
             && !b.counted_oversize()
             && !st.capturing()
             // A large block stands in for a parked one: not while parking pauses.
-            && (!large || !st.parking_paused());
+            && (!large || (!st.parking_paused() && !st.config().per_stream_shards));
         if !eligible {
             return None;
         }
