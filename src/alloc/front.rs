@@ -257,15 +257,15 @@ impl Front {
         Some((entry.ptr, entry.is_large()))
     }
 
-    /// A free of `ptr`.
-    pub fn give_back(&mut self, ptr: DevicePtr) -> GiveBack {
+    /// A free of `ptr`, and whether its block is over `FRONT_MAX_BLOCK`.
+    pub fn give_back(&mut self, ptr: DevicePtr) -> (GiveBack, bool) {
         self.clock += 1;
         let stamp = self.clock;
         let Some(entry) = self.slots.iter_mut().flatten().find(|e| e.ptr == ptr) else {
-            return GiveBack::NotHere;
+            return (GiveBack::NotHere, false);
         };
         if entry.held {
-            return GiveBack::AlreadyFree;
+            return (GiveBack::AlreadyFree, entry.is_large());
         }
         entry.held = true;
         entry.stamp = stamp;
@@ -274,7 +274,7 @@ impl Front {
         self.census.held += 1;
         self.census.out -= 1;
         self.census.held_large += entry.is_large() as u32;
-        GiveBack::Held
+        (GiveBack::Held, entry.is_large())
     }
 
     /// The slots for blocks over `FRONT_MAX_BLOCK` (`large`) or up to it.
@@ -649,13 +649,22 @@ pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
                     continue;
                 }
                 let fronts = &local.fronts;
-                let (found, census) = local.cell.front.with(|f| {
+                let ((found, large), census) = local.cell.front.with(|f| {
                     if !fronts.open.load(Ordering::Relaxed) {
-                        return (GiveBack::NotHere, f.census());
+                        return ((GiveBack::NotHere, false), f.census());
                     }
                     (f.give_back(ptr), f.census())
                 });
                 local.census = census;
+                if found == GiveBack::Held && large {
+                    // Without the front this free would have reached the shard: the small
+                    // blocks' pause, counted in such frees, counts it (see `with_adopter`).
+                    local.gate.may_set_aside(
+                        ADOPTIONS_PER_REVIEW,
+                        ADOPTIONS_PER_REUSE,
+                        ADOPTION_PAUSE,
+                    );
+                }
                 if found != GiveBack::NotHere {
                     return found;
                 }
@@ -798,5 +807,44 @@ mod tests {
             }
             assert_eq!(f.census(), recount(&f), "step {step}");
         }
+    }
+
+    /// The small blocks' adoption pause is counted in frees that reach the shard; a large
+    /// block's free that the front serves instead counts as one (it would have reached the
+    /// shard without the front), so that the pause ends where it did without it.
+    #[test]
+    fn a_large_free_the_front_serves_counts_in_the_small_blocks_pause() {
+        std::thread::spawn(|| {
+            let key = new_key();
+            let fronts = Arc::new(Fronts::new(key, true));
+            let s = StreamId(0);
+            let large = 2 * FRONT_MAX_BLOCK;
+            let adopt = |ptr: DevicePtr, size: u64| {
+                with_adopter(&fronts, size > FRONT_MAX_BLOCK, |cell| {
+                    let pool = match size > FRONT_MAX_BLOCK {
+                        true => PoolKind::Large,
+                        false => PoolKind::Small,
+                    };
+                    let entry = Entry::new(ptr, size, size, s, pool, 0);
+                    match cell.and_then(|cell| cell.adopt(&fronts, entry)) {
+                        Some((_, census)) => (true, Some(census)),
+                        None => (false, None),
+                    }
+                })
+            };
+            assert!(adopt(1 << 40, large));
+            // Small blocks never reused: the review after a full period pauses adoption.
+            for i in 1..=ADOPTIONS_PER_REVIEW {
+                assert!(adopt(i << 20, 4096), "adoption {i}");
+            }
+            assert!(!adopt(1 << 30, 4096));
+            for _ in 0..ADOPTION_PAUSE {
+                let p = take(FrontOf::Shard(&fronts), large, s).expect("held");
+                assert_eq!(give_back(key, p), GiveBack::Held);
+            }
+            assert!(adopt(1 << 30, 4096), "the pause is over");
+        })
+        .join()
+        .unwrap();
     }
 }
