@@ -493,37 +493,47 @@ fn a_large_block_another_thread_holds_does_not_cost_memory() {
 /// Growth that takes the pages of a large block a front held waits for the device no more
 /// than if the block had been parked at its free: the front stamps the block's free on its
 /// pages when it adopts it, with the fence a free records, while its stream is known to be
-/// alive. `reuses`: same-size pairs served before the growth (by the front, or by parking).
+/// alive; frees the front served after that count in the fences' cadence when the block
+/// goes back. `reuses`: same-size pairs served before the growth (by the front, or by
+/// parking). (Not covered: a block reused in the front and taken back by a visit on
+/// another stream, where no fence can be recorded for the frees the front served.)
 #[test]
 fn growth_waits_for_a_large_block_a_front_held_as_for_a_parked_one() {
-    // (stream of the freed block, stream of the growth, whether the first is busy).
-    for (freed_on, grown_on, busy) in [(S0, S0, false), (S1, S0, false), (S1, S0, true)] {
-        for reuses in [0, 3] {
-            let waits = ["", "thread_cache:False"].map(|conf| {
-                let (sim, a) = allocator(1 << 30, conf);
-                let hole = a.malloc(40 * MIB, freed_on).unwrap();
-                let keep = a.malloc(4 * MIB, freed_on).unwrap();
-                sim.set_stream_paused(0, freed_on, busy);
-                a.free(hole).unwrap();
-                for _ in 0..reuses {
-                    let again = a.malloc(40 * MIB, freed_on).unwrap();
-                    assert_eq!(again, hole);
-                    a.free(again).unwrap();
-                }
-                let big = a.malloc(60 * MIB, grown_on).unwrap();
-                let c = sim.counters(0);
-                assert!(c.granules_unmapped >= 10, "pages moved from the hole");
-                sim.set_stream_paused(0, freed_on, false);
-                a.free(big).unwrap();
-                a.free(keep).unwrap();
-                (c.synchronize_calls, c.event_waits)
-            });
-            let case = format!("freed on {freed_on:?}, grown on {grown_on:?}, busy {busy}");
-            assert_eq!(waits[0], waits[1], "{case}, {reuses} reuses");
-            if reuses == 0 {
-                // The fence recorded at the free covers it: never the whole device.
-                assert_eq!(waits[0].0, 0, "{case}");
+    // (stream of the freed block, stream of the growth, whether the first is busy, reuses).
+    let cases = [
+        (S0, S0, false, 0),
+        (S0, S0, false, 3),
+        // The 17th free is due a fence (one in 16 per segment).
+        (S0, S0, false, 16),
+        (S1, S0, false, 0),
+        (S1, S0, true, 0),
+        (S1, S0, true, 3),
+    ];
+    for (freed_on, grown_on, busy, reuses) in cases {
+        let waits = ["", "thread_cache:False"].map(|conf| {
+            let (sim, a) = allocator(1 << 30, conf);
+            let hole = a.malloc(40 * MIB, freed_on).unwrap();
+            let keep = a.malloc(4 * MIB, freed_on).unwrap();
+            sim.set_stream_paused(0, freed_on, busy);
+            a.free(hole).unwrap();
+            for _ in 0..reuses {
+                let again = a.malloc(40 * MIB, freed_on).unwrap();
+                assert_eq!(again, hole);
+                a.free(again).unwrap();
             }
+            let big = a.malloc(60 * MIB, grown_on).unwrap();
+            let c = sim.counters(0);
+            assert!(c.granules_unmapped >= 10, "pages moved from the hole");
+            sim.set_stream_paused(0, freed_on, false);
+            a.free(big).unwrap();
+            a.free(keep).unwrap();
+            (c.synchronize_calls, c.event_waits)
+        });
+        let case = format!("freed on {freed_on:?}, grown on {grown_on:?}, busy {busy}");
+        assert_eq!(waits[0], waits[1], "{case}, {reuses} reuses");
+        if reuses == 0 || reuses == 16 {
+            // A fence recorded at the last free covers it: never the whole device.
+            assert_eq!(waits[0].0, 0, "{case}");
         }
     }
 }

@@ -90,10 +90,11 @@ pub struct Entry {
     pub id: BlockId,
     /// Freed by the caller (else handed out again by the front).
     pub held: bool,
-    /// Its pages carry its free through the shard, with the fence recorded then
-    /// (`Shard::adopt`), and it was not handed out since: its free in the shard later adds
-    /// nothing to them (`FreedAt::Stamped`).
-    pub pages_stamped: bool,
+    /// Frees of it not yet stamped on its pages (`FreedAt`). 1 for a block up to
+    /// `FRONT_MAX_BLOCK`, which its drain stamps as one free. A larger one's free is stamped
+    /// when the front adopts it (0: `Shard::adopt`), and each free the front serves after
+    /// that adds one, for the fences' cadence when it goes back.
+    pub unstamped_frees: u32,
     /// When it was last freed, for eviction of the oldest.
     stamp: u64,
 }
@@ -115,7 +116,7 @@ impl Entry {
             pool,
             id,
             held: false,
-            pages_stamped: false,
+            unstamped_frees: 1,
             stamp: 0,
         }
     }
@@ -248,7 +249,6 @@ impl Front {
             ),
         };
         entry.held = false;
-        entry.pages_stamped = false;
         let entry = *entry;
         self.counts.hand(&entry);
         self.census.held -= 1;
@@ -269,6 +269,9 @@ impl Front {
         }
         entry.held = true;
         entry.stamp = stamp;
+        if entry.is_large() {
+            entry.unstamped_frees = entry.unstamped_frees.saturating_add(1);
+        }
         let entry = *entry;
         self.counts.take_back(&entry);
         self.census.held += 1;

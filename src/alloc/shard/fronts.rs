@@ -61,7 +61,9 @@ impl Shard {
         // A large block goes back to the shard later, when its stream may be gone: its
         // free is stamped on its pages now, with the fence that would be recorded for it,
         // as parking it would (`FreedAt::Stamped`).
-        entry.pages_stamped = large;
+        if large {
+            entry.unstamped_frees = 0;
+        }
         let (evicted, census) = cell.adopt(&self.fronts, entry)?;
         st.join_front(id, cell.id);
         if large && st.stamp_free(id) && self.free_fence_allowed(st, stream) {
@@ -130,9 +132,9 @@ impl Shard {
         debug_assert_eq!(id, entry.id);
         st.leave_front(id);
         // Never recorded on another stream (record_stream takes blocks out of fronts).
-        let at = match entry.pages_stamped {
-            true => FreedAt::Stamped,
-            false => FreedAt::Later { alive },
+        let at = match entry.unstamped_frees {
+            0 => FreedAt::Stamped,
+            frees => FreedAt::Later { alive, frees },
         };
         if let Err(e) = self.free_block(st, id, at) {
             tracing::warn!(device = self.device, "freeing a front's block: {e}");

@@ -56,8 +56,10 @@ pub(in crate::alloc) enum FreedAt {
     CallersFree,
     /// Later (a block that left a front, or a restore's): its stream may be gone by now,
     /// unless it is `alive`, the stream of the visit under way. Otherwise a later fence
-    /// there, or a device synchronize, covers it (`wait_for_free`).
-    Later { alive: Option<StreamId> },
+    /// there, or a device synchronize, covers it (`wait_for_free`). `frees`: the frees it
+    /// stands for (a front may have served several since the shard last stamped its
+    /// pages), each counted in the fences' cadence.
+    Later { alive: Option<StreamId>, frees: u32 },
     /// Later, but its pages were stamped, and a due fence recorded, at the caller's free
     /// (a front's adoption, `Shard::adopt`), and it was not handed out since: nothing left
     /// to stamp or record.
@@ -464,15 +466,14 @@ impl Shard {
         }
         if uses.is_empty() {
             let stream = st.block(id).stream();
-            let stamp = !matches!(at, FreedAt::Stamped);
-            let fence_due = match st.park(id, stamp) {
-                Some(due) => due,
-                None => st.cache_freed(id, stamp),
+            let (frees, alive) = match at {
+                FreedAt::CallersFree => (1, true),
+                FreedAt::Later { alive, frees } => (frees, alive == Some(stream)),
+                FreedAt::Stamped => (0, false),
             };
-            let alive = match at {
-                FreedAt::CallersFree => true,
-                FreedAt::Later { alive } => alive == Some(stream),
-                FreedAt::Stamped => false,
+            let fence_due = match st.park(id, frees) {
+                Some(due) => due,
+                None => st.cache_freed(id, frees),
             };
             if fence_due && alive && self.free_fence_allowed(st, stream) {
                 // Later growth may want these pages: a fence tells it when they are free.

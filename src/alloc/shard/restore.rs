@@ -63,7 +63,14 @@ impl Shard {
         let carved = self.carve(&mut st, pool, saved, &mut made, &mut done.segments_found);
         if let Err(e) = carved {
             for (id, _) in made {
-                self.free_block(&mut st, id, FreedAt::Later { alive: None })?;
+                self.free_block(
+                    &mut st,
+                    id,
+                    FreedAt::Later {
+                        alive: None,
+                        frees: 1,
+                    },
+                )?;
             }
             return Err(e);
         }
@@ -71,7 +78,14 @@ impl Shard {
             if allocated {
                 done.allocated.push(st.block(id).addr());
             } else {
-                self.free_block(&mut st, id, FreedAt::Later { alive: None })?;
+                self.free_block(
+                    &mut st,
+                    id,
+                    FreedAt::Later {
+                        alive: None,
+                        frees: 1,
+                    },
+                )?;
             }
         }
         Ok(done)

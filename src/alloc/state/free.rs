@@ -26,17 +26,17 @@ impl State {
     /// Returns a no-longer-used block to its free list, merging free neighbours.
     /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
     pub fn cache(&mut self, id: BlockId) -> bool {
-        self.cache_freed(id, true)
+        self.cache_freed(id, 1)
     }
 
-    /// `cache`; `stamp` false for a block whose pages already carry its free
-    /// (`stamp_free`), which then has no fence due either.
-    pub fn cache_freed(&mut self, id: BlockId, stamp: bool) -> bool {
+    /// `cache` for a block that stands for `frees` frees not yet stamped on its pages: 0
+    /// when they carry its free already (`stamp_free`; no fence is due then either).
+    pub fn cache_freed(&mut self, id: BlockId, frees: u32) -> bool {
         let (pool, paged) = (
             self.book.blocks.get(id).pool(),
             self.book.blocks.get(id).paged(),
         );
-        let fence_due = self.end_use(id, stamp);
+        let fence_due = self.end_use(id, frees);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
         if !paged {
             self.stats.inactive_split.adjust(pool, net_blocks);
@@ -46,9 +46,9 @@ impl State {
     }
 
     /// A freed block stops being active, and a paged one notes its free on its pages (the
-    /// clock of fences) unless `stamp` is false (they carry it already). Returns whether a
+    /// clock of fences), as `frees` frees (0: they carry it already). Returns whether a
     /// fence is due (see `PagedSegment::note_free`).
-    pub(super) fn end_use(&mut self, id: BlockId, stamp: bool) -> bool {
+    pub(super) fn end_use(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
         let (size, pool) = (block.size(), block.pool());
         let (paged, requested) = (block.paged(), block.requested());
@@ -56,10 +56,10 @@ impl State {
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, size);
         s.requested_bytes.decrease(pool, requested);
-        if !paged || !stamp {
+        if !paged || frees == 0 {
             return false;
         }
-        self.stamp_free(id)
+        self.stamp_frees(id, frees)
     }
 
     /// Notes on paged block `id`'s pages that it is freed now: the device's last use of
@@ -69,12 +69,20 @@ impl State {
     /// free (`Shard::adopt`): only then is the block's stream known to be alive for the
     /// fence.
     pub fn stamp_free(&mut self, id: BlockId) -> bool {
+        self.stamp_frees(id, 1)
+    }
+
+    /// `stamp_free` for `frees` frees of the block (a front served all but the last without
+    /// the shard): each counts in the sequence and the fences' cadence, as if stamped one
+    /// by one; the fence due among them is recorded (if at all) after the last.
+    fn stamp_frees(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
         let (addr, size) = (block.addr(), block.size());
-        debug_assert!(block.paged());
-        self.paging.free_seq += 1;
+        debug_assert!(block.paged() && frees > 0);
+        self.paging.free_seq += frees as u64;
         let seq = self.paging.free_seq;
-        self.paged_segment_mut(addr).note_free(addr, size, seq)
+        self.paged_segment_mut(addr)
+            .note_free(addr, size, seq, frees)
     }
 
     /// Puts back a paged block taken from the cache but never handed out. Its neighbours may

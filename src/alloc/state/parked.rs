@@ -51,9 +51,9 @@ impl State {
     /// flushed to the free lists first. A parked block never costs memory: any request that
     /// would map pages flushes them all first (`malloc`), as does every slow path. Only
     /// paged blocks park: they count no inactive splits, so the statistics read exactly as
-    /// if the block had merged; plain segments keep PyTorch's figures for those. `stamp`:
+    /// if the block had merged; plain segments keep PyTorch's figures for those. `frees`:
     /// as `cache_freed`.
-    pub fn park(&mut self, id: BlockId, stamp: bool) -> Option<bool> {
+    pub fn park(&mut self, id: BlockId, frees: u32) -> Option<bool> {
         let block = self.book.blocks.get(id);
         if !block.paged() || block.owner().is_some() {
             return None;
@@ -73,7 +73,7 @@ impl State {
             }
         }
         self.parked.gate.note_set_aside();
-        let fence_due = self.end_use(id, stamp);
+        let fence_due = self.end_use(id, frees);
         self.book.blocks.get_mut(id).mark_parked();
         self.parked
             .by_size
