@@ -491,3 +491,36 @@ proptest! {
         same_as_without_fronts(ops);
     }
 }
+
+/// A large block freed on one stream is idle memory that the next stream's growth borrows,
+/// whichever thread grows: no front keeps it live in its shard, where other shards weigh
+/// it as live (their growth budget) until its thread's next visit there, which may never
+/// come.
+#[test]
+fn a_large_block_freed_on_one_stream_is_idle_memory_for_the_next() {
+    for other_thread in [false, true] {
+        let (driver, a) = sharded(1 << 30, "");
+        let p = a.malloc(64 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        let q = match other_thread {
+            false => a.malloc(64 * MIB, S1).unwrap(),
+            true => {
+                std::thread::scope(|s| s.spawn(|| a.malloc(64 * MIB, S1).unwrap()).join()).unwrap()
+            }
+        };
+        let s = a.stats().unwrap();
+        assert!(
+            s.paging.chunks_borrowed > 0,
+            "{other_thread}: {:?}",
+            s.paging
+        );
+        let reserved = s.reserved_bytes.all().current as u64;
+        assert!(
+            reserved <= 72 * MIB,
+            "{other_thread}: {} MiB",
+            reserved / MIB
+        );
+        assert_eq!(reserved, driver.sim.counters(0).bytes_in_use);
+        a.free(q).unwrap();
+    }
+}

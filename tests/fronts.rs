@@ -425,3 +425,115 @@ fn shutdown_counts_only_the_callers_blocks() {
         assert_eq!(a.malloc(4096, S0).unwrap_err().kind, ErrorKind::ShutDown);
     }
 }
+
+#[test]
+fn a_same_size_loop_of_large_blocks_is_served_by_the_front() {
+    for conf in CONFS {
+        for size in [32 * MIB, 512 * MIB] {
+            let (sim, a) = allocator(4 << 30, conf);
+            let p = a.malloc(size, S0).unwrap();
+            a.free(p).unwrap();
+            let calls = sim.counters(0);
+            for _ in 0..1000 {
+                let q = a.malloc(size, S0).unwrap();
+                assert_eq!(q, p);
+                a.free(q).unwrap();
+            }
+            assert_eq!(sim.counters(0).maps, calls.maps);
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocated_bytes.all().current, 0, "{conf} {size}");
+            assert_eq!(s.allocated_bytes.all().peak, size as i64);
+            assert_eq!(s.allocation.all().allocated, 1001);
+            // Held in the front, it is still freed once only.
+            assert_eq!(a.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+            let other =
+                std::thread::scope(|s| s.spawn(|| a.free(p).unwrap_err().kind).join().unwrap());
+            assert_eq!(other, ErrorKind::DoubleFree);
+        }
+    }
+}
+
+/// A large block waits in its thread's front only until that thread next visits the shard:
+/// then it is the shard's, as if freed there at once, and a smaller request is cut from it
+/// instead of mapping more.
+#[test]
+fn a_large_block_held_by_a_front_goes_back_at_its_threads_next_visit() {
+    for conf in CONFS {
+        let (sim, a) = allocator(4 << 30, conf);
+        let p = a.malloc(32 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        let maps = sim.counters(0).maps;
+        let q = a.malloc(16 * MIB, S0).unwrap();
+        assert_eq!(q, p, "{conf}: cut from the returned block");
+        assert_eq!(sim.counters(0).maps, maps, "{conf}: nothing mapped");
+        a.free(q).unwrap();
+    }
+}
+
+/// Another thread's request never waits on memory a front holds: growth takes held blocks
+/// back first, so reserved memory does not grow for a block some thread keeps.
+#[test]
+fn a_large_block_another_thread_holds_does_not_cost_memory() {
+    for conf in CONFS {
+        let (_sim, a) = allocator(4 << 30, conf);
+        let p = a.malloc(256 * MIB, S0).unwrap();
+        a.free(p).unwrap();
+        let reserved = a.stats().unwrap().reserved_bytes.all().current;
+        let q =
+            std::thread::scope(|s| s.spawn(|| a.malloc(256 * MIB, S0).unwrap()).join().unwrap());
+        assert_eq!(
+            a.stats().unwrap().reserved_bytes.all().current,
+            reserved,
+            "{conf}"
+        );
+        a.free(q).unwrap();
+    }
+}
+
+/// Growth that takes the pages of a large block a front held waits for the device no more
+/// than if the block had been parked at its free: the front stamps the block's free on its
+/// pages when it adopts it, with the fence a free records, while its stream is known to be
+/// alive; frees the front served after that count in the fences' cadence when the block
+/// goes back. `reuses`: same-size pairs served before the growth (by the front, or by
+/// parking). (Not covered: a block reused in the front and taken back by a visit on
+/// another stream, where no fence can be recorded for the frees the front served.)
+#[test]
+fn growth_waits_for_a_large_block_a_front_held_as_for_a_parked_one() {
+    // (stream of the freed block, stream of the growth, whether the first is busy, reuses).
+    let cases = [
+        (S0, S0, false, 0),
+        (S0, S0, false, 3),
+        // The 17th free is due a fence (one in 16 per segment).
+        (S0, S0, false, 16),
+        (S1, S0, false, 0),
+        (S1, S0, true, 0),
+        (S1, S0, true, 3),
+    ];
+    for (freed_on, grown_on, busy, reuses) in cases {
+        let waits = ["", "thread_cache:False"].map(|conf| {
+            let (sim, a) = allocator(1 << 30, conf);
+            let hole = a.malloc(40 * MIB, freed_on).unwrap();
+            let keep = a.malloc(4 * MIB, freed_on).unwrap();
+            sim.set_stream_paused(0, freed_on, busy);
+            a.free(hole).unwrap();
+            for _ in 0..reuses {
+                let again = a.malloc(40 * MIB, freed_on).unwrap();
+                assert_eq!(again, hole);
+                a.free(again).unwrap();
+            }
+            let big = a.malloc(60 * MIB, grown_on).unwrap();
+            let c = sim.counters(0);
+            assert!(c.granules_unmapped >= 10, "pages moved from the hole");
+            sim.set_stream_paused(0, freed_on, false);
+            a.free(big).unwrap();
+            a.free(keep).unwrap();
+            (c.synchronize_calls, c.event_waits)
+        });
+        let case = format!("freed on {freed_on:?}, grown on {grown_on:?}, busy {busy}");
+        assert_eq!(waits[0], waits[1], "{case}, {reuses} reuses");
+        if reuses == 0 || reuses == 16 {
+            // A fence recorded at the last free covers it: never the whole device.
+            assert_eq!(waits[0].0, 0, "{case}");
+        }
+    }
+}

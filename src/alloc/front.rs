@@ -57,11 +57,20 @@ use crate::sync::SpinCell;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Blocks (held and out) a front keeps.
+/// Blocks (held and out) up to `FRONT_MAX_BLOCK` a front keeps ...
 pub const FRONT_SLOTS: usize = 8;
-/// Larger blocks are left to the shard's parking: a held block stays unmerged, and large
-/// ones held so change where later blocks go enough to raise peak reserved over peak live;
-/// up to the small pool's largest block the effect stays small.
+/// ... and larger ones, in slots of their own: a large block out for long (a live tensor)
+/// must not take the place of small ones, nor a large one held push a small one out.
+pub const FRONT_LARGE_SLOTS: usize = 2;
+/// Blocks up to this size (the small pool's largest) stay held until reused or drained.
+/// A larger block is held only until its thread next visits the shard, which then parks
+/// it (`Shard::return_large_held`): held longer, unmerged, large blocks change where later
+/// blocks go enough to raise peak reserved over peak live (bert's replay: 1.035 → 1.063
+/// with blocks up to 1 GiB held). Returned at the next visit, a large block reaches the
+/// shard before anything the shard does could have used it, so a thread's own sequence
+/// leaves the shard as parking it at once would, and the same-size loop of large tensors
+/// still runs without the shard's lock. Not with per-stream shards (`Shard::adopt` says
+/// why).
 pub const FRONT_MAX_BLOCK: u64 = 1 << 20;
 /// Adoptions counted before a front judges its reuse ...
 const ADOPTIONS_PER_REVIEW: u64 = 64;
@@ -81,6 +90,11 @@ pub struct Entry {
     pub id: BlockId,
     /// Freed by the caller (else handed out again by the front).
     pub held: bool,
+    /// Frees of it not yet stamped on its pages (`FreedAt`). 1 for a block up to
+    /// `FRONT_MAX_BLOCK`, which its drain stamps as one free. A larger one's free is stamped
+    /// when the front adopts it (0: `Shard::adopt`), and each free the front serves after
+    /// that adds one, for the fences' cadence when it goes back.
+    pub unstamped_frees: u32,
     /// When it was last freed, for eviction of the oldest.
     stamp: u64,
 }
@@ -102,8 +116,14 @@ impl Entry {
             pool,
             id,
             held: false,
+            unstamped_frees: 1,
             stamp: 0,
         }
+    }
+
+    /// Held only until its thread's next visit to the shard (`FRONT_MAX_BLOCK`).
+    pub fn is_large(&self) -> bool {
+        self.size > FRONT_MAX_BLOCK
     }
 
     /// Its weight in each statistic a front moves.
@@ -177,15 +197,23 @@ pub enum GiveBack {
     NotHere,
 }
 
+/// How many entries a front has of each kind (kept as they change: read on every visit).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    pub held: u32,
+    pub out: u32,
+    /// Of the held ones, those over `FRONT_MAX_BLOCK` (returned at the next visit).
+    pub held_large: u32,
+}
+
 /// One thread's front (behind its `FrontCell`).
 #[derive(Default)]
 pub struct Front {
-    slots: [Option<Entry>; FRONT_SLOTS],
+    /// `FRONT_SLOTS` for small blocks, then `FRONT_LARGE_SLOTS` for large ones.
+    slots: [Option<Entry>; FRONT_SLOTS + FRONT_LARGE_SLOTS],
     counts: FrontCounts,
     clock: u64,
-    /// Entries held and out (kept as they change: read on every visit).
-    held: u32,
-    out: u32,
+    census: Census,
 }
 
 impl Front {
@@ -197,58 +225,85 @@ impl Front {
         &mut self.counts
     }
 
-    /// (held, out) entries.
-    pub fn census(&self) -> (u32, u32) {
-        (self.held, self.out)
+    pub fn census(&self) -> Census {
+        self.census
     }
 
-    /// Hands out a held block of exactly `requested` bytes on `stream`.
-    pub fn take(&mut self, requested: u64, stream: StreamId) -> Option<DevicePtr> {
-        let entry = self
-            .slots
+    /// Hands out a held block of exactly `requested` bytes on `stream`, and whether it is
+    /// large.
+    pub fn take(&mut self, requested: u64, stream: StreamId) -> Option<(DevicePtr, bool)> {
+        let fits = |e: &&mut Entry| e.held && e.requested == requested && e.stream == stream;
+        // A request over FRONT_MAX_BLOCK needs a block over it.
+        let large = requested > FRONT_MAX_BLOCK;
+        let mut matching = self.slots[Self::slots_for(large)]
             .iter_mut()
             .flatten()
-            .find(|e| e.held && e.requested == requested && e.stream == stream)?;
+            .filter(fits);
+        let first = matching.next()?;
+        // A large block goes out newest first, as parking hands them out (its stand-in).
+        let entry = match large {
+            false => first,
+            true => matching.fold(
+                first,
+                |newest, e| if e.stamp > newest.stamp { e } else { newest },
+            ),
+        };
         entry.held = false;
         let entry = *entry;
         self.counts.hand(&entry);
-        (self.held, self.out) = (self.held - 1, self.out + 1);
-        Some(entry.ptr)
+        self.census.held -= 1;
+        self.census.out += 1;
+        self.census.held_large -= entry.is_large() as u32;
+        Some((entry.ptr, entry.is_large()))
     }
 
-    /// A free of `ptr`.
-    pub fn give_back(&mut self, ptr: DevicePtr) -> GiveBack {
+    /// A free of `ptr`, and whether its block is over `FRONT_MAX_BLOCK`.
+    pub fn give_back(&mut self, ptr: DevicePtr) -> (GiveBack, bool) {
         self.clock += 1;
         let stamp = self.clock;
         let Some(entry) = self.slots.iter_mut().flatten().find(|e| e.ptr == ptr) else {
-            return GiveBack::NotHere;
+            return (GiveBack::NotHere, false);
         };
         if entry.held {
-            return GiveBack::AlreadyFree;
+            return (GiveBack::AlreadyFree, entry.is_large());
         }
         entry.held = true;
         entry.stamp = stamp;
+        if entry.is_large() {
+            entry.unstamped_frees = entry.unstamped_frees.saturating_add(1);
+        }
         let entry = *entry;
         self.counts.take_back(&entry);
-        (self.held, self.out) = (self.held + 1, self.out - 1);
-        GiveBack::Held
+        self.census.held += 1;
+        self.census.out -= 1;
+        self.census.held_large += entry.is_large() as u32;
+        (GiveBack::Held, entry.is_large())
     }
 
-    /// Takes a block the caller just freed (through the shard) as held. When every slot is
-    /// taken, the oldest held entry makes room and is returned, for the shard to free;
-    /// `Err` (nothing changed) when every slot is out.
+    /// The slots for blocks over `FRONT_MAX_BLOCK` (`large`) or up to it.
+    fn slots_for(large: bool) -> std::ops::Range<usize> {
+        match large {
+            false => 0..FRONT_SLOTS,
+            true => FRONT_SLOTS..FRONT_SLOTS + FRONT_LARGE_SLOTS,
+        }
+    }
+
+    /// Takes a block the caller just freed (through the shard) as held. When every slot of
+    /// its kind (small or large) is taken, the oldest held entry of that kind makes room and
+    /// is returned, for the shard to free; `Err` (nothing changed) when every one is out.
     pub fn adopt(&mut self, mut entry: Entry) -> Result<Option<Entry>, Entry> {
         self.clock += 1;
         entry.held = true;
         entry.stamp = self.clock;
-        let slot = match self.slots.iter().position(Option::is_none) {
-            Some(free) => free,
+        let range = Self::slots_for(entry.is_large());
+        let kind = &self.slots[range.clone()];
+        let slot = match kind.iter().position(Option::is_none) {
+            Some(free) => range.start + free,
             None => {
-                let oldest = self
-                    .slots
+                let oldest = kind
                     .iter()
                     .enumerate()
-                    .filter_map(|(i, e)| e.filter(|e| e.held).map(|e| (e.stamp, i)))
+                    .filter_map(|(i, e)| e.filter(|e| e.held).map(|e| (e.stamp, range.start + i)))
                     .min();
                 match oldest {
                     Some((_, i)) => i,
@@ -258,23 +313,40 @@ impl Front {
         };
         let evicted = self.slots[slot].replace(entry);
         match &evicted {
-            Some(old) => self.counts.unreturn(old),
-            None => self.held += 1,
+            Some(old) => {
+                self.counts.unreturn(old);
+                self.census.held_large -= old.is_large() as u32;
+            }
+            None => self.census.held += 1,
         }
+        self.census.held_large += entry.is_large() as u32;
         self.counts.take_back(&entry);
         Ok(evicted)
     }
 
     /// Removes and returns every held entry (for the shard to free).
     pub fn drain_held(&mut self) -> Vec<Entry> {
+        self.drain_held_if(|_| true)
+    }
+
+    /// Removes and returns the held entries over `FRONT_MAX_BLOCK` (for the shard to free),
+    /// oldest freed first: the shard parks them in that order, as if at each free.
+    pub fn drain_held_large(&mut self) -> Vec<Entry> {
+        let mut drained = self.drain_held_if(Entry::is_large);
+        drained.sort_by_key(|e| e.stamp);
+        drained
+    }
+
+    fn drain_held_if(&mut self, mut which: impl FnMut(&Entry) -> bool) -> Vec<Entry> {
         let mut drained = Vec::new();
         for slot in &mut self.slots {
-            if let Some(e) = slot.take_if(|e| e.held) {
+            if let Some(e) = slot.take_if(|e| e.held && which(e)) {
                 self.counts.unreturn(&e);
+                self.census.held -= 1;
+                self.census.held_large -= e.is_large() as u32;
                 drained.push(e);
             }
         }
-        self.held = 0;
         drained
     }
 
@@ -290,7 +362,7 @@ impl Front {
             return Some(true);
         }
         *slot = None;
-        self.out -= 1;
+        self.census.out -= 1;
         Some(false)
     }
 
@@ -310,9 +382,8 @@ pub struct FrontCell {
 impl FrontCell {
     /// Takes `entry`, a block its thread just freed through the shard, as held, while
     /// `fronts` are open. Returns the entry evicted to make room (for the shard to free)
-    /// and the front's (held, out) census; `None` (nothing changed) when closed or full of
-    /// blocks out.
-    pub fn adopt(&self, fronts: &Fronts, entry: Entry) -> Option<(Option<Entry>, (u32, u32))> {
+    /// and the front's census; `None` (nothing changed) when closed or full of blocks out.
+    pub fn adopt(&self, fronts: &Fronts, entry: Entry) -> Option<(Option<Entry>, Census)> {
         self.front.with(|f| {
             if !fronts.open.load(Ordering::Relaxed) {
                 return None;
@@ -462,18 +533,23 @@ impl Fronts {
 }
 
 /// What the calling thread knows of its front for one shard, without taking its cell:
-/// upper bounds of its held and out entries (only this thread adds them; others only take
-/// them away), and its adoption record.
+/// upper bounds of its census (only this thread adds entries; others only take them away),
+/// and its adoption record.
 struct Local {
     /// `fronts.device`, copied: read on every free. The `Local` for a shard's fronts is
     /// found by their address, which stays theirs while `fronts` holds them.
     device: u64,
     fronts: Arc<Fronts>,
     cell: Arc<FrontCell>,
-    held: u32,
-    out: u32,
-    /// Adoptions and reuses, and the pause they may set.
+    census: Census,
+    /// Large blocks handed out since the thread last visited the shard: the shard's
+    /// parking counts them as its own reuses (`take_large_held`).
+    large_reused: u32,
+    /// Adoptions and reuses, and the pause they may set, of blocks up to `FRONT_MAX_BLOCK`
+    /// and of larger ones apart: large blocks that go back unused must not stop the small
+    /// ones that are reused.
     gate: ReuseGate,
+    gate_large: ReuseGate,
 }
 
 impl Drop for Local {
@@ -518,7 +594,7 @@ fn with_local<R>(which: FrontOf<'_>, f: impl FnOnce(&mut Local) -> R) -> Option<
 /// `requested` bytes on `stream`.
 pub fn take(which: FrontOf<'_>, requested: u64, stream: StreamId) -> Option<DevicePtr> {
     with_local(which, |local| {
-        if local.held == 0 {
+        if local.census.held == 0 {
             return None;
         }
         let fronts = &local.fronts;
@@ -528,13 +604,38 @@ pub fn take(which: FrontOf<'_>, requested: u64, stream: StreamId) -> Option<Devi
             }
             (f.take(requested, stream), f.census())
         });
-        (local.held, local.out) = census;
-        if taken.is_some() {
-            local.gate.note_reuse();
+        local.census = census;
+        let (ptr, large) = taken?;
+        match large {
+            false => local.gate.note_reuse(),
+            true => {
+                local.gate_large.note_reuse();
+                local.large_reused += 1;
+            }
         }
-        taken
+        Some(ptr)
     })
     .flatten()
+}
+
+/// Takes out the calling thread's held blocks over `FRONT_MAX_BLOCK` in its front among
+/// `fronts`, for the shard to free, and how many such blocks the front handed out since
+/// the last call: at the start of each of the thread's visits to the shard, under its lock
+/// (see `FRONT_MAX_BLOCK`). Costs a thread-local look when there are none.
+pub fn take_large_held(fronts: &Fronts) -> (Vec<Entry>, u32) {
+    with_local(FrontOf::Shard(fronts), |local| {
+        let reused = std::mem::take(&mut local.large_reused);
+        if local.census.held_large == 0 {
+            return (Vec::new(), reused);
+        }
+        let (drained, census) = local
+            .cell
+            .front
+            .with(|f| (f.drain_held_large(), f.census()));
+        local.census = census;
+        (drained, reused)
+    })
+    .unwrap_or_default()
 }
 
 /// The fast free, in this thread's fronts for the device keyed `device` that have blocks
@@ -547,17 +648,26 @@ pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
                 return GiveBack::NotHere;
             };
             for local in locals.iter_mut() {
-                if local.device != device || local.out == 0 {
+                if local.device != device || local.census.out == 0 {
                     continue;
                 }
                 let fronts = &local.fronts;
-                let (found, census) = local.cell.front.with(|f| {
+                let ((found, large), census) = local.cell.front.with(|f| {
                     if !fronts.open.load(Ordering::Relaxed) {
-                        return (GiveBack::NotHere, f.census());
+                        return ((GiveBack::NotHere, false), f.census());
                     }
                     (f.give_back(ptr), f.census())
                 });
-                (local.held, local.out) = census;
+                local.census = census;
+                if found == GiveBack::Held && large {
+                    // Without the front this free would have reached the shard: the small
+                    // blocks' pause, counted in such frees, counts it (see `with_adopter`).
+                    local.gate.may_set_aside(
+                        ADOPTIONS_PER_REVIEW,
+                        ADOPTIONS_PER_REUSE,
+                        ADOPTION_PAUSE,
+                    );
+                }
                 if found != GiveBack::NotHere {
                     return found;
                 }
@@ -570,13 +680,15 @@ pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
 /// Runs a slow free (`f`) with the calling thread's front among `fronts` (the block's
 /// shard's) as the adopter of its block, made on first use; `None` while the fronts are
 /// closed, while adoption is paused (blocks were rarely reused), or when the thread can
-/// have none (exiting, or a re-entrant call). `f` returns the front's (held, out) census
-/// when it adopted. The shard calls it under its lock, once it has found the block there,
-/// so that a thread gets fronts only in shards it frees into (registering one takes the
-/// registry: lock order shard, then registry).
+/// have none (exiting, or a re-entrant call). `large`: the block is over `FRONT_MAX_BLOCK`
+/// (its adoptions are judged apart). `f` returns the front's census when it adopted. The
+/// shard calls it under its lock, once it has found the block there, so that a thread gets
+/// fronts only in shards it frees into (registering one takes the registry: lock order
+/// shard, then registry).
 pub fn with_adopter<R>(
     fronts: &Arc<Fronts>,
-    f: impl FnOnce(Option<&FrontCell>) -> (R, Option<(u32, u32)>),
+    large: bool,
+    f: impl FnOnce(Option<&FrontCell>) -> (R, Option<Census>),
 ) -> R {
     if !fronts.open.load(Ordering::Relaxed) {
         return f(None).0;
@@ -597,31 +709,36 @@ pub fn with_adopter<R>(
                     device: fronts.device,
                     fronts: fronts.clone(),
                     cell,
-                    held: 0,
-                    out: 0,
+                    census: Census::default(),
+                    large_reused: 0,
                     gate: ReuseGate::default(),
+                    gate_large: ReuseGate::default(),
                 });
                 locals.len() - 1
             }
         };
         let Local {
             cell,
-            held,
-            out,
+            census: known,
             gate,
+            gate_large,
             ..
         } = &mut locals[i];
-        let may_adopt = if gate.pausing() {
-            false
-        } else if gate.set_aside() >= ADOPTIONS_PER_REVIEW {
-            !gate.review(ADOPTIONS_PER_REUSE, ADOPTION_PAUSE)
-        } else {
-            true
+        // Every slow free steps the small blocks' gate (its pause is counted in frees),
+        // a large one's too; a large block is then judged by its own.
+        let small_may_adopt =
+            gate.may_set_aside(ADOPTIONS_PER_REVIEW, ADOPTIONS_PER_REUSE, ADOPTION_PAUSE);
+        let may_adopt = match large {
+            false => small_may_adopt,
+            true => {
+                gate_large.may_set_aside(ADOPTIONS_PER_REVIEW, ADOPTIONS_PER_REUSE, ADOPTION_PAUSE)
+            }
         };
+        let gate = if large { gate_large } else { gate };
         let run = f.take()?;
         let (result, census) = run(may_adopt.then_some(&**cell));
         if let Some(census) = census {
-            (*held, *out) = census;
+            *known = census;
             gate.note_set_aside();
         }
         Some(result)
@@ -637,10 +754,19 @@ pub fn with_adopter<R>(
 mod tests {
     use super::*;
 
-    /// (held, out) by looking at every slot.
-    fn recount(f: &Front) -> (u32, u32) {
+    /// The census by looking at every slot.
+    fn recount(f: &Front) -> Census {
         let held = f.slots.iter().flatten().filter(|e| e.held).count() as u32;
-        (held, f.slots.iter().flatten().count() as u32 - held)
+        Census {
+            held,
+            out: f.slots.iter().flatten().count() as u32 - held,
+            held_large: f
+                .slots
+                .iter()
+                .flatten()
+                .filter(|e| e.held && e.is_large())
+                .count() as u32,
+        }
     }
 
     #[test]
@@ -655,7 +781,12 @@ mod tests {
             let stream = StreamId((seed >> 20) % 2);
             match (seed >> 40) % 5 {
                 0 if f.slots.iter().flatten().all(|e| e.ptr != ptr) => {
-                    let e = Entry::new(ptr, 512, 100 + ptr, stream, PoolKind::Small, 0);
+                    // Every third pointer is a large block.
+                    let (size, pool) = match ptr % 3 {
+                        0 => (FRONT_MAX_BLOCK * 2, PoolKind::Large),
+                        _ => (512, PoolKind::Small),
+                    };
+                    let e = Entry::new(ptr, size, 100 + ptr, stream, pool, 0);
                     let _ = f.adopt(e);
                 }
                 1 => {
@@ -670,9 +801,53 @@ mod tests {
                 _ if step % 7 == 0 => {
                     let _ = f.drain_held();
                 }
+                _ if step % 3 == 0 => {
+                    let large = f.drain_held_large();
+                    assert!(large.iter().all(|e| e.held && e.is_large()));
+                    assert_eq!(f.census().held_large, 0);
+                }
                 _ => {}
             }
             assert_eq!(f.census(), recount(&f), "step {step}");
         }
+    }
+
+    /// The small blocks' adoption pause is counted in frees that reach the shard; a large
+    /// block's free that the front serves instead counts as one (it would have reached the
+    /// shard without the front), so that the pause ends where it did without it.
+    #[test]
+    fn a_large_free_the_front_serves_counts_in_the_small_blocks_pause() {
+        std::thread::spawn(|| {
+            let key = new_key();
+            let fronts = Arc::new(Fronts::new(key, true));
+            let s = StreamId(0);
+            let large = 2 * FRONT_MAX_BLOCK;
+            let adopt = |ptr: DevicePtr, size: u64| {
+                with_adopter(&fronts, size > FRONT_MAX_BLOCK, |cell| {
+                    let pool = match size > FRONT_MAX_BLOCK {
+                        true => PoolKind::Large,
+                        false => PoolKind::Small,
+                    };
+                    let entry = Entry::new(ptr, size, size, s, pool, 0);
+                    match cell.and_then(|cell| cell.adopt(&fronts, entry)) {
+                        Some((_, census)) => (true, Some(census)),
+                        None => (false, None),
+                    }
+                })
+            };
+            assert!(adopt(1 << 40, large));
+            // Small blocks never reused: the review after a full period pauses adoption.
+            for i in 1..=ADOPTIONS_PER_REVIEW {
+                assert!(adopt(i << 20, 4096), "adoption {i}");
+            }
+            assert!(!adopt(1 << 30, 4096));
+            for _ in 0..ADOPTION_PAUSE {
+                let p = take(FrontOf::Shard(&fronts), large, s).expect("held");
+                assert_eq!(give_back(key, p), GiveBack::Held);
+            }
+            assert!(adopt(1 << 30, 4096), "the pause is over");
+        })
+        .join()
+        .unwrap();
     }
 }

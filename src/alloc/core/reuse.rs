@@ -33,11 +33,6 @@ impl ReuseGate {
         self.reused += 1;
     }
 
-    /// Blocks set aside since the last review.
-    pub fn set_aside(&self) -> u64 {
-        self.set_aside
-    }
-
     /// Ends a review period: the counts restart, and when fewer than one in `per_reuse`
     /// blocks set aside was reused, setting aside pauses for `pause` frees. Returns whether
     /// reuse was rare.
@@ -50,8 +45,20 @@ impl ReuseGate {
         rarely
     }
 
+    /// Whether a block freed now may be set aside: not while pausing, and after each
+    /// `per_review` set aside, only if at least one in `per_reuse` of them was reused (else
+    /// a pause of `pause` frees begins).
+    pub fn may_set_aside(&mut self, per_review: u64, per_reuse: u64, pause: u32) -> bool {
+        if self.pausing() {
+            false
+        } else if self.set_aside >= per_review {
+            !self.review(per_reuse, pause)
+        } else {
+            true
+        }
+    }
+
     /// Frees left before setting aside resumes.
-    #[cfg(test)]
     pub fn paused_for(&self) -> u32 {
         self.paused
     }
@@ -69,7 +76,7 @@ mod tests {
         }
         gate.note_reuse();
         assert!(gate.review(4, 3), "1 reuse in 8 set aside is rare at 4");
-        assert_eq!(gate.set_aside(), 0);
+        assert_eq!(gate.set_aside, 0);
         assert!(gate.pausing() && gate.pausing() && gate.pausing());
         assert!(!gate.pausing(), "the pause lasts 3 frees");
         for _ in 0..8 {
@@ -79,5 +86,21 @@ mod tests {
         gate.note_reuse();
         assert!(!gate.review(4, 3), "2 in 8 is not rare");
         assert!(!gate.pausing());
+    }
+
+    #[test]
+    fn a_review_comes_after_the_given_number_set_aside() {
+        let mut gate = ReuseGate::default();
+        for _ in 0..4 {
+            assert!(gate.may_set_aside(4, 2, 10));
+            gate.note_set_aside();
+        }
+        // 4 set aside, none reused: the review pauses setting aside for 10 frees.
+        assert!(!gate.may_set_aside(4, 2, 10));
+        assert_eq!(gate.paused_for(), 10);
+        for _ in 0..10 {
+            assert!(!gate.may_set_aside(4, 2, 10));
+        }
+        assert!(gate.may_set_aside(4, 2, 10));
     }
 }

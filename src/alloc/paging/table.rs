@@ -323,9 +323,10 @@ impl PagedSegment {
         best
     }
 
-    /// A block `[addr, addr+len)` was freed at `seq`. Returns whether this free should record
-    /// a fence: the first, then every `FREES_PER_FENCE`-th.
-    pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64) -> bool {
+    /// A block `[addr, addr+len)` was freed `frees` times (usually 1; more for a block a
+    /// thread front served meanwhile), the last at `seq`. Returns whether one of these frees
+    /// should record a fence: the first, then every `FREES_PER_FENCE`-th.
+    pub fn note_free(&mut self, addr: DevicePtr, len: u64, seq: u64, frees: u32) -> bool {
         let touched = self.touched(addr, len);
         match &mut self.unstamped {
             // Seqs only grow: the newer free of the same pages stamps the same chunks later.
@@ -335,8 +336,9 @@ impl PagedSegment {
                 self.unstamped = Some((touched, seq));
             }
         }
-        let due = self.frees_since_fence.is_multiple_of(FREES_PER_FENCE);
-        self.frees_since_fence = self.frees_since_fence.wrapping_add(1);
+        let into = self.frees_since_fence % FREES_PER_FENCE;
+        let due = into == 0 || into as u64 + frees as u64 > FREES_PER_FENCE as u64;
+        self.frees_since_fence = self.frees_since_fence.wrapping_add(frees);
         due
     }
 
@@ -531,7 +533,7 @@ mod tests {
                     .chunks_over(seg.touched(start, len))
                     .map(|c| c.first)
                     .collect();
-                seg.note_free(start, len, seq);
+                seg.note_free(start, len, seq, 1);
                 let stamped: Vec<usize> = seg
                     .firsts
                     .iter()
@@ -539,6 +541,29 @@ mod tests {
                     .copied()
                     .collect();
                 assert_eq!(stamped, want, "[{start:#x}, +{len:#x})");
+            }
+        }
+    }
+
+    #[test]
+    fn frees_noted_together_are_due_a_fence_as_one_by_one() {
+        let (base, page) = (1u64 << 30, 2u64 << 20);
+        let mut seg = PagedSegment::new(base, 16 * page, page, StreamId(0), PoolKind::Large);
+        let mut one_by_one = Vec::new();
+        for seq in 1..=40u64 {
+            one_by_one.push(seg.note_free(base, page, seq, 1));
+        }
+        for together in [1u32, 3, 15, 16, 17, 40] {
+            let mut seg = PagedSegment::new(base, 16 * page, page, StreamId(0), PoolKind::Large);
+            let mut seq = 0u64;
+            while seq < 40 {
+                let frees = together.min(40 - seq as u32);
+                let due = seg.note_free(base, page, seq + frees as u64, frees);
+                let expected = one_by_one[seq as usize..(seq + frees as u64) as usize]
+                    .iter()
+                    .any(|&d| d);
+                assert_eq!(due, expected, "{together} at a time, from free {seq}");
+                seq += frees as u64;
             }
         }
     }

@@ -4,8 +4,8 @@
 use super::super::blocks::BlockId;
 use super::super::state::State;
 use super::super::{already_freed, front};
-use super::Shard;
-use crate::driver::DevicePtr;
+use super::{FreedAt, Shard};
+use crate::driver::{DevicePtr, StreamId};
 use crate::error::Result;
 
 impl Shard {
@@ -32,31 +32,66 @@ impl Shard {
     }
 
     /// Gives a freed block to `cell` (see `front`) when it may wait there: a paged block of
-    /// the general cache, used on its own stream only, not oversize, outside captures.
-    /// Returns the front's (held, out) census, or `None` when the block stays here.
+    /// the general cache, used on its own stream only, not oversize, outside captures; one
+    /// over `front::FRONT_MAX_BLOCK` only while parking does not pause, and only without
+    /// per-stream shards: other shards weigh this one's live bytes, held blocks included,
+    /// in their growth's budget (`weighed_high_water`), and the holder's next visit here,
+    /// which would return it, may never come. Returns the front's census, or `None` when
+    /// the block stays here.
     pub(in crate::alloc) fn adopt(
         &self,
         st: &mut State,
         id: BlockId,
         cell: &front::FrontCell,
-    ) -> Option<(u32, u32)> {
+    ) -> Option<front::Census> {
         let b = st.block(id);
+        let large = b.size() > front::FRONT_MAX_BLOCK;
         let eligible = b.paged()
             && b.owner().is_none()
             && b.stream_uses().is_empty()
             && !b.counted_oversize()
-            && b.size() <= front::FRONT_MAX_BLOCK
-            && !st.capturing();
+            && !st.capturing()
+            // A large block stands in for a parked one: not while parking pauses.
+            && (!large || (!st.parking_paused() && !st.config().per_stream_shards));
         if !eligible {
             return None;
         }
-        let entry = front::Entry::new(b.addr(), b.size(), b.requested(), b.stream(), b.pool(), id);
+        let stream = b.stream();
+        let mut entry = front::Entry::new(b.addr(), b.size(), b.requested(), stream, b.pool(), id);
+        // A large block goes back to the shard later, when its stream may be gone: its
+        // free is stamped on its pages now, with the fence that would be recorded for it,
+        // as parking it would (`FreedAt::Stamped`).
+        if large {
+            entry.unstamped_frees = 0;
+        }
         let (evicted, census) = cell.adopt(&self.fronts, entry)?;
         st.join_front(id, cell.id);
+        if large && st.stamp_free(id) && self.free_fence_allowed(st, stream) {
+            self.record_fence(st, stream);
+        }
         if let Some(old) = evicted {
-            self.free_drained(st, old);
+            self.free_drained(st, old, None);
         }
         Some(census)
+    }
+
+    /// The calling thread's held blocks over `front::FRONT_MAX_BLOCK` are freed here, as it
+    /// begins a visit (`malloc`, `free`) on stream `alive` (if known): before this visit
+    /// could have used them, so the shard ends as if they had been freed here in the first
+    /// place. Returns whether any came back (live bytes fell).
+    pub(in crate::alloc) fn return_large_held(
+        &self,
+        st: &mut State,
+        alive: Option<StreamId>,
+    ) -> bool {
+        let (returned, reused) = front::take_large_held(&self.fronts);
+        // Each reuse in the front stands for a park and its reuse here.
+        st.note_parked_reuses(reused);
+        let any = !returned.is_empty();
+        for entry in returned {
+            self.free_drained(st, entry, alive);
+        }
+        any
     }
 
     /// The shard's one drain of its fronts (`front::Fronts::drain`): every held block is
@@ -77,13 +112,19 @@ impl Shard {
             return;
         }
         self.fronts.drain(|drained| match drained {
-            front::Drained::Held(entry) => self.free_drained(st, entry),
+            front::Drained::Held(entry) => self.free_drained(st, entry, None),
             front::Drained::Folded(counts) => counts.add_to(st.stats_mut(), false),
         });
     }
 
-    /// Frees a block that left a front (drained or evicted): the front no longer counts it.
-    pub(in crate::alloc) fn free_drained(&self, st: &mut State, entry: front::Entry) {
+    /// Frees a block that left a front (drained, evicted or returned), during a visit on
+    /// stream `alive` (if known): the front no longer counts it.
+    pub(in crate::alloc) fn free_drained(
+        &self,
+        st: &mut State,
+        entry: front::Entry,
+        alive: Option<StreamId>,
+    ) {
         let Some(id) = st.live_block(entry.ptr) else {
             debug_assert!(false, "a front held {:#x}, not live", entry.ptr);
             return;
@@ -91,7 +132,11 @@ impl Shard {
         debug_assert_eq!(id, entry.id);
         st.leave_front(id);
         // Never recorded on another stream (record_stream takes blocks out of fronts).
-        if let Err(e) = self.free_block(st, id, false) {
+        let at = match entry.unstamped_frees {
+            0 => FreedAt::Stamped,
+            frees => FreedAt::Later { alive, frees },
+        };
+        if let Err(e) = self.free_block(st, id, at) {
             tracing::warn!(device = self.device, "freeing a front's block: {e}");
         }
     }

@@ -48,6 +48,24 @@ impl Freed {
     }
 }
 
+/// When a block is freed (`Shard::free_block`), for the fence of its pages: a fence may be
+/// recorded only on a stream known to be alive, and covers only frees stamped before it.
+#[derive(Clone, Copy, Debug)]
+pub(in crate::alloc) enum FreedAt {
+    /// At the caller's free: its stream is alive.
+    CallersFree,
+    /// Later (a block that left a front, or a restore's): its stream may be gone by now,
+    /// unless it is `alive`, the stream of the visit under way. Otherwise a later fence
+    /// there, or a device synchronize, covers it (`wait_for_free`). `frees`: the frees it
+    /// stands for (a front may have served several since the shard last stamped its
+    /// pages), each counted in the fences' cadence.
+    Later { alive: Option<StreamId>, frees: u32 },
+    /// Later, but its pages were stamped, and a due fence recorded, at the caller's free
+    /// (a front's adoption, `Shard::adopt`), and it was not handed out since: nothing left
+    /// to stamp or record.
+    Stamped,
+}
+
 /// One stream's allocator (see `device`): everything `DeviceAllocator` does, for the streams
 /// routed to it, under its own lock.
 pub(crate) struct Shard {
@@ -147,6 +165,8 @@ impl Shard {
             ));
         }
         let mut st = self.lock()?;
+        // Published below, with the allocation.
+        self.return_large_held(&mut st, Some(stream));
         st.set_oom_final(oom_final);
         if size > self.total_memory {
             // Larger than the device: fail at once, without flushing the cache for nothing.
@@ -199,7 +219,7 @@ impl Shard {
         let mut found = st.take_cached(owner, pool, stream, rounded);
         let lacks_pages =
             |st: &State, (id, ready): (BlockId, bool)| !ready && st.needs_pages(id, rounded);
-        if (st.parked_count() > 0 || st.front_blocks() > 0)
+        if (st.parked_count() > 0 || st.front_small_blocks() > 0)
             && found.is_none_or(|f| lacks_pages(st, f))
         {
             // Parked blocks (and those held in thread fronts) may hold the mapped pages this
@@ -406,31 +426,38 @@ impl Shard {
     /// cache. `NotLive` (nothing changed) when `ptr` is not a live block of this shard.
     pub(in crate::alloc) fn free(&self, ptr: DevicePtr) -> Result<Freed> {
         let mut st = self.lock()?;
-        let Some(id) = st.live_block(ptr) else {
+        let mut found = st.live_block(ptr);
+        // The caller frees a block of this stream now: it is alive.
+        let alive = found.map(|id| st.block(id).stream());
+        if self.return_large_held(&mut st, alive) {
+            self.publish_live(&st);
+            // `ptr` may have been one of them (a double free).
+            found = st.live_block(ptr);
+        }
+        let Some(id) = found else {
             return Ok(Freed::NotLive);
         };
         self.detach_from_front(&mut st, id, ptr)?;
-        let adopted = front::with_adopter(&self.fronts, |adopter| {
+        let large = st.block(id).size() > front::FRONT_MAX_BLOCK;
+        let adopted = front::with_adopter(&self.fronts, large, |adopter| {
             let census = adopter.and_then(|cell| self.adopt(&mut st, id, cell));
             (census.is_some(), census)
         });
         if adopted {
             return Ok(Freed::Adopted);
         }
-        self.free_block(&mut st, id, true)?;
+        self.free_block(&mut st, id, FreedAt::CallersFree)?;
         self.publish_live(&st);
         Ok(Freed::Done)
     }
 
-    /// Frees a live block `id` that no front holds. `at_callers_free`: the caller is freeing
-    /// it now, so its stream is alive and a due fence may be recorded there; a block that
-    /// left a front is freed later, when the caller may have destroyed that stream (a later
-    /// fence on it, or a device synchronize, covers it instead: `wait_for_free`).
+    /// Frees a live block `id` that no front holds, at `at` (what is known of its stream and
+    /// pages for their fence).
     pub(in crate::alloc) fn free_block(
         &self,
         st: &mut State,
         id: BlockId,
-        at_callers_free: bool,
+        at: FreedAt,
     ) -> Result<()> {
         let uses = st.take_back(id);
         if !uses.is_empty() {
@@ -439,11 +466,16 @@ impl Shard {
         }
         if uses.is_empty() {
             let stream = st.block(id).stream();
-            let fence_due = match st.park(id) {
-                Some(due) => due,
-                None => st.cache(id),
+            let (frees, alive) = match at {
+                FreedAt::CallersFree => (1, true),
+                FreedAt::Later { alive, frees } => (frees, alive == Some(stream)),
+                FreedAt::Stamped => (0, false),
             };
-            if fence_due && at_callers_free && self.free_fence_allowed(st, stream) {
+            let fence_due = match st.park(id, frees) {
+                Some(due) => due,
+                None => st.cache_freed(id, frees),
+            };
+            if fence_due && alive && self.free_fence_allowed(st, stream) {
                 // Later growth may want these pages: a fence tells it when they are free.
                 self.record_fence(st, stream);
             }

@@ -12,7 +12,7 @@
 use super::super::core::blocks::{BlockId, BlockState};
 use super::super::core::free_lists::PoolId;
 use super::super::state::State;
-use super::Shard;
+use super::{FreedAt, Shard};
 use crate::driver::DevicePtr;
 use crate::error::{Error, ErrorKind, Result};
 
@@ -52,7 +52,7 @@ impl Shard {
         self.drain_fronts(&mut st);
         let mut done = Restored::default();
         for (addr, id) in st.live_blocks_of(pool) {
-            self.free_block(&mut st, id, true)?;
+            self.free_block(&mut st, id, FreedAt::CallersFree)?;
             done.freed.push(addr);
         }
         // Every block carved so far, with whether it stays handed out. Until the layout is
@@ -63,7 +63,14 @@ impl Shard {
         let carved = self.carve(&mut st, pool, saved, &mut made, &mut done.segments_found);
         if let Err(e) = carved {
             for (id, _) in made {
-                self.free_block(&mut st, id, false)?;
+                self.free_block(
+                    &mut st,
+                    id,
+                    FreedAt::Later {
+                        alive: None,
+                        frees: 1,
+                    },
+                )?;
             }
             return Err(e);
         }
@@ -71,7 +78,14 @@ impl Shard {
             if allocated {
                 done.allocated.push(st.block(id).addr());
             } else {
-                self.free_block(&mut st, id, false)?;
+                self.free_block(
+                    &mut st,
+                    id,
+                    FreedAt::Later {
+                        alive: None,
+                        frees: 1,
+                    },
+                )?;
             }
         }
         Ok(done)

@@ -26,11 +26,17 @@ impl State {
     /// Returns a no-longer-used block to its free list, merging free neighbours.
     /// Returns whether a fence is due on the block's stream (see `PagedSegment::note_free`).
     pub fn cache(&mut self, id: BlockId) -> bool {
+        self.cache_freed(id, 1)
+    }
+
+    /// `cache` for a block that stands for `frees` frees not yet stamped on its pages: 0
+    /// when they carry its free already (`stamp_free`; no fence is due then either).
+    pub fn cache_freed(&mut self, id: BlockId, frees: u32) -> bool {
         let (pool, paged) = (
             self.book.blocks.get(id).pool(),
             self.book.blocks.get(id).paged(),
         );
-        let fence_due = self.end_use(id);
+        let fence_due = self.end_use(id, frees);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
         if !paged {
             self.stats.inactive_split.adjust(pool, net_blocks);
@@ -40,21 +46,43 @@ impl State {
     }
 
     /// A freed block stops being active, and a paged one notes its free on its pages (the
-    /// clock of fences). Returns whether a fence is due (see `PagedSegment::note_free`).
-    pub(super) fn end_use(&mut self, id: BlockId) -> bool {
+    /// clock of fences), as `frees` frees (0: they carry it already). Returns whether a
+    /// fence is due (see `PagedSegment::note_free`).
+    pub(super) fn end_use(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
-        let (addr, size, pool) = (block.addr(), block.size(), block.pool());
+        let (size, pool) = (block.size(), block.pool());
         let (paged, requested) = (block.paged(), block.requested());
         let s = &mut self.stats;
         s.active.decrease(pool, 1);
         s.active_bytes.decrease(pool, size);
         s.requested_bytes.decrease(pool, requested);
-        if !paged {
+        if !paged || frees == 0 {
             return false;
         }
-        self.paging.free_seq += 1;
+        self.stamp_frees(id, frees)
+    }
+
+    /// Notes on paged block `id`'s pages that it is freed now: the device's last use of
+    /// them comes before this free (`free_seq`), which a fence recorded on its stream from
+    /// now on covers. Returns whether a fence is due (see `PagedSegment::note_free`). A
+    /// thread front calls it when it adopts a block that it may keep past the caller's
+    /// free (`Shard::adopt`): only then is the block's stream known to be alive for the
+    /// fence.
+    pub fn stamp_free(&mut self, id: BlockId) -> bool {
+        self.stamp_frees(id, 1)
+    }
+
+    /// `stamp_free` for `frees` frees of the block (a front served all but the last without
+    /// the shard): each counts in the sequence and the fences' cadence, as if stamped one
+    /// by one; the fence due among them is recorded (if at all) after the last.
+    fn stamp_frees(&mut self, id: BlockId, frees: u32) -> bool {
+        let block = self.book.blocks.get(id);
+        let (addr, size) = (block.addr(), block.size());
+        debug_assert!(block.paged() && frees > 0);
+        self.paging.free_seq += frees as u64;
         let seq = self.paging.free_seq;
-        self.paged_segment_mut(addr).note_free(addr, size, seq)
+        self.paged_segment_mut(addr)
+            .note_free(addr, size, seq, frees)
     }
 
     /// Puts back a paged block taken from the cache but never handed out. Its neighbours may

@@ -11,6 +11,7 @@ mod segments;
 use super::core::blocks::PoolId;
 use super::core::blocks::{Block, BlockArena, BlockId, BlockState};
 use super::core::free_lists::Caches;
+use super::front::FRONT_MAX_BLOCK;
 use super::paging::budget::{Allowance, MoveClock};
 use super::paging::fences::Fences;
 use super::paging::plan::DirtyKeys;
@@ -117,8 +118,10 @@ pub struct State {
     /// with their figures); `None` when the device may still avoid it by emptying their
     /// caches (`DeviceAllocator::malloc` retries then).
     oom_final: Option<Elsewhere>,
-    /// Handed-out blocks that thread fronts (`front`) hold.
+    /// Handed-out blocks that thread fronts (`front`) hold, and of those, the ones over
+    /// `front::FRONT_MAX_BLOCK`.
     front_blocks: usize,
+    front_large_blocks: usize,
 }
 
 impl State {
@@ -150,6 +153,7 @@ impl State {
             device_reserved,
             oom_final: Some(Elsewhere::default()),
             front_blocks: 0,
+            front_large_blocks: 0,
         }
     }
 
@@ -350,6 +354,14 @@ impl State {
         self.front_blocks
     }
 
+    /// Handed-out blocks up to `front::FRONT_MAX_BLOCK` the fronts hold. Only these may be
+    /// held free in another visit of their thread: larger ones go back to the shard as the
+    /// thread's next visit begins (`Shard::return_large_held`).
+    #[inline]
+    pub fn front_small_blocks(&self) -> usize {
+        self.front_blocks - self.front_large_blocks
+    }
+
     /// The front holding handed-out block `id` (0: none).
     pub fn front_of(&self, id: BlockId) -> u64 {
         self.book.blocks.get(id).front()
@@ -357,14 +369,18 @@ impl State {
 
     /// Front `front` now holds handed-out block `id`.
     pub fn join_front(&mut self, id: BlockId, front: u64) {
-        self.book.blocks.get_mut(id).set_front(front);
+        let block = self.book.blocks.get_mut(id);
+        block.set_front(front);
         self.front_blocks += 1;
+        self.front_large_blocks += (block.size() > FRONT_MAX_BLOCK) as usize;
     }
 
     /// Handed-out block `id` left its front.
     pub fn leave_front(&mut self, id: BlockId) {
-        self.book.blocks.get_mut(id).set_front(0);
+        let block = self.book.blocks.get_mut(id);
+        block.set_front(0);
         self.front_blocks -= 1;
+        self.front_large_blocks -= (block.size() > FRONT_MAX_BLOCK) as usize;
     }
 
     /// Parked blocks there are.

@@ -51,8 +51,9 @@ impl State {
     /// flushed to the free lists first. A parked block never costs memory: any request that
     /// would map pages flushes them all first (`malloc`), as does every slow path. Only
     /// paged blocks park: they count no inactive splits, so the statistics read exactly as
-    /// if the block had merged; plain segments keep PyTorch's figures for those.
-    pub fn park(&mut self, id: BlockId) -> Option<bool> {
+    /// if the block had merged; plain segments keep PyTorch's figures for those. `frees`:
+    /// as `cache_freed`.
+    pub fn park(&mut self, id: BlockId, frees: u32) -> Option<bool> {
         let block = self.book.blocks.get(id);
         if !block.paged() || block.owner().is_some() {
             return None;
@@ -72,7 +73,7 @@ impl State {
             }
         }
         self.parked.gate.note_set_aside();
-        let fence_due = self.end_use(id);
+        let fence_due = self.end_use(id, frees);
         self.book.blocks.get_mut(id).mark_parked();
         self.parked
             .by_size
@@ -84,6 +85,20 @@ impl State {
         }
         self.parked.count += 1;
         Some(fence_due)
+    }
+
+    /// Whether parking pauses now (blocks were rarely reused).
+    pub fn parking_paused(&self) -> bool {
+        self.parked.gate.paused_for() > 0
+    }
+
+    /// Counts `n` blocks a thread front reused where parking would have: each as a park
+    /// and its reuse, so that the parking's reuse record reads as without the front.
+    pub fn note_parked_reuses(&mut self, n: u32) {
+        for _ in 0..n {
+            self.parked.gate.note_set_aside();
+            self.parked.gate.note_reuse();
+        }
     }
 
     /// Hands out a parked block of exactly `rounded` bytes on `stream`, if there is one.
