@@ -73,14 +73,21 @@ def ratio_cell(values):
 
 def loop_growth_cell(runs):
     """ccalloc's time growing (driver calls, moves, fence waits) within its timed loops, as a
-    share of their time: the median over runs, with the growths and moving growths of the run
-    that spent the most. The part of a time ratio that the paging policy can explain."""
+    share of their time, and of that the host's waits on fences (the device runs queued work
+    meanwhile, so a wait slows the loop only by the device's idle time after it): medians over
+    runs, with the growths and moving growths of the run that spent the most. The part of a
+    time ratio that the paging policy can explain."""
     runs = [r for r in runs if r.get("loop_paging")]
     if not runs:
         return "—"
-    shares = [r["loop_paging"]["growth_ns"] / 1e9 / sum(r["loop_seconds"]) for r in runs]
+
+    def share(r, key):
+        return r["loop_paging"][key] / 1e9 / sum(r["loop_seconds"])
+
+    grow = statistics.median(share(r, "growth_ns") for r in runs)
+    wait = statistics.median(share(r, "wait_ns") for r in runs)
     worst = max(runs, key=lambda r: r["loop_paging"]["growth_ns"])["loop_paging"]
-    return (f"{100 * statistics.median(shares):.1f}% ({worst['growths']} growths, "
+    return (f"{100 * grow:.1f}% ({100 * wait:.1f}% waits; {worst['growths']} growths, "
             f"{worst['moving_growths']} moved)")
 
 
@@ -198,9 +205,10 @@ def table(paths, replay_path=None) -> int:
           "in the same round [min–max over rounds].")
     if in_loops:
         print("ccalloc growth in loops: the share of its timed loops' seconds spent growing (mapping, moving "
-              "pages, waiting on fences), median over runs; in brackets the growths and moving growths of "
-              "the run that grew the longest. A time ratio above 1 by more than this share is not the "
-              "paging policy's cost.")
+              "pages, waiting on fences), median over runs; in brackets the share of it spent waiting on "
+              "fences (the device busy meanwhile), and the growths and moving growths of the run that "
+              "grew the longest. A time ratio above 1 by more than this share is not the paging "
+              "policy's cost.")
     devices = sorted({r["device"] for r in records if r.get("device")})
     if devices:
         print("Device: " + ", ".join(devices) + "; torch " + ", ".join(sorted({r["torch"] for r in records if r.get("torch")})))
