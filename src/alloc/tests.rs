@@ -815,6 +815,43 @@ fn growth_maps_whole_chunks_and_moves_them_whole() {
 }
 
 #[test]
+fn small_chunks_a_move_takes_are_made_anew_in_fewer_larger_ones() {
+    use super::paging::table::chunk_pages_for;
+    let (sim, a) = paged(1 << 30, "");
+    // A 48 MiB hole of 24 one-page chunks, then 256 MiB (128 pages, chunks of 8): past the
+    // slack, so the hole's chunks move. Mapped again they would cost 24 grants; released,
+    // their pages come back in 8-page chunks: 16 maps for the whole run instead of 24 + 13.
+    assert_eq!(chunk_pages_for(128, false), 8);
+    let hole = a.malloc(48 * MIB, S0).unwrap();
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    a.free(hole).unwrap();
+    let before = sim.counters(0);
+    let big = a.malloc(256 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!(c.unmaps - before.unmaps, 24, "the hole moved: {c:?}");
+    assert_eq!(
+        c.physical_releases - before.physical_releases,
+        24,
+        "released: {c:?}"
+    );
+    assert_eq!(
+        (
+            c.maps - before.maps,
+            c.physical_creates - before.physical_creates
+        ),
+        (16, 16),
+        "{c:?}"
+    );
+    let reserved = stats(&a).reserved_bytes.all().current as u64;
+    assert_eq!(reserved, 260 * MIB, "{reserved}");
+    assert_eq!(reserved, sim.counters(0).bytes_in_use);
+    a.free(big).unwrap();
+    a.free(keep).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
 fn a_large_block_is_backed_by_few_large_chunks() {
     use super::paging::table::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
     assert_eq!(chunk_pages_for(1, false), CHUNK_PAGES);

@@ -12,6 +12,20 @@ use crate::error::Result;
 use std::ops::Range;
 use std::time::Instant;
 
+/// Host cost of the driver calls a move makes or saves, in µs, per call on an H100 (2 MiB
+/// pages, chunks of up to 16 pages; `benches/gpu/vmm_cost.cu`, docs/paging.md): map and
+/// grant access, release, create.
+const GRANT_US: usize = 38;
+const RELEASE_US: usize = 12;
+const CREATE_US: usize = 14;
+
+/// Whether releasing `count` moved chunks of `pages` pages in all and making those pages
+/// anew in chunks of `fresh` pages costs fewer µs than mapping the chunks again.
+fn replacing_is_cheaper(count: usize, pages: usize, fresh: usize) -> bool {
+    let anew = count * RELEASE_US + pages.div_ceil(fresh.max(1)) * (CREATE_US + GRANT_US);
+    count > 0 && anew < count * GRANT_US
+}
+
 /// What `Shard::reclaim` does about chunks whose frees the device may not be past yet.
 #[derive(Clone, Copy, Debug)]
 pub(in crate::alloc) enum Pending {
@@ -286,7 +300,10 @@ impl Shard {
         let over = over_budget(st, plan, spares, *budget).min(plan.unfilled()) as u64;
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
-            self.move_into_plan(st, plan, spares, over as usize, batch, &rest, stream)?;
+            let mut moved = self.move_pages(st, plan, over as usize, batch, &rest, stream)?;
+            self.release_small_spares(st, plan.largest_gap(), &mut moved, page)?;
+            spares.extend(moved);
+            plan.fill(spares);
             // What fits nowhere goes back to the device before new memory is made.
             let surplus = pages_of(spares).saturating_sub(batch);
             self.release_smallest(st, spares, surplus, page)?;
@@ -308,7 +325,8 @@ impl Shard {
             // to make room for ones that do), before the OOM path below takes every
             // reclaimable chunk and gives back what it does not need.
             let lacking = plan.unfilled();
-            self.move_into_plan(st, plan, spares, lacking, 0, &rest, stream)?;
+            spares.extend(self.move_pages(st, plan, lacking, 0, &rest, stream)?);
+            plan.fill(spares);
             if plan.unfilled() > 0 {
                 let lacking = plan.unfilled();
                 self.release_smallest(st, spares, lacking, page)?;
@@ -331,24 +349,48 @@ impl Shard {
         Ok(())
     }
 
-    /// Moves `want` pages (and `batch` more, to park) from under free blocks into `spares`,
-    /// chunks that fit `plan`'s largest gap first, and fills the plan from them.
-    #[allow(clippy::too_many_arguments)]
-    fn move_into_plan(
+    /// Unmaps `want` pages (and `batch` more, to park) from under free blocks, chunks that
+    /// fit `plan`'s largest gap first, for the caller to place.
+    fn move_pages(
         &self,
         st: &mut State,
-        plan: &mut Plan,
-        spares: &mut Vec<Spare>,
+        plan: &Plan,
         want: usize,
         batch: usize,
         rest: &Range<DevicePtr>,
         stream: StreamId,
-    ) -> Result<()> {
+    ) -> Result<Vec<Spare>> {
         let fit = plan.largest_gap();
-        let taken = self.reclaim(st, want, batch, fit, rest.clone(), Pending::WaitOn(stream))?;
-        spares.extend(taken);
-        plan.fill(spares);
-        Ok(())
+        self.reclaim(st, want, batch, fit, rest.clone(), Pending::WaitOn(stream))
+    }
+
+    /// Releases the chunks a move took that cost more to map again than to replace: those
+    /// smaller than the chunks growth makes for the largest gap (`chunk_pages_for`), when
+    /// making their pages anew in such chunks (`add_new_chunks`) takes fewer driver µs. The
+    /// driver charges per mapping, not per byte (docs/paging.md): mapping k small chunks
+    /// again costs k grants; releasing them costs k releases and a create and grant per new
+    /// chunk. When the chunks under free blocks are small (a small footprint with varying
+    /// shapes), a move then takes a few calls rather than one per page, and so do later
+    /// moves of that memory. The unmap of each moved chunk is paid either way.
+    fn release_small_spares(
+        &self,
+        st: &mut State,
+        largest_gap: usize,
+        moved: &mut Vec<Spare>,
+        page: u64,
+    ) -> Result<()> {
+        let fresh = chunk_pages_for(largest_gap, st.moves_over_budget());
+        let smaller = |s: &Spare| s.pages < fresh;
+        let (count, pages) = moved
+            .iter()
+            .filter(|s| smaller(s))
+            .fold((0, 0), |(n, p), s| (n + 1, p + s.pages));
+        if !replacing_is_cheaper(count, pages, fresh) {
+            return Ok(());
+        }
+        let (small, kept): (Vec<Spare>, Vec<Spare>) = moved.drain(..).partition(smaller);
+        *moved = kept;
+        self.release_chunks(st, small.into_iter(), page)
     }
 
     /// Releases spares, smallest first, until `pages` pages are gone.
