@@ -390,7 +390,7 @@ impl Shard {
         }
         let (small, kept): (Vec<Spare>, Vec<Spare>) = moved.drain(..).partition(smaller);
         *moved = kept;
-        self.release_chunks(st, small.into_iter(), page)
+        self.release_chunks(st, small, page)
     }
 
     /// Releases spares, smallest first, until `pages` pages are gone.
