@@ -60,17 +60,15 @@ impl Shard {
         // a refused restore leaves none of the pool's blocks handed out (what the caller is
         // told), none unreported in the statistics.
         let mut made: Vec<(BlockId, bool)> = Vec::new();
+        // A carved block freed here was never the caller's: no stream known alive, one free.
+        const CARVED_UNUSED: FreedAt = FreedAt::Later {
+            alive: None,
+            frees: 1,
+        };
         let carved = self.carve(&mut st, pool, saved, &mut made, &mut done.segments_found);
         if let Err(e) = carved {
             for (id, _) in made {
-                self.free_block(
-                    &mut st,
-                    id,
-                    FreedAt::Later {
-                        alive: None,
-                        frees: 1,
-                    },
-                )?;
+                self.free_block(&mut st, id, CARVED_UNUSED)?;
             }
             return Err(e);
         }
@@ -78,14 +76,7 @@ impl Shard {
             if allocated {
                 done.allocated.push(st.block(id).addr());
             } else {
-                self.free_block(
-                    &mut st,
-                    id,
-                    FreedAt::Later {
-                        alive: None,
-                        frees: 1,
-                    },
-                )?;
+                self.free_block(&mut st, id, CARVED_UNUSED)?;
             }
         }
         Ok(done)
