@@ -852,6 +852,29 @@ fn small_chunks_a_move_takes_are_made_anew_in_fewer_larger_ones() {
 }
 
 #[test]
+fn a_limit_lowered_below_the_memory_held_still_lets_moved_chunks_map_again() {
+    // Two 60 MiB holes of one-page chunks, then a limit of 100 MiB (under the 124 held):
+    // a 100 MiB request must reuse the holes' chunks as they are, since new ones would be
+    // over the limit; released for larger ones, the request would end in an OOM.
+    let (sim, a) = paged(1 << 30, "");
+    let holes = [a.malloc(60 * MIB, S0).unwrap(), 0];
+    let keep = a.malloc(2 * MIB, S0).unwrap();
+    let second = a.malloc(60 * MIB, S0).unwrap();
+    let keep2 = a.malloc(2 * MIB, S0).unwrap();
+    a.free(holes[0]).unwrap();
+    a.free(second).unwrap();
+    a.set_memory_fraction(100.0 / 1024.0).unwrap();
+    let before = sim.counters(0);
+    let p = a.malloc(100 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!(c.physical_creates, before.physical_creates, "{c:?}");
+    assert!(stats(&a).reserved_bytes.all().current as u64 <= 124 * MIB);
+    for q in [p, keep, keep2] {
+        a.free(q).unwrap();
+    }
+}
+
+#[test]
 fn a_large_block_is_backed_by_few_large_chunks() {
     use super::paging::table::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
     assert_eq!(chunk_pages_for(1, false), CHUNK_PAGES);

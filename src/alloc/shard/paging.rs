@@ -301,9 +301,19 @@ impl Shard {
         if over > 0 && !capturing {
             let batch = (slack / page) as usize;
             let mut moved = self.move_pages(st, plan, over as usize, batch, &rest, stream)?;
-            self.release_small_spares(st, plan.largest_gap(), &mut moved, page)?;
+            let holding = in_hand(plan, spares) + pages_of(&moved);
+            // New chunks must be within the limit (lowered at run time, the chunks in hand
+            // may exceed it): mapping what is in hand needs no new memory.
+            let within_limit =
+                st.reserved() + (holding + plan.unfilled()) as u64 * page <= self.hard_limit(st);
+            let released = match within_limit {
+                true => self.release_chunks_cheaper_made_anew(st, plan, &mut moved, page),
+                false => Ok(()),
+            };
+            // The rest are in hand whatever a release did (one that failed was parked).
             spares.extend(moved);
             plan.fill(spares);
+            released?;
             // What fits nowhere goes back to the device before new memory is made.
             let surplus = pages_of(spares).saturating_sub(batch);
             self.release_smallest(st, spares, surplus, page)?;
@@ -371,15 +381,18 @@ impl Shard {
     /// again costs k grants; releasing them costs k releases and a create and grant per new
     /// chunk. When the chunks under free blocks are small (a small footprint with varying
     /// shapes), a move then takes a few calls rather than one per page, and so do later
-    /// moves of that memory. The unmap of each moved chunk is paid either way.
-    fn release_small_spares(
+    /// moves of that memory. The unmap of each moved chunk is paid either way. Small chunks
+    /// of the move's batch (pages beyond the request's, parked for later growth) go too
+    /// (parked instead, bert's replay reserved 1.037× peak live against 1.030, the other
+    /// traces within 0.005).
+    fn release_chunks_cheaper_made_anew(
         &self,
         st: &mut State,
-        largest_gap: usize,
+        plan: &Plan,
         moved: &mut Vec<Spare>,
         page: u64,
     ) -> Result<()> {
-        let fresh = chunk_pages_for(largest_gap, st.moves_over_budget());
+        let fresh = chunk_pages_for(plan.largest_gap(), st.moves_over_budget());
         let smaller = |s: &Spare| s.pages < fresh;
         let (count, pages) = moved
             .iter()
@@ -388,8 +401,8 @@ impl Shard {
         if !replacing_is_cheaper(count, pages, fresh) {
             return Ok(());
         }
-        let (small, kept): (Vec<Spare>, Vec<Spare>) = moved.drain(..).partition(smaller);
-        *moved = kept;
+        let small: Vec<Spare>;
+        (small, *moved) = moved.drain(..).partition(smaller);
         self.release_chunks(st, small, page)
     }
 
