@@ -189,7 +189,10 @@ def main() -> int:
             torch.cuda.synchronize()
 
     loop_start = [None]
-    paging_at_warm = None
+    # The paging counters where each timed loop's clock started, and their growth over the
+    # timed loops so far: a shared workload's clock starts at its marker, after its set-up.
+    paging_at_start = [None]
+    loop_paging = None
     try:
         t0 = time.perf_counter()
         if shared:
@@ -199,6 +202,7 @@ def main() -> int:
             def loop_started():
                 torch.cuda.synchronize()
                 loop_start[0] = time.perf_counter()
+                paging_at_start[0] = paging_now(stats)
 
             run_once = load_workload(args.name, {"torch": torch, "random": random, LOOP_MARK: loop_started})
         else:
@@ -215,6 +219,7 @@ def main() -> int:
         for i in range(args.reps + 1):  # call 0 warms up
             sync()
             loop_start[0] = None
+            paging_at_start[0] = paging_now(stats)
             start = time.perf_counter()
             run_once()
             sync()
@@ -224,8 +229,11 @@ def main() -> int:
             seconds = round(end - (loop_start[0] if shared else start), 4)
             if i == 0:
                 record["warmup_seconds"] = seconds
-                paging_at_warm = paging_now(stats)
             else:
+                end_paging = paging_now(stats)
+                if end_paging is not None:
+                    loop_paging = {k: (loop_paging or {}).get(k, 0) + end_paging[k] - paging_at_start[0][k]
+                                   for k in LOOP_PAGING_KEYS}
                 record["loop_seconds"].append(seconds)
     except Exception as e:  # the record still goes out, with the error and the peaks so far
         oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
@@ -238,8 +246,8 @@ def main() -> int:
         if hasattr(stats, "paging_stats"):
             record["paging"] = stats.paging_stats()
             record["ccalloc_conf"] = os.environ.get("CCALLOC_CONF", "")
-            if paging_at_warm is not None and record["loop_seconds"]:
-                record["loop_paging"] = {k: record["paging"][k] - paging_at_warm[k] for k in LOOP_PAGING_KEYS}
+            if loop_paging is not None and record["loop_seconds"] and "error" not in record:
+                record["loop_paging"] = loop_paging
     if args.trace:
         record["traced"] = True
         record.update(write_trace(torch, os.path.join(args.trace, f"{args.name}.trace.csv.gz")))
