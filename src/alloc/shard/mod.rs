@@ -219,12 +219,17 @@ impl Shard {
         let mut found = st.take_cached(owner, pool, stream, rounded);
         let lacks_pages =
             |st: &State, (id, ready): (BlockId, bool)| !ready && st.needs_pages(id, rounded);
-        if (st.parked_count() > 0 || st.front_small_blocks() > 0)
+        if (st.parked_count() > 0
+            || st.front_small_blocks() > 0
+            || (rounded > front::FRONT_MAX_BLOCK && st.front_large_blocks() > 0))
             && found.is_none_or(|f| lacks_pages(st, f))
         {
             // Parked blocks (and those held in thread fronts) may hold the mapped pages this
             // request would map anew, or the free space it fits in once they merge: they
-            // merge back first, and the request looks again.
+            // merge back first, and the request looks again. Large blocks count only for a
+            // large request: the visiting thread's own went back as its visit began, so
+            // they are other threads' (PyTorch's autograd thread frees what the main thread
+            // allocates next), and a small request does not pay to drain them.
             if let Some((id, _)) = found {
                 st.return_untouched(id);
             }

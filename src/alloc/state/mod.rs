@@ -355,11 +355,18 @@ impl State {
     }
 
     /// Handed-out blocks up to `front::FRONT_MAX_BLOCK` the fronts hold. Only these may be
-    /// held free in another visit of their thread: larger ones go back to the shard as the
-    /// thread's next visit begins (`Shard::return_large_held`).
+    /// held free by the visiting thread's own front: its larger ones went back to the shard
+    /// as its visit began (`Shard::return_large_held`).
     #[inline]
     pub fn front_small_blocks(&self) -> usize {
         self.front_blocks - self.front_large_blocks
+    }
+
+    /// Handed-out blocks over `front::FRONT_MAX_BLOCK` the fronts hold (out, or held free by
+    /// other threads' fronts).
+    #[inline]
+    pub fn front_large_blocks(&self) -> usize {
+        self.front_large_blocks
     }
 
     /// The front holding handed-out block `id` (0: none).
