@@ -623,7 +623,9 @@ fn a_request_under_a_lowered_limit_gets_memory_other_threads_hold() {
         assert!(sim.counters(0).bytes_in_use <= 40 * MIB, "{conf:?}");
         if conf.is_empty() {
             // The pages past the 36 MiB block serve another stream within the limit.
-            let q = a.malloc(MIB + 1, S1).unwrap_or_else(|e| panic!("{conf:?}: {e}"));
+            let q = a
+                .malloc(MIB + 1, S1)
+                .unwrap_or_else(|e| panic!("{conf:?}: {e}"));
             a.free(q).unwrap();
         }
         a.free(p).unwrap();
@@ -719,7 +721,10 @@ fn a_large_block_from_an_exited_threads_front_is_freed_once() {
     a.empty_cache().unwrap();
     let s = a.stats().unwrap();
     assert_eq!(s.allocation.all().current, 0);
-    assert_eq!((s.allocation.all().allocated, s.allocation.all().freed), (2, 2));
+    assert_eq!(
+        (s.allocation.all().allocated, s.allocation.all().freed),
+        (2, 2)
+    );
 }
 
 /// A capture begun while threads hold large blocks never hands one to the capture's pool,
@@ -731,7 +736,10 @@ fn large_blocks_held_before_a_capture_stay_out_of_its_pool() {
         a.begin_allocate_to_pool((1, 1), Box::new(|s| s == S0))
             .unwrap();
         let q = a.malloc(40 * MIB, S0).unwrap();
-        assert_ne!(q, held[0], "the capture's block comes from its private pool");
+        assert_ne!(
+            q, held[0],
+            "the capture's block comes from its private pool"
+        );
         let r = a.malloc(40 * MIB, S1).unwrap();
         a.free(r).unwrap();
         a.free(q).unwrap();
