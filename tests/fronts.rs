@@ -752,3 +752,46 @@ fn large_blocks_held_before_a_capture_stay_out_of_its_pool() {
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
 }
+
+/// A thread that uses more devices than it keeps fronts for gives up its oldest fronts,
+/// large blocks held in them included: those blocks stay freed (a second free refused),
+/// serve the next request of their size, and go back to the device at `empty_cache`.
+#[test]
+fn large_blocks_in_fronts_a_thread_gave_up_stay_freed_and_are_given_back() {
+    const DEVICES: usize = 12;
+    let sim = Arc::new(SimDriver::new(DEVICES, 1 << 30));
+    let allocators: Vec<DeviceAllocator> = (0..DEVICES)
+        .map(|d| DeviceAllocator::new(d, sim.clone(), Config::default()).unwrap())
+        .collect();
+    let held: Vec<u64> = allocators
+        .iter()
+        .map(|a| {
+            let p = a.malloc(40 * MIB, S0).unwrap();
+            a.free(p).unwrap();
+            p
+        })
+        .collect();
+    for (d, (a, &p)) in allocators.iter().zip(&held).enumerate() {
+        assert_eq!(
+            a.free(p).unwrap_err().kind,
+            ErrorKind::DoubleFree,
+            "device {d}"
+        );
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().current, 0, "device {d}");
+        assert_eq!(
+            (s.allocation.all().allocated, s.allocation.all().freed),
+            (1, 1)
+        );
+        let q = a.malloc(40 * MIB, S0).unwrap();
+        assert_eq!(q, p, "device {d}: the held block");
+        a.free(q).unwrap();
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().current, 0, "device {d}");
+        assert_eq!(s.allocated_bytes.all().peak, 40 * MIB as i64, "device {d}");
+    }
+    for (d, a) in allocators.iter().enumerate() {
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(d).bytes_in_use, 0, "device {d}");
+    }
+}
