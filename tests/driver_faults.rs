@@ -296,8 +296,8 @@ fn the_scenarios_make_every_kind_of_call() {
 #[test]
 fn a_move_that_makes_pages_anew_may_fail_at_any_call_while_fronts_hold_large_blocks() {
     const BLOCKS: usize = 140;
-    // Returns the calls of each kind made before the request, and by the end.
-    // Also whether the request failed.
+    // Returns the calls of each kind made before the request and by the end, the faults
+    // injected, and whether the request failed.
     let play = |faults: &[(Call, u64)]| {
         let sim = Arc::new(SimDriver::new(1, 1 << 30));
         let driver = FaultDriver::new(sim.clone(), faults);
