@@ -395,6 +395,8 @@ fn pool_of(size: u64) -> usize {
 struct Large {
     current: [[i64; 3]; 3],
     peak: [[i64; 3]; 3],
+    /// `current` at the last `reset_accumulated_stats`.
+    current_at_reset: [[i64; 3]; 3],
     allocated: i64,
     freed: i64,
     /// Requested bytes of blocks freed while recorded on another stream leave only when
@@ -489,7 +491,13 @@ impl Large {
                     (self.current[stat][index], self.peak[stat][index]),
                     "after {what}: statistic {stat} (0 count, 1 bytes, 2 requested), pool {index}"
                 );
-                assert_eq!(got.allocated - got.freed, got.current, "after {what}");
+                // Totals since the last reset: what was live then stays out of them.
+                let since = got.current - self.current_at_reset[stat][index];
+                assert_eq!(
+                    got.allocated - got.freed,
+                    since,
+                    "after {what}: totals of {stat}, pool {index}"
+                );
             }
         }
         let a = s.allocation.all();
@@ -527,6 +535,11 @@ enum LargeOp {
     /// A thread frees a live block and asks again for its size on its stream (its front
     /// may serve it), twice.
     Reuse(usize, usize),
+    ResetAccum(usize),
+    ThreadCache(usize, bool),
+    LargestFree(usize),
+    /// Refused while blocks are live; else done and undone.
+    Shutdown(usize),
 }
 
 fn large_op() -> impl Strategy<Value = LargeOp> {
@@ -555,7 +568,11 @@ fn large_op() -> impl Strategy<Value = LargeOp> {
         1 => t.clone().prop_map(LargeOp::Begin),
         1 => t.clone().prop_map(LargeOp::End),
         1 => (t.clone(), any::<bool>()).prop_map(|(t, b)| LargeOp::Expandable(t, b)),
-        4 => (t, any::<usize>()).prop_map(|(t, p)| LargeOp::Reuse(t, p)),
+        4 => (t.clone(), any::<usize>()).prop_map(|(t, p)| LargeOp::Reuse(t, p)),
+        1 => t.clone().prop_map(LargeOp::ResetAccum),
+        1 => (t.clone(), any::<bool>()).prop_map(|(t, b)| LargeOp::ThreadCache(t, b)),
+        1 => t.clone().prop_map(LargeOp::LargestFree),
+        1 => t.prop_map(LargeOp::Shutdown),
     ]
 }
 
@@ -602,17 +619,50 @@ fn run_large(conf: &str, ops: Vec<LargeOp>) {
                     let p = *m.live.keys().nth(i % m.live.len()).unwrap();
                     let ((size, old), stream) = (m.live[&p], streams[&p]);
                     let before = a.stats().unwrap().allocated_bytes.all().current;
-                    let q = workers[t].on(move |a| {
-                        a.free(p)?;
-                        a.malloc(size, stream)
-                    });
-                    let q = q.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    workers[t].on(move |a| a.free(p)).unwrap();
                     m.free(p);
+                    let q = match workers[t].on(move |a| a.malloc(size, stream)) {
+                        Err(e) if m.fragile && e.kind == ErrorKind::OutOfMemory => break,
+                        q => q.unwrap_or_else(|e| panic!("{what}: {e}")),
+                    };
                     let block =
                         a.stats().unwrap().allocated_bytes.all().current - before + old as i64;
                     m.alloc(q, size, block as u64, &what);
                     streams.insert(q, stream);
                     m.check(&a.stats().unwrap(), &what);
+                }
+            }
+            LargeOp::ResetAccum(t) => {
+                workers[t].on(|a| a.reset_accumulated_stats()).unwrap();
+                // The allocator's own figures (checked against the model's at every step but
+                // requested bytes still awaiting events, which the model cannot know).
+                let s = a.stats().unwrap();
+                for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
+                    .iter()
+                    .enumerate()
+                {
+                    m.current_at_reset[stat] = array.0.map(|got| got.current);
+                }
+                m.allocated = 0;
+                m.freed = 0;
+            }
+            LargeOp::ThreadCache(t, b) => {
+                let conf = format!("thread_cache:{}", if b { "True" } else { "False" });
+                workers[t].on(move |a| a.apply_config(&conf)).unwrap();
+            }
+            LargeOp::LargestFree(t) => {
+                let largest = workers[t].on(|a| a.largest_free_block()).unwrap();
+                let reserved = a.stats().unwrap().reserved_bytes.all().current as u64;
+                assert!(largest <= reserved - m.live_bytes(), "{what}");
+            }
+            LargeOp::Shutdown(t) if !m.capturing => {
+                let r = workers[t].on(|a| a.shutdown());
+                if m.live.is_empty() {
+                    r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(sim.counters(0).bytes_in_use, 0, "{what}: shut down");
+                    a.reopen();
+                } else {
+                    assert_eq!(r.unwrap_err().kind, ErrorKind::Busy, "{what}");
                 }
             }
             LargeOp::Expandable(t, b) => {
