@@ -795,3 +795,51 @@ fn large_blocks_in_fronts_a_thread_gave_up_stay_freed_and_are_given_back() {
         assert_eq!(sim.counters(d).bytes_in_use, 0, "device {d}");
     }
 }
+
+/// The same with large blocks (reused by the front before the stream goes), whether the
+/// worker exits or visits the shard again on another stream: the fronts make no more
+/// calls on the destroyed stream than the shard alone does, and growth over their pages
+/// still works.
+#[test]
+fn large_blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
+    for exits in [true, false] {
+        let calls = ["thread_cache:False", ""].map(|conf| {
+            let (sim, a) = allocator(1 << 30, conf);
+            let keep = a.malloc(MIB, S1).unwrap();
+            let worker = StreamId(0x7000);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let p = a.malloc(40 * MIB, worker).unwrap();
+                    let q = a.malloc(3 * MIB, worker).unwrap();
+                    a.free(p).unwrap();
+                    for _ in 0..20 {
+                        let again = a.malloc(40 * MIB, worker).unwrap();
+                        assert_eq!(again, p);
+                        a.free(again).unwrap();
+                    }
+                    a.free(q).unwrap();
+                    sim.destroy_stream(0, worker);
+                    if !exits {
+                        // The next visit, on a live stream, returns the held blocks.
+                        let r = a.malloc(5 * MIB, S1).unwrap();
+                        a.free(r).unwrap();
+                    }
+                });
+            });
+            // Growth over the freed blocks' pages (the device has room for little else).
+            let big = a.malloc(600 * MIB, S1).unwrap();
+            a.free(big).unwrap();
+            a.free(keep).unwrap();
+            a.empty_cache().unwrap();
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocated_bytes.all().current, 0, "{conf:?}");
+            assert_eq!(sim.counters(0).bytes_in_use, 0, "{conf:?}");
+            sim.counters(0).destroyed_stream_calls
+        });
+        assert_eq!(
+            calls[1], calls[0],
+            "exits {exits}: calls on the destroyed stream"
+        );
+        assert_eq!(calls[1], 0, "exits {exits}");
+    }
+}
