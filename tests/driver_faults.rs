@@ -288,3 +288,97 @@ fn the_scenarios_make_every_kind_of_call() {
         assert!(paged[k] + plain[k] + extra > 0, "{kind:?} never called");
     }
 }
+
+/// A move that releases small chunks and makes their pages anew
+/// (`release_chunks_cheaper_made_anew`), while another thread's front holds large blocks
+/// among the holes the move takes pages from, with any one of the move's driver calls
+/// failing: only the request fails, the statistics stay exact, and everything goes back.
+#[test]
+fn a_move_that_makes_pages_anew_may_fail_at_any_call_while_fronts_hold_large_blocks() {
+    const BLOCKS: usize = 140;
+    // Returns the calls of each kind made before the request and by the end, the faults
+    // injected, and whether the request failed.
+    let play = |faults: &[(Call, u64)]| {
+        let sim = Arc::new(SimDriver::new(1, 1 << 30));
+        let driver = FaultDriver::new(sim.clone(), faults);
+        let a = DeviceAllocator::new(0, driver.clone(), Config::default()).unwrap();
+        let counts = || CALLS.map(|c| driver.count(c)).to_vec();
+        let blocks: Vec<u64> = (0..BLOCKS)
+            .map(|_| a.malloc(2 * MIB, S0).unwrap())
+            .collect();
+        let before = counts();
+        let what = format!("{faults:?}");
+        let failed = std::thread::scope(|s| {
+            // The holder frees every other block (its front holds the last two), and stays
+            // alive while the request is served.
+            let (ready_tx, ready) = std::sync::mpsc::channel();
+            let (done, done_rx) = std::sync::mpsc::channel::<()>();
+            let a = &a;
+            let holes = &blocks;
+            s.spawn(move || {
+                for &p in holes.iter().step_by(2) {
+                    a.free(p).unwrap();
+                }
+                ready_tx.send(()).unwrap();
+                let _ = done_rx.recv();
+            });
+            ready.recv().unwrap();
+            let got = a.malloc(128 * MIB, S0);
+            let st = a.stats().unwrap();
+            let live = (BLOCKS / 2) as i64 + got.is_ok() as i64;
+            assert_eq!(st.allocation.all().current, live, "{what}");
+            let bytes =
+                (BLOCKS as i64 / 2) * 2 * MIB as i64 + got.is_ok() as i64 * 128 * MIB as i64;
+            assert_eq!(st.allocated_bytes.all().current, bytes, "{what}");
+            assert_eq!(
+                st.allocated_bytes.all().peak,
+                (BLOCKS as i64 * 2 * MIB as i64).max(bytes),
+                "{what}"
+            );
+            if faults.is_empty() {
+                got.as_ref().unwrap();
+            }
+            drop(done);
+            match got {
+                Ok(p) => a.free(p).map(|_| false).unwrap(),
+                Err(_) => true,
+            }
+        });
+        for &p in blocks.iter().skip(1).step_by(2) {
+            a.free(p).unwrap();
+        }
+        // The fault may hit this release itself: the next one gives back the rest.
+        if a.empty_cache().is_err() {
+            a.empty_cache().unwrap();
+        }
+        let st = a.stats().unwrap();
+        assert_eq!(st.allocation.all().current, 0, "{what}");
+        assert_eq!(st.allocated_bytes.all().current, 0, "{what}");
+        assert_eq!(sim.counters(0).bytes_in_use, 0, "{what}: memory given back");
+        (before, counts(), driver.hits(), failed)
+    };
+    let (before, after, _, _) = play(&[]);
+    let c = |kind: Call| CALLS.iter().position(|&k| k == kind).unwrap();
+    assert!(
+        after[c(Call::ReleasePhysical)] > before[c(Call::ReleasePhysical)],
+        "the move released chunks to make them anew"
+    );
+    let (mut faults, mut failed) = (0, 0);
+    for kind in [
+        Call::CreatePhysical,
+        Call::ReleasePhysical,
+        Call::Map,
+        Call::SetAccess,
+        Call::Unmap,
+    ] {
+        for n in before[c(kind)] + 1..=after[c(kind)] {
+            let (_, _, hits, request_failed) = play(&[(kind, n)]);
+            faults += hits.len();
+            failed += request_failed as usize;
+        }
+    }
+    assert!(
+        faults > failed && failed > 0,
+        "{faults} faults, {failed} requests failed"
+    );
+}

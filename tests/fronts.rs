@@ -547,3 +547,299 @@ fn growth_waits_for_a_large_block_a_front_held_as_for_a_parked_one() {
         }
     }
 }
+
+/// Runs `then` on the calling thread while another thread, alive throughout, holds in its
+/// front one freed block of each of `sizes` (on S0); the holder then exits.
+fn while_held<R>(a: &DeviceAllocator, sizes: &[u64], then: impl FnOnce(&[u64]) -> R) -> R {
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    let (done, done_rx) = std::sync::mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            let ptrs: Vec<u64> = sizes.iter().map(|&n| a.malloc(n, S0).unwrap()).collect();
+            for &p in &ptrs {
+                a.free(p).unwrap();
+            }
+            ready_tx.send(ptrs).unwrap();
+            let _ = done_rx.recv();
+        });
+        let held = ready.recv().unwrap();
+        let result = then(&held);
+        drop(done);
+        result
+    })
+}
+
+/// Memory held in another (live) thread's front is the cache's: a request that needs it
+/// gets it, whether it fits the held block or needs more than it, with a limit or without,
+/// plain segments or paged.
+#[test]
+fn a_request_needing_memory_other_threads_hold_never_fails() {
+    for conf in ["", "expandable_segments:False"] {
+        // (held sizes, request, capacity).
+        let cases: [(&[u64], u64, u64); 4] = [
+            (&[40 * MIB], 40 * MIB + 4096, 64 * MIB),
+            (&[40 * MIB], 48 * MIB, 64 * MIB),
+            (&[40 * MIB], 24 * MIB, 40 * MIB),
+            (&[20 * MIB, 20 * MIB], 50 * MIB, 64 * MIB),
+        ];
+        for (held, request, capacity) in cases {
+            let (sim, a) = allocator(capacity, conf);
+            let case = format!("{conf:?}: {held:?} held, {request} asked of {capacity}");
+            let p = while_held(&a, held, |_| a.malloc(request, S0))
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocation.all().current, 1, "{case}");
+            assert!(s.reserved_bytes.all().current as u64 <= capacity, "{case}");
+            a.free(p).unwrap();
+            a.empty_cache().unwrap();
+            assert_eq!(sim.counters(0).bytes_in_use, 0, "{case}");
+        }
+    }
+}
+
+/// The same, while the limit is lower than the device: a request over the limit is served
+/// from the cache only, held blocks included; one under it grows within it.
+#[test]
+fn a_request_under_a_lowered_limit_gets_memory_other_threads_hold() {
+    for conf in ["", "expandable_segments:False"] {
+        let (sim, a) = allocator(128 * MIB, conf);
+        let p = while_held(&a, &[40 * MIB], |held| {
+            // The new settings take held blocks back; the holder's next free holds one again.
+            a.set_memory_fraction(0.25).unwrap();
+            let again = std::thread::scope(|s| {
+                s.spawn(|| {
+                    let q = a.malloc(40 * MIB, S0).unwrap();
+                    a.free(q).unwrap();
+                    q
+                })
+                .join()
+                .unwrap()
+            });
+            assert_eq!(again, held[0], "{conf:?}: from the cache, past the limit");
+            // Over the 32 MiB limit: only the cache may serve it, and a front holds it.
+            a.malloc(36 * MIB, S0)
+        })
+        .unwrap_or_else(|e| panic!("{conf:?}: {e}"));
+        assert!(sim.counters(0).bytes_in_use <= 40 * MIB, "{conf:?}");
+        if conf.is_empty() {
+            // The pages past the 36 MiB block serve another stream within the limit.
+            let q = a
+                .malloc(MIB + 1, S1)
+                .unwrap_or_else(|e| panic!("{conf:?}: {e}"));
+            a.free(q).unwrap();
+        }
+        a.free(p).unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(0).bytes_in_use, 0, "{conf:?}");
+    }
+}
+
+/// Blocks held in the fronts of threads still running go back to the device at
+/// `empty_cache`, and leave the peaks at a reset; while held they stay freed for everyone.
+#[test]
+fn large_blocks_held_in_several_threads_fronts_are_given_back_and_stay_freed() {
+    let (sim, a) = allocator(1 << 30, "");
+    while_held(&a, &[40 * MIB, 3 * MIB], |outer| {
+        while_held(&a, &[40 * MIB + 4096, 5 * MIB], |inner| {
+            for &p in outer.iter().chain(inner) {
+                assert_eq!(a.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+                let kind = a.record_stream(p, S1).unwrap_err().kind;
+                assert_eq!(kind, ErrorKind::DoubleFree);
+            }
+            a.reset_peak_stats().unwrap();
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocated_bytes.all().current, 0);
+            assert_eq!(s.allocated_bytes.all().peak, 0, "no held block in the peak");
+            assert_eq!(s.active_bytes.all().peak, 0, "no held block in the peak");
+            let segments = a.segments().unwrap();
+            assert!(segments
+                .iter()
+                .flat_map(|s| &s.blocks)
+                .all(|b| b.2 != ccalloc::BlockState::Allocated));
+            a.empty_cache().unwrap();
+            assert_eq!(sim.counters(0).bytes_in_use, 0, "held blocks given back");
+            assert_eq!(a.stats().unwrap().reserved_bytes.all().current, 0);
+        });
+    });
+    // The holders exited: their fronts are folded, the counts exact.
+    let p = a.malloc(40 * MIB, S0).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 1);
+    assert_eq!(s.allocation.all().allocated, 5);
+    assert_eq!(s.allocation.all().freed, 4);
+    a.free(p).unwrap();
+}
+
+/// A thread that exits holding large blocks leaves them to the cache: another thread that
+/// asks for the same size gets one of them, with no new memory, even on a device with no
+/// room for another.
+#[test]
+fn large_blocks_of_an_exited_thread_serve_the_next_thread() {
+    for conf in ["", "expandable_segments:False"] {
+        let (sim, a) = allocator(64 * MIB, conf);
+        let held = while_held(&a, &[40 * MIB], |held| held.to_vec());
+        let before = sim.counters(0);
+        for size in [40 * MIB, 40 * MIB + 4096, 44 * MIB] {
+            let p = std::thread::scope(|s| s.spawn(|| a.malloc(size, S0)).join().unwrap())
+                .unwrap_or_else(|e| panic!("{conf:?} {size}: {e}"));
+            if size == 40 * MIB {
+                assert_eq!(p, held[0], "{conf:?}");
+                assert_eq!(sim.counters(0).allocate_calls, before.allocate_calls);
+            }
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocation.all().current, 1, "{conf:?} {size}");
+            // Freed by a thread that exits at once: its front holds it from then on.
+            std::thread::scope(|s| s.spawn(|| a.free(p).unwrap()).join().unwrap());
+            assert_eq!(a.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(0).bytes_in_use, 0, "{conf:?}");
+    }
+}
+
+/// A large block handed out by a front and freed after its thread exited (or by another
+/// thread) is freed once: a second free, from any thread, is refused.
+#[test]
+fn a_large_block_from_an_exited_threads_front_is_freed_once() {
+    let (_sim, a) = allocator(1 << 30, "");
+    let p = std::thread::scope(|s| {
+        s.spawn(|| {
+            let p = a.malloc(40 * MIB, S0).unwrap();
+            a.free(p).unwrap();
+            let q = a.malloc(40 * MIB, S0).unwrap();
+            assert_eq!(q, p, "from the front");
+            q
+        })
+        .join()
+        .unwrap()
+    });
+    a.record_stream(p, S1).unwrap();
+    a.free(p).unwrap();
+    assert_eq!(a.free(p).unwrap_err().kind, ErrorKind::DoubleFree);
+    let other = std::thread::scope(|s| s.spawn(|| a.free(p).unwrap_err().kind).join().unwrap());
+    assert_eq!(other, ErrorKind::DoubleFree);
+    a.empty_cache().unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(
+        (s.allocation.all().allocated, s.allocation.all().freed),
+        (2, 2)
+    );
+}
+
+/// A capture begun while threads hold large blocks never hands one to the capture's pool,
+/// and the blocks stay the general cache's for after it.
+#[test]
+fn large_blocks_held_before_a_capture_stay_out_of_its_pool() {
+    let (sim, a) = allocator(1 << 30, "");
+    while_held(&a, &[40 * MIB], |held| {
+        a.begin_allocate_to_pool((1, 1), Box::new(|s| s == S0))
+            .unwrap();
+        let q = a.malloc(40 * MIB, S0).unwrap();
+        assert_ne!(
+            q, held[0],
+            "the capture's block comes from its private pool"
+        );
+        let r = a.malloc(40 * MIB, S1).unwrap();
+        a.free(r).unwrap();
+        a.free(q).unwrap();
+        a.end_allocate_to_pool((1, 1)).unwrap();
+        a.release_pool((1, 1)).unwrap();
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().current, 0);
+        assert_eq!(s.allocated_bytes.all().peak, 80 * MIB as i64);
+    });
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+/// A thread that uses more devices than it keeps fronts for gives up its oldest fronts,
+/// large blocks held in them included: those blocks stay freed (a second free refused),
+/// serve the next request of their size, and go back to the device at `empty_cache`.
+#[test]
+fn large_blocks_in_fronts_a_thread_gave_up_stay_freed_and_are_given_back() {
+    const DEVICES: usize = 12;
+    let sim = Arc::new(SimDriver::new(DEVICES, 1 << 30));
+    let allocators: Vec<DeviceAllocator> = (0..DEVICES)
+        .map(|d| DeviceAllocator::new(d, sim.clone(), Config::default()).unwrap())
+        .collect();
+    let held: Vec<u64> = allocators
+        .iter()
+        .map(|a| {
+            let p = a.malloc(40 * MIB, S0).unwrap();
+            a.free(p).unwrap();
+            p
+        })
+        .collect();
+    for (d, (a, &p)) in allocators.iter().zip(&held).enumerate() {
+        assert_eq!(
+            a.free(p).unwrap_err().kind,
+            ErrorKind::DoubleFree,
+            "device {d}"
+        );
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().current, 0, "device {d}");
+        assert_eq!(
+            (s.allocation.all().allocated, s.allocation.all().freed),
+            (1, 1)
+        );
+        let q = a.malloc(40 * MIB, S0).unwrap();
+        assert_eq!(q, p, "device {d}: the held block");
+        a.free(q).unwrap();
+        let s = a.stats().unwrap();
+        assert_eq!(s.allocation.all().current, 0, "device {d}");
+        assert_eq!(s.allocated_bytes.all().peak, 40 * MIB as i64, "device {d}");
+    }
+    for (d, a) in allocators.iter().enumerate() {
+        a.empty_cache().unwrap();
+        assert_eq!(sim.counters(d).bytes_in_use, 0, "device {d}");
+    }
+}
+
+/// The same with large blocks (reused by the front before the stream goes), whether the
+/// worker exits or visits the shard again on another stream: the fronts make no more
+/// calls on the destroyed stream than the shard alone does, and growth over their pages
+/// still works.
+#[test]
+fn large_blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
+    for exits in [true, false] {
+        let calls = ["thread_cache:False", ""].map(|conf| {
+            let (sim, a) = allocator(1 << 30, conf);
+            let keep = a.malloc(MIB, S1).unwrap();
+            let worker = StreamId(0x7000);
+            std::thread::scope(|s| {
+                s.spawn(|| {
+                    let p = a.malloc(40 * MIB, worker).unwrap();
+                    let q = a.malloc(3 * MIB, worker).unwrap();
+                    a.free(p).unwrap();
+                    for _ in 0..20 {
+                        let again = a.malloc(40 * MIB, worker).unwrap();
+                        assert_eq!(again, p);
+                        a.free(again).unwrap();
+                    }
+                    a.free(q).unwrap();
+                    sim.destroy_stream(0, worker);
+                    if !exits {
+                        // The next visit, on a live stream, returns the held blocks.
+                        let r = a.malloc(5 * MIB, S1).unwrap();
+                        a.free(r).unwrap();
+                    }
+                });
+            });
+            // Growth over the freed blocks' pages (the device has room for little else).
+            let big = a.malloc(600 * MIB, S1).unwrap();
+            a.free(big).unwrap();
+            a.free(keep).unwrap();
+            a.empty_cache().unwrap();
+            let s = a.stats().unwrap();
+            assert_eq!(s.allocated_bytes.all().current, 0, "{conf:?}");
+            assert_eq!(sim.counters(0).bytes_in_use, 0, "{conf:?}");
+            sim.counters(0).destroyed_stream_calls
+        });
+        assert_eq!(
+            calls[1], calls[0],
+            "exits {exits}: calls on the destroyed stream"
+        );
+        assert_eq!(calls[1], 0, "exits {exits}");
+    }
+}

@@ -2,7 +2,7 @@
 //! several allocators on one thread, exiting threads, accumulated-stat resets.
 #![cfg(feature = "sim")]
 use ccalloc::SimDriver;
-use ccalloc::{Config, DeviceAllocator, DeviceStats, StreamId};
+use ccalloc::{Config, DeviceAllocator, DeviceStats, ErrorKind, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -306,5 +306,501 @@ proptest! {
     #[test]
     fn review_model(ops in prop::collection::vec(op(), 1..200)) {
         run(ops);
+    }
+}
+
+// Blocks over 1 MiB (`FRONT_MAX_BLOCK`) held in the fronts of several long-lived threads:
+// each thread keeps its front across steps, so one thread's held blocks meet the others'
+// requests, frees, snapshots, cache releases, limits and captures.
+
+const THREADS: usize = 3;
+/// The device: room for every live block the model allows, but not for much waste.
+const CAPACITY: u64 = 512 * MIB;
+/// Live bytes the model allows at once (requests past it are skipped).
+const LIVE_MAX: u64 = 160 * MIB;
+
+/// A call a worker runs.
+type Job = Box<dyn FnOnce(&DeviceAllocator) + Send>;
+
+/// A thread that keeps its fronts until it is told to exit (`exit`), running what it is
+/// handed one call at a time.
+struct Worker {
+    jobs: Option<std::sync::mpsc::Sender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Worker {
+    fn new(a: &Arc<DeviceAllocator>) -> Self {
+        let (jobs, rx) = std::sync::mpsc::channel::<Job>();
+        let a = a.clone();
+        let thread = std::thread::spawn(move || {
+            for job in rx {
+                job(&a);
+            }
+        });
+        Self {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        }
+    }
+
+    fn on<R: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&DeviceAllocator) -> R + Send + 'static,
+    ) -> R {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let job = Box::new(move |a: &DeviceAllocator| {
+            let _ = tx.send(f(a));
+        });
+        self.jobs.as_ref().unwrap().send(job).unwrap();
+        match rx.recv() {
+            Ok(r) => r,
+            Err(_) => {
+                // The job panicked: its thread's panic is the failure.
+                self.jobs = None;
+                let e = self.thread.take().unwrap().join().unwrap_err();
+                std::panic::resume_unwind(e)
+            }
+        }
+    }
+
+    fn exit(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            t.join().unwrap();
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Pool index in the statistics: 1 small (up to 1 MiB), 2 large.
+fn pool_of(size: u64) -> usize {
+    if rounded(size) <= MIB {
+        1
+    } else {
+        2
+    }
+}
+
+/// Count, allocated bytes and requested bytes, per pool (all, small, large): current, peak.
+#[derive(Default, Debug)]
+struct Large {
+    current: [[i64; 3]; 3],
+    peak: [[i64; 3]; 3],
+    /// `current` at the last `reset_accumulated_stats`.
+    current_at_reset: [[i64; 3]; 3],
+    allocated: i64,
+    freed: i64,
+    /// Requested bytes of blocks freed while recorded on another stream leave only when
+    /// the shard sees their events: unknown until `empty_cache` and a peak reset.
+    requested_unknown: bool,
+    /// Live blocks: requested size and block size.
+    live: BTreeMap<u64, (u64, u64)>,
+    freed_ptrs: Vec<u64>,
+    recorded: Vec<u64>,
+    awaiting: Vec<(u64, u64)>,
+    capturing: bool,
+    /// A limit was lowered, or plain segments were used: fragmentation may then refuse a
+    /// request (a capture's pool, too, cannot use the general cache).
+    fragile: bool,
+}
+
+/// Bytes as an OOM message writes them.
+fn human(bytes: u64) -> String {
+    let (mut value, mut unit) = (bytes as f64, 0);
+    while value >= 1024.0 && unit < 3 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{bytes} B"),
+        _ => format!("{value:.2} {}", ["B", "KiB", "MiB", "GiB"][unit]),
+    }
+}
+
+impl Large {
+    /// A block of `block` bytes handed out for `size` (or taken back).
+    fn change(&mut self, size: u64, block: u64, sign: i64, stats: &[usize]) {
+        let amounts = [1, block as i64, size as i64];
+        for &stat in stats {
+            for index in [0, pool_of(size)] {
+                self.current[stat][index] += sign * amounts[stat];
+                let now = self.current[stat][index];
+                let peak = &mut self.peak[stat][index];
+                *peak = (*peak).max(now);
+            }
+        }
+    }
+
+    fn live_bytes(&self) -> u64 {
+        self.live.values().map(|&(_, b)| b).sum()
+    }
+
+    /// `block`: the allocated bytes the hand-out added. A large block is not split when
+    /// what would be left is small (1 MiB, or 20 MiB past `max_split_size_mb`): it may
+    /// exceed the request by that much.
+    fn alloc(&mut self, ptr: u64, size: u64, block: u64, what: &str) {
+        let r = rounded(size);
+        assert!(
+            block == r || (r > MIB && block > r && block - r <= 20 * MIB),
+            "{what}: a block of {block} bytes for {size}"
+        );
+        if let Some((&p, &(_, b))) = self.live.range(..ptr + block).next_back() {
+            assert!(p + b <= ptr, "{ptr:#x} overlaps live {p:#x} at {what}");
+        }
+        self.live.insert(ptr, (size, block));
+        self.freed_ptrs.retain(|&f| f != ptr);
+        self.allocated += 1;
+        self.change(size, block, 1, &[0, 1, 2]);
+    }
+
+    fn free(&mut self, ptr: u64) {
+        let (size, block) = self.live.remove(&ptr).unwrap();
+        self.freed += 1;
+        self.freed_ptrs.push(ptr);
+        if self.recorded.contains(&ptr) {
+            self.recorded.retain(|&r| r != ptr);
+            self.awaiting.push((size, block));
+            self.requested_unknown = true;
+            self.change(size, block, -1, &[0, 1]);
+        } else {
+            self.change(size, block, -1, &[0, 1, 2]);
+        }
+    }
+
+    fn check(&self, s: &DeviceStats, what: &str) {
+        for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
+            .iter()
+            .enumerate()
+        {
+            if stat == 2 && self.requested_unknown {
+                continue;
+            }
+            for index in 0..3 {
+                let got = array.0[index];
+                assert_eq!(
+                    (got.current, got.peak),
+                    (self.current[stat][index], self.peak[stat][index]),
+                    "after {what}: statistic {stat} (0 count, 1 bytes, 2 requested), pool {index}"
+                );
+                // Totals since the last reset: what was live then stays out of them.
+                let since = got.current - self.current_at_reset[stat][index];
+                assert_eq!(
+                    got.allocated - got.freed,
+                    since,
+                    "after {what}: totals of {stat}, pool {index}"
+                );
+            }
+        }
+        let a = s.allocation.all();
+        assert_eq!(
+            (a.allocated, a.freed),
+            (self.allocated, self.freed),
+            "after {what}"
+        );
+        let (active, reserved) = (s.active_bytes.all(), s.reserved_bytes.all());
+        assert!(
+            active.current >= s.allocated_bytes.all().current,
+            "after {what}"
+        );
+        assert!(active.peak >= active.current, "after {what}");
+        assert!(reserved.peak >= reserved.current, "after {what}");
+        assert!(reserved.current >= active.current, "after {what}");
+    }
+}
+
+#[derive(Clone, Debug)]
+enum LargeOp {
+    Alloc(usize, u64, bool),
+    Free(usize, usize),
+    DoubleFree(usize, usize),
+    RecordStream(usize, usize),
+    /// A thread exits (its fronts orphaned) and a fresh one takes its place.
+    Exit(usize),
+    EmptyCache(usize),
+    ResetPeaks(usize),
+    Segments(usize),
+    Fraction(usize, bool),
+    Begin(usize),
+    End(usize),
+    Expandable(usize, bool),
+    /// A thread frees a live block and asks again for its size on its stream (its front
+    /// may serve it), twice.
+    Reuse(usize, usize),
+    ResetAccum(usize),
+    ThreadCache(usize, bool),
+    LargestFree(usize),
+    /// Refused while blocks are live; else done and undone.
+    Shutdown(usize),
+}
+
+fn large_op() -> impl Strategy<Value = LargeOp> {
+    // Few sizes, most over 1 MiB, so that a free is often followed by a request of its size
+    // (in the same thread or another).
+    let size = prop::sample::select(vec![
+        4096u64,
+        MIB,
+        MIB + 1,
+        3 * MIB,
+        3 * MIB + 512,
+        40 * MIB,
+        40 * MIB + 4096,
+    ]);
+    let t = 0..THREADS;
+    prop_oneof![
+        10 => (t.clone(), size, any::<bool>()).prop_map(|(t, s, st)| LargeOp::Alloc(t, s, st)),
+        8 => (t.clone(), any::<usize>()).prop_map(|(t, p)| LargeOp::Free(t, p)),
+        1 => (t.clone(), any::<usize>()).prop_map(|(t, p)| LargeOp::DoubleFree(t, p)),
+        1 => (t.clone(), any::<usize>()).prop_map(|(t, p)| LargeOp::RecordStream(t, p)),
+        1 => t.clone().prop_map(LargeOp::Exit),
+        1 => t.clone().prop_map(LargeOp::EmptyCache),
+        1 => t.clone().prop_map(LargeOp::ResetPeaks),
+        1 => t.clone().prop_map(LargeOp::Segments),
+        1 => (t.clone(), any::<bool>()).prop_map(|(t, b)| LargeOp::Fraction(t, b)),
+        1 => t.clone().prop_map(LargeOp::Begin),
+        1 => t.clone().prop_map(LargeOp::End),
+        1 => (t.clone(), any::<bool>()).prop_map(|(t, b)| LargeOp::Expandable(t, b)),
+        4 => (t.clone(), any::<usize>()).prop_map(|(t, p)| LargeOp::Reuse(t, p)),
+        1 => t.clone().prop_map(LargeOp::ResetAccum),
+        1 => (t.clone(), any::<bool>()).prop_map(|(t, b)| LargeOp::ThreadCache(t, b)),
+        1 => t.clone().prop_map(LargeOp::LargestFree),
+        1 => t.prop_map(LargeOp::Shutdown),
+    ]
+}
+
+/// Settings the large-block model runs under (`run_large`'s `conf`).
+const LARGE_CONFS: [&str; 4] = [
+    "",
+    "max_split_size_mb:20",
+    "garbage_collection_threshold:0.5",
+    "page_slack:0,page_move_budget:0",
+];
+
+fn run_large(conf: &str, ops: Vec<LargeOp>) {
+    let sim = Arc::new(SimDriver::new(1, CAPACITY));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let a = Arc::new(DeviceAllocator::new(0, sim.clone(), config).unwrap());
+    let mut workers: Vec<Worker> = (0..THREADS).map(|_| Worker::new(&a)).collect();
+    let mut m = Large::default();
+    let mut streams: BTreeMap<u64, StreamId> = BTreeMap::new();
+    for (step, op) in ops.into_iter().enumerate() {
+        let what = format!("step {step} {op:?}");
+        match op {
+            LargeOp::Alloc(t, size, s1) if m.live_bytes() + rounded(size) <= LIVE_MAX => {
+                let stream = if s1 { S1 } else { S0 };
+                let before = a.stats().unwrap().allocated_bytes.all().current;
+                let got = workers[t].on(move |a| a.malloc(size, stream));
+                let p = match got {
+                    Err(e) if (m.capturing || m.fragile) && e.kind == ErrorKind::OutOfMemory => {
+                        // Held blocks were taken back before the refusal: live is the truth.
+                        let live = format!("{} live in allocations", human(m.live_bytes()));
+                        assert!(e.message.contains(&live), "{what}: {live}? {e}");
+                        m.check(&a.stats().unwrap(), &what);
+                        continue;
+                    }
+                    got => got.unwrap_or_else(|e| panic!("{what}: {e}")),
+                };
+                let block = a.stats().unwrap().allocated_bytes.all().current - before;
+                m.alloc(p, size, block as u64, &what);
+                streams.insert(p, stream);
+            }
+            LargeOp::Reuse(t, i) if !m.live.is_empty() && !m.capturing => {
+                for round in 0..2 {
+                    let what = format!("{what} round {round}");
+                    let p = *m.live.keys().nth(i % m.live.len()).unwrap();
+                    let ((size, old), stream) = (m.live[&p], streams[&p]);
+                    let before = a.stats().unwrap().allocated_bytes.all().current;
+                    workers[t].on(move |a| a.free(p)).unwrap();
+                    m.free(p);
+                    let q = match workers[t].on(move |a| a.malloc(size, stream)) {
+                        Err(e) if m.fragile && e.kind == ErrorKind::OutOfMemory => break,
+                        q => q.unwrap_or_else(|e| panic!("{what}: {e}")),
+                    };
+                    let block =
+                        a.stats().unwrap().allocated_bytes.all().current - before + old as i64;
+                    m.alloc(q, size, block as u64, &what);
+                    streams.insert(q, stream);
+                    m.check(&a.stats().unwrap(), &what);
+                }
+            }
+            LargeOp::ResetAccum(t) => {
+                workers[t].on(|a| a.reset_accumulated_stats()).unwrap();
+                // The allocator's own figures (checked against the model's at every step but
+                // requested bytes still awaiting events, which the model cannot know).
+                let s = a.stats().unwrap();
+                for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
+                    .iter()
+                    .enumerate()
+                {
+                    m.current_at_reset[stat] = array.0.map(|got| got.current);
+                }
+                m.allocated = 0;
+                m.freed = 0;
+            }
+            LargeOp::ThreadCache(t, b) => {
+                let conf = format!("thread_cache:{}", if b { "True" } else { "False" });
+                workers[t].on(move |a| a.apply_config(&conf)).unwrap();
+            }
+            LargeOp::LargestFree(t) => {
+                let largest = workers[t].on(|a| a.largest_free_block()).unwrap();
+                let reserved = a.stats().unwrap().reserved_bytes.all().current as u64;
+                assert!(largest <= reserved - m.live_bytes(), "{what}");
+            }
+            LargeOp::Shutdown(t) if !m.capturing => {
+                let r = workers[t].on(|a| a.shutdown());
+                if m.live.is_empty() {
+                    r.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(sim.counters(0).bytes_in_use, 0, "{what}: shut down");
+                    a.reopen();
+                } else {
+                    assert_eq!(r.unwrap_err().kind, ErrorKind::Busy, "{what}");
+                }
+            }
+            LargeOp::Expandable(t, b) => {
+                let conf = format!("expandable_segments:{}", if b { "True" } else { "False" });
+                m.fragile |= !b;
+                workers[t].on(move |a| a.apply_config(&conf)).unwrap();
+            }
+            LargeOp::Free(t, i) if !m.live.is_empty() => {
+                let p = *m.live.keys().nth(i % m.live.len()).unwrap();
+                let freed = workers[t].on(move |a| a.free(p));
+                freed.unwrap_or_else(|e| panic!("{what}: {e}"));
+                m.free(p);
+            }
+            LargeOp::DoubleFree(t, i) if !m.freed_ptrs.is_empty() => {
+                let p = m.freed_ptrs[i % m.freed_ptrs.len()];
+                let before = a.stats().unwrap();
+                let kind = workers[t].on(move |a| a.free(p)).unwrap_err().kind;
+                assert!(
+                    matches!(kind, ErrorKind::DoubleFree | ErrorKind::UnknownPointer),
+                    "{what}: {kind:?}"
+                );
+                assert_eq!(
+                    a.stats().unwrap(),
+                    before,
+                    "{what}: a refused free changed the stats"
+                );
+                // Nor may a recording of it be taken.
+                let kind = workers[t]
+                    .on(move |a| a.record_stream(p, StreamId(9)))
+                    .unwrap_err()
+                    .kind;
+                assert!(
+                    matches!(kind, ErrorKind::DoubleFree | ErrorKind::UnknownPointer),
+                    "{what}: record_stream: {kind:?}"
+                );
+            }
+            LargeOp::RecordStream(t, i) if !m.live.is_empty() => {
+                let p = *m.live.keys().nth(i % m.live.len()).unwrap();
+                workers[t]
+                    .on(move |a| a.record_stream(p, StreamId(9)))
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                if !m.recorded.contains(&p) {
+                    m.recorded.push(p);
+                }
+            }
+            LargeOp::Exit(t) => {
+                workers[t].exit();
+                workers[t] = Worker::new(&a);
+            }
+            LargeOp::EmptyCache(t) => {
+                workers[t].on(|a| a.empty_cache()).unwrap();
+                if !m.capturing {
+                    for (size, block) in std::mem::take(&mut m.awaiting) {
+                        m.change(size, block, -1, &[2]);
+                    }
+                    if m.live.is_empty() {
+                        assert_eq!(
+                            sim.counters(0).bytes_in_use,
+                            0,
+                            "{what}: nothing live, memory given back"
+                        );
+                    }
+                }
+            }
+            LargeOp::ResetPeaks(t) => {
+                workers[t].on(|a| a.reset_peak_stats()).unwrap();
+                m.peak = m.current;
+                m.requested_unknown &= !m.awaiting.is_empty();
+            }
+            LargeOp::Segments(t) => {
+                let segments = workers[t].on(|a| a.segments()).unwrap();
+                // Held blocks show as free: allocated ones are exactly the live ones.
+                let mut shown = BTreeMap::new();
+                for seg in &segments {
+                    for (i, &(p, size, state)) in seg.blocks.iter().enumerate() {
+                        if state == ccalloc::BlockState::Allocated {
+                            shown.insert(p, (seg.requested[i], size));
+                        }
+                    }
+                }
+                assert_eq!(shown, m.live, "{what}: the snapshot's allocated blocks");
+            }
+            LargeOp::Fraction(t, low) => {
+                let fraction = if low { 0.5 } else { 1.0 };
+                m.fragile |= low;
+                workers[t]
+                    .on(move |a| a.set_memory_fraction(fraction))
+                    .unwrap();
+            }
+            LargeOp::Begin(t) if !m.capturing => {
+                workers[t]
+                    .on(|a| a.begin_allocate_to_pool((1, 1), Box::new(|s| s == S1)))
+                    .unwrap();
+                m.capturing = true;
+            }
+            LargeOp::End(t) if m.capturing => {
+                workers[t]
+                    .on(|a| {
+                        a.end_allocate_to_pool((1, 1))?;
+                        a.release_pool((1, 1))
+                    })
+                    .unwrap();
+                m.capturing = false;
+            }
+            _ => {}
+        }
+        let s = a.stats().unwrap();
+        m.check(&s, &what);
+        assert_eq!(
+            s.reserved_bytes.all().current as u64,
+            sim.counters(0).bytes_in_use,
+            "{what}: reserved bytes are the device's"
+        );
+    }
+    if m.capturing {
+        a.end_allocate_to_pool((1, 1)).unwrap();
+        a.release_pool((1, 1)).unwrap();
+    }
+    for (i, p) in std::mem::take(&mut m.live).into_keys().enumerate() {
+        workers[i % THREADS].on(move |a| a.free(p)).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(sim.counters(0).bytes_in_use, 0, "memory given back");
+    assert_eq!(a.stats().unwrap().allocation.all().current, 0);
+    for w in &mut workers {
+        w.exit();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().unwrap().allocation.all().current, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+    #[test]
+    fn large_blocks_held_across_threads(
+        conf in prop::sample::select(LARGE_CONFS.to_vec()),
+        ops in prop::collection::vec(large_op(), 1..150),
+    ) {
+        run_large(conf, ops);
     }
 }

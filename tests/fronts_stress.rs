@@ -143,3 +143,133 @@ fn under_concurrent_slow_paths(conf: &str) {
     assert_eq!(sim.counters(0).bytes_in_use, 0, "memory given back");
     a.shutdown().unwrap();
 }
+
+/// Blocks over 1 MiB held in long-lived threads' fronts while the other threads allocate
+/// (needing the held memory: the device has room for little more than the most ever
+/// live), free each other's blocks, and slow paths run: never an OOM, never a block
+/// handed out twice, exact totals, nothing left on the device.
+#[test]
+fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
+    const MIB: u64 = 1 << 20;
+    const THREADS: u64 = 3;
+    /// Blocks a thread keeps live at once, and blocks waiting to be freed by another.
+    const MINE: usize = 2;
+    const HANDOFF: usize = 3;
+    const SIZES: [u64; 5] = [4096, 2 * MIB, 3 * MIB + 512, 24 * MIB, 24 * MIB + 4096];
+    let most_live = (THREADS as usize * MINE + HANDOFF + THREADS as usize) as u64 * 25 * MIB;
+    let sim = Arc::new(SimDriver::new(1, most_live + 64 * MIB));
+    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
+    let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+    let running = AtomicU64::new(THREADS);
+    let allocs = AtomicU64::new(0);
+    let insert = |p: u64, size: u64| {
+        let mut l = live.lock().unwrap();
+        let end = p + size.div_ceil(512) * 512;
+        if let Some((&q, &e)) = l.range(..end).next_back() {
+            assert!(e <= p, "{p:#x} overlaps live {q:#x}..{e:#x}");
+        }
+        l.insert(p, end);
+    };
+    let remove = |p: u64| {
+        live.lock().unwrap().remove(&p).expect("freed a live block");
+    };
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            let (a, insert, remove, handoff, allocs, running) =
+                (&a, &insert, &remove, &handoff, &allocs, &running);
+            s.spawn(move || {
+                let mut seed = t + 11;
+                let mut mine: Vec<(u64, u64)> = Vec::new();
+                for _ in 0..600 {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let r = seed >> 33;
+                    match r % 7 {
+                        // Free and ask again for the same size: the front's loop.
+                        0 if !mine.is_empty() => {
+                            let (p, size) = mine.swap_remove(0);
+                            remove(p);
+                            a.free(p).unwrap();
+                            let q = a.malloc(size, StreamId(0)).unwrap();
+                            allocs.fetch_add(1, Ordering::Relaxed);
+                            insert(q, size);
+                            mine.push((q, size));
+                        }
+                        1..=3 if mine.len() < MINE => {
+                            let size = SIZES[(r / 7) as usize % SIZES.len()];
+                            let stream = StreamId((r / 64) % 2);
+                            let p = a.malloc(size, stream).unwrap_or_else(|e| panic!("{e}"));
+                            allocs.fetch_add(1, Ordering::Relaxed);
+                            insert(p, size);
+                            mine.push((p, size));
+                        }
+                        4 | 5 if !mine.is_empty() => {
+                            let (p, _) = mine.swap_remove((r as usize / 7) % mine.len());
+                            remove(p);
+                            a.free(p).unwrap();
+                        }
+                        6 if !mine.is_empty() && handoff.lock().unwrap().len() < HANDOFF => {
+                            let (p, _) = mine.swap_remove(0);
+                            if r % 3 == 0 {
+                                a.record_stream(p, StreamId(7)).unwrap();
+                            }
+                            handoff.lock().unwrap().push(p);
+                        }
+                        _ => {
+                            let got = handoff.lock().unwrap().pop();
+                            if let Some(p) = got {
+                                remove(p);
+                                a.free(p).unwrap();
+                            }
+                        }
+                    }
+                }
+                for (p, _) in mine {
+                    remove(p);
+                    a.free(p).unwrap();
+                }
+                running.fetch_sub(1, Ordering::Release);
+            });
+        }
+        // Slow paths, until the threads are done.
+        let mut i = 0u64;
+        while running.load(Ordering::Acquire) > 0 {
+            match i % 6 {
+                0 => a.reset_peak_stats().unwrap(),
+                1 => a.empty_cache().unwrap(),
+                2 => {
+                    a.segments().unwrap();
+                }
+                3 => a.set_memory_fraction(0.9).unwrap(),
+                4 => a.set_memory_fraction(1.0).unwrap(),
+                _ => {
+                    let st = a.stats().unwrap();
+                    let c = st.allocation.all();
+                    assert!(c.current >= 0 && c.peak >= c.current, "{c:?}");
+                    let b = st.allocated_bytes.all();
+                    assert!(b.current >= 0 && b.peak >= b.current, "{b:?}");
+                }
+            }
+            i += 1;
+            std::thread::yield_now();
+        }
+    });
+    for p in std::mem::take(&mut *handoff.lock().unwrap()) {
+        remove(p);
+        a.free(p).unwrap();
+    }
+    assert!(live.lock().unwrap().is_empty());
+    a.empty_cache().unwrap();
+    let st = a.stats().unwrap();
+    let c = st.allocation.all();
+    assert_eq!(c.current, 0, "{st:?}");
+    assert_eq!(c.allocated, allocs.load(Ordering::Relaxed) as i64);
+    assert_eq!(c.allocated, c.freed);
+    assert_eq!(st.allocated_bytes.all().current, 0);
+    assert_eq!(st.active_bytes.all().current, 0);
+    assert_eq!(st.requested_bytes.all().current, 0);
+    assert_eq!(sim.counters(0).bytes_in_use, 0, "memory given back");
+    a.shutdown().unwrap();
+}
