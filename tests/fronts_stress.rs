@@ -25,21 +25,12 @@ fn under_concurrent_slow_paths(conf: &str) {
     let mut config = Config::default();
     config.apply(conf).unwrap();
     let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
-    let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
+    let live = LiveBlocks::default();
     let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let stop = AtomicBool::new(false);
     let allocs = AtomicU64::new(0);
-    let insert = |p: u64, size: u64| {
-        let mut l = live.lock().unwrap();
-        let end = p + size.div_ceil(512) * 512;
-        if let Some((&q, &e)) = l.range(..end).next_back() {
-            assert!(e <= p, "{p:#x} overlaps live {q:#x}..{e:#x}");
-        }
-        l.insert(p, end);
-    };
-    let remove = |p: u64| {
-        live.lock().unwrap().remove(&p).expect("freed a live block");
-    };
+    let insert = |p: u64, size: u64| live.insert(p, size);
+    let remove = |p: u64| live.remove(p);
     std::thread::scope(|s| {
         for t in 0..3u64 {
             let (a, stop, insert, remove, handoff, allocs) =
@@ -126,22 +117,8 @@ fn under_concurrent_slow_paths(conf: &str) {
         }
         stop.store(true, Ordering::Relaxed);
     });
-    for p in std::mem::take(&mut *handoff.lock().unwrap()) {
-        remove(p);
-        a.free(p).unwrap();
-    }
-    assert!(live.lock().unwrap().is_empty());
-    a.empty_cache().unwrap();
-    let st = a.stats().unwrap();
-    let c = st.allocation.all();
-    assert_eq!(c.current, 0, "{st:?}");
-    assert_eq!(c.allocated, allocs.load(Ordering::Relaxed) as i64);
-    assert_eq!(c.allocated, c.freed);
-    assert_eq!(st.allocated_bytes.all().current, 0);
-    assert_eq!(st.active_bytes.all().current, 0);
-    assert_eq!(st.requested_bytes.all().current, 0);
-    assert_eq!(sim.counters(0).bytes_in_use, 0, "memory given back");
-    a.shutdown().unwrap();
+    live.free_all(&a, &mut handoff.lock().unwrap());
+    all_counted_and_given_back(&a, &sim, allocs.load(Ordering::Relaxed));
 }
 
 /// Blocks over 1 MiB held in long-lived threads' fronts while the other threads allocate
@@ -159,21 +136,12 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
     let most_live = (THREADS as usize * MINE + HANDOFF + THREADS as usize) as u64 * 25 * MIB;
     let sim = Arc::new(SimDriver::new(1, most_live + 64 * MIB));
     let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
-    let live: Mutex<BTreeMap<u64, u64>> = Mutex::new(BTreeMap::new());
+    let live = LiveBlocks::default();
     let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let running = AtomicU64::new(THREADS);
     let allocs = AtomicU64::new(0);
-    let insert = |p: u64, size: u64| {
-        let mut l = live.lock().unwrap();
-        let end = p + size.div_ceil(512) * 512;
-        if let Some((&q, &e)) = l.range(..end).next_back() {
-            assert!(e <= p, "{p:#x} overlaps live {q:#x}..{e:#x}");
-        }
-        l.insert(p, end);
-    };
-    let remove = |p: u64| {
-        live.lock().unwrap().remove(&p).expect("freed a live block");
-    };
+    let insert = |p: u64, size: u64| live.insert(p, size);
+    let remove = |p: u64| live.remove(p);
     std::thread::scope(|s| {
         for t in 0..THREADS {
             let (a, insert, remove, handoff, allocs, running) =
@@ -256,16 +224,51 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
             std::thread::yield_now();
         }
     });
-    for p in std::mem::take(&mut *handoff.lock().unwrap()) {
-        remove(p);
-        a.free(p).unwrap();
+    live.free_all(&a, &mut handoff.lock().unwrap());
+    all_counted_and_given_back(&a, &sim, allocs.load(Ordering::Relaxed));
+}
+
+/// The blocks handed out and not yet freed, by address: a block handed out while it
+/// overlaps one of them, or freed while not among them, fails the test.
+#[derive(Default)]
+struct LiveBlocks(Mutex<BTreeMap<u64, u64>>);
+
+impl LiveBlocks {
+    fn insert(&self, p: u64, size: u64) {
+        let mut live = self.0.lock().unwrap();
+        let end = p + size.div_ceil(512) * 512;
+        if let Some((&q, &e)) = live.range(..end).next_back() {
+            assert!(e <= p, "{p:#x} overlaps live {q:#x}..{e:#x}");
+        }
+        live.insert(p, end);
     }
-    assert!(live.lock().unwrap().is_empty());
+
+    fn remove(&self, p: u64) {
+        self.0
+            .lock()
+            .unwrap()
+            .remove(&p)
+            .expect("freed a live block");
+    }
+
+    /// Frees the blocks left waiting in `handoff`; then none is live.
+    fn free_all(&self, a: &DeviceAllocator, handoff: &mut Vec<u64>) {
+        for p in std::mem::take(handoff) {
+            self.remove(p);
+            a.free(p).unwrap();
+        }
+        assert!(self.0.lock().unwrap().is_empty());
+    }
+}
+
+/// With every block freed: the statistics count `allocs` allocations and as many frees,
+/// nothing is current, and the cache emptied gives every byte back.
+fn all_counted_and_given_back(a: &DeviceAllocator, sim: &SimDriver, allocs: u64) {
     a.empty_cache().unwrap();
     let st = a.stats().unwrap();
     let c = st.allocation.all();
     assert_eq!(c.current, 0, "{st:?}");
-    assert_eq!(c.allocated, allocs.load(Ordering::Relaxed) as i64);
+    assert_eq!(c.allocated, allocs as i64);
     assert_eq!(c.allocated, c.freed);
     assert_eq!(st.allocated_bytes.all().current, 0);
     assert_eq!(st.active_bytes.all().current, 0);
