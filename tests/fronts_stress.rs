@@ -29,12 +29,9 @@ fn under_concurrent_slow_paths(conf: &str) {
     let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let stop = AtomicBool::new(false);
     let allocs = AtomicU64::new(0);
-    let insert = |p: u64, size: u64| live.insert(p, size);
-    let remove = |p: u64| live.remove(p);
     std::thread::scope(|s| {
         for t in 0..3u64 {
-            let (a, stop, insert, remove, handoff, allocs) =
-                (&a, &stop, &insert, &remove, &handoff, &allocs);
+            let (a, stop, live, handoff, allocs) = (&a, &stop, &live, &handoff, &allocs);
             s.spawn(move || {
                 let mut seed = t + 1;
                 while !stop.load(Ordering::Relaxed) {
@@ -53,12 +50,12 @@ fn under_concurrent_slow_paths(conf: &str) {
                                         let stream = StreamId(r % 2);
                                         let p = a.malloc(size, stream).unwrap();
                                         allocs.fetch_add(1, Ordering::Relaxed);
-                                        insert(p, size);
+                                        live.insert(p, size);
                                         mine.push(p);
                                     }
                                     3 | 4 if !mine.is_empty() => {
                                         let p = mine.swap_remove((r as usize / 7) % mine.len());
-                                        remove(p);
+                                        live.remove(p);
                                         a.free(p).unwrap();
                                     }
                                     5 if !mine.is_empty() => {
@@ -71,7 +68,7 @@ fn under_concurrent_slow_paths(conf: &str) {
                                     _ => {
                                         let got = handoff.lock().unwrap().pop();
                                         if let Some(p) = got {
-                                            remove(p);
+                                            live.remove(p);
                                             a.free(p).unwrap();
                                         }
                                     }
@@ -140,12 +137,9 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
     let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let running = AtomicU64::new(THREADS);
     let allocs = AtomicU64::new(0);
-    let insert = |p: u64, size: u64| live.insert(p, size);
-    let remove = |p: u64| live.remove(p);
     std::thread::scope(|s| {
         for t in 0..THREADS {
-            let (a, insert, remove, handoff, allocs, running) =
-                (&a, &insert, &remove, &handoff, &allocs, &running);
+            let (a, live, handoff, allocs, running) = (&a, &live, &handoff, &allocs, &running);
             s.spawn(move || {
                 let mut seed = t + 11;
                 let mut mine: Vec<(u64, u64)> = Vec::new();
@@ -158,11 +152,11 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
                         // Free and ask again for the same size: the front's loop.
                         0 if !mine.is_empty() => {
                             let (p, size) = mine.swap_remove(0);
-                            remove(p);
+                            live.remove(p);
                             a.free(p).unwrap();
                             let q = a.malloc(size, StreamId(0)).unwrap();
                             allocs.fetch_add(1, Ordering::Relaxed);
-                            insert(q, size);
+                            live.insert(q, size);
                             mine.push((q, size));
                         }
                         1..=3 if mine.len() < MINE => {
@@ -170,12 +164,12 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
                             let stream = StreamId((r / 64) % 2);
                             let p = a.malloc(size, stream).unwrap_or_else(|e| panic!("{e}"));
                             allocs.fetch_add(1, Ordering::Relaxed);
-                            insert(p, size);
+                            live.insert(p, size);
                             mine.push((p, size));
                         }
                         4 | 5 if !mine.is_empty() => {
                             let (p, _) = mine.swap_remove((r as usize / 7) % mine.len());
-                            remove(p);
+                            live.remove(p);
                             a.free(p).unwrap();
                         }
                         6 if !mine.is_empty() && handoff.lock().unwrap().len() < HANDOFF => {
@@ -188,14 +182,14 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
                         _ => {
                             let got = handoff.lock().unwrap().pop();
                             if let Some(p) = got {
-                                remove(p);
+                                live.remove(p);
                                 a.free(p).unwrap();
                             }
                         }
                     }
                 }
                 for (p, _) in mine {
-                    remove(p);
+                    live.remove(p);
                     a.free(p).unwrap();
                 }
                 running.fetch_sub(1, Ordering::Release);
