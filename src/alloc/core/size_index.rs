@@ -163,6 +163,32 @@ impl SizeIndex {
         Some(id)
     }
 
+    /// Whether some class from `lo`'s to `hi`'s (sizes under 2 MiB, `lo <= hi`) has blocks in
+    /// `big`. When none has, every block in `big` of at least `lo` bytes is larger than any
+    /// of those classes' (a block under 2 MiB is in `big` only as its class's spill).
+    fn spilled_between(&self, lo: u64, hi: u64) -> bool {
+        if self.spilled.is_empty() {
+            return false;
+        }
+        let (lo, hi) = ((lo / CLASS_BYTES) as usize, (hi / CLASS_BYTES) as usize);
+        let (first, last) = (lo / 64, hi / 64);
+        let mut word = first;
+        while word <= last {
+            let mut bits = self.spilled[word];
+            if word == first {
+                bits &= u64::MAX << (lo % 64);
+            }
+            if word == last {
+                bits &= u64::MAX >> (63 - hi % 64);
+            }
+            if bits != 0 {
+                return true;
+            }
+            word += 1;
+        }
+        false
+    }
+
     fn is_spilled(&self, class: usize) -> bool {
         self.spilled
             .get(class / 64)
@@ -290,7 +316,9 @@ impl SizeIndex {
             class = self.next_class(c + 1);
         }
         if let Some(c) = head {
-            if self.big_first.is_none_or(|first| (c.0, c.1) < first) {
+            if self.big_first.is_none_or(|first| (c.0, c.1) < first)
+                || !self.spilled_between(size, c.0)
+            {
                 return Some((c.0, c.2));
             }
         }

@@ -84,6 +84,9 @@ impl Shard {
         st: &mut State,
         alive: Option<StreamId>,
     ) -> bool {
+        if !st.front_large_joined() {
+            return false;
+        }
         let (returned, reused) = front::take_large_held(&self.fronts);
         // Each reuse in the front stands for a park and its reuse here.
         st.note_parked_reuses(reused);

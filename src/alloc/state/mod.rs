@@ -122,6 +122,10 @@ pub struct State {
     /// `front::FRONT_MAX_BLOCK`.
     front_blocks: usize,
     front_large_blocks: usize,
+    /// Some block over `front::FRONT_MAX_BLOCK` has joined a front: until then no thread's
+    /// front can hold one or have handed one out, and a visit skips looking
+    /// (`Shard::return_large_held`).
+    front_large_joined: bool,
 }
 
 impl State {
@@ -154,6 +158,7 @@ impl State {
             oom_final: Some(Elsewhere::default()),
             front_blocks: 0,
             front_large_blocks: 0,
+            front_large_joined: false,
         }
     }
 
@@ -378,8 +383,16 @@ impl State {
     pub fn join_front(&mut self, id: BlockId, front: u64) {
         let block = self.book.blocks.get_mut(id);
         block.set_front(front);
+        let large = block.size() > FRONT_MAX_BLOCK;
         self.front_blocks += 1;
-        self.front_large_blocks += (block.size() > FRONT_MAX_BLOCK) as usize;
+        self.front_large_blocks += large as usize;
+        self.front_large_joined |= large;
+    }
+
+    /// Whether a block over `front::FRONT_MAX_BLOCK` has ever joined a front.
+    #[inline]
+    pub fn front_large_joined(&self) -> bool {
+        self.front_large_joined
     }
 
     /// Handed-out block `id` left its front.
