@@ -20,7 +20,7 @@ Output: one line ``PASS name detail`` / ``FAIL name detail`` / ``SKIP name detai
 when a check failed.
 
 Checks: train_equal, allocated_matches_storages, record_stream, cuda_graph, cudnn_benchmark,
-oom_raises, ddp_two_gpus (needs 2 GPUs; skipped otherwise), and for the C++ backend
+oom_raises, error_raises, ddp_two_gpus (needs 2 GPUs; skipped otherwise), and for the C++ backend
 (ccalloc.torch's default mode): backend_mode, torch_stats, resnet_cudnn, snapshot,
 snapshot_no_torch, log, compile_reduce_overhead, mempool, backend_vs_pluggable_time.
 """
@@ -872,8 +872,29 @@ def child_managed_tensor(torch, alloc, args):
             "info": info}
 
 
+def child_error_raises(torch, alloc, args):
+    """A failed allocation other than an OOM raises a RuntimeError naming the status: after
+    ccalloc.shutdown(), torch.empty must raise, not crash the process."""
+    import ccalloc
+
+    torch.cuda.init()
+    ccalloc.shutdown()
+    raised = None
+    try:
+        torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    except Exception as e:  # noqa: BLE001
+        raised = e
+    text = first_line(str(raised), 300) if raised is not None else "nothing raised"
+    ok = isinstance(raised, RuntimeError) and "CCALLOC_SHUT_DOWN" in str(raised)
+    ccalloc.init()
+    after = torch.ones(1024, device="cuda").sum().item() == 1024.0
+    info = [f"after shutdown: {type(raised).__name__}: {text}", f"after init again: works={after}"]
+    return {"ok": ok and after, "detail": text if ok else "see lines below", "info": info}
+
+
 CHILDREN = {
     "info": child_info,
+    "error_raises": child_error_raises,
     "train": child_train,
     "allocated": child_allocated,
     "record_stream": child_record_stream,
@@ -1229,6 +1250,7 @@ def main():
         ("cuda_graph", check_cuda_graph),
         ("cudnn_benchmark", check_cudnn_benchmark),
         ("oom_raises", check_oom),
+        ("error_raises", lambda: from_child("error_raises")),
         ("ddp_two_gpus", lambda: check_ddp(device_count)),
         ("backend_mode", check_backend_mode),
         ("torch_stats", check_torch_stats),

@@ -20,6 +20,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -33,6 +34,20 @@ namespace {
 namespace cca = c10::cuda::CUDACachingAllocator;
 namespace cda = c10::CachingDeviceAllocator;
 using c10::MempoolId_t;
+
+// Numbers in error messages are formatted here, never by an ostream. Messages go through
+// c10::str, and on the H100 host an integer inserted there from this file crashed the process
+// (a null dereference under std::ostream::_M_insert<unsigned long>) instead of raising;
+// strings alone format safely (the OOM message is one). check_torch.py's error_raises.
+std::string number(unsigned long long value) {
+  return std::to_string(value);
+}
+
+std::string address(const void* ptr) {
+  char text[2 + 2 * sizeof(void*) + 1];
+  std::snprintf(text, sizeof text, "%p", ptr);
+  return text;
+}
 
 std::string last_error() {
   const char* m = ccalloc_last_error();
@@ -132,7 +147,7 @@ class CcallocAllocator final : public cca::CUDAAllocator {
       }
     }
     // A deleter cannot throw: PyTorch calls it from destructors.
-    TORCH_WARN("ccalloc: freeing ", ptr, ": ", last_error());
+    TORCH_WARN("ccalloc: freeing ", address(ptr), ": ", last_error());
   }
 
   void init(int device_count) override {
@@ -642,8 +657,9 @@ class CcallocAllocator final : public cca::CUDAAllocator {
       notify_oom(device, size);
       TORCH_CHECK_WITH(OutOfMemoryError, false, message);
     }
-    TORCH_CHECK(false, "ccalloc: allocating ", size, " bytes on device ", static_cast<int>(device),
-                " failed (", ccalloc_status_name(status), "): ", message);
+    TORCH_CHECK(false, "ccalloc: allocating ", number(size), " bytes on device ",
+                number(static_cast<unsigned>(device)), " failed (", ccalloc_status_name(status),
+                "): ", message);
   }
 
   ccalloc_status free_on(void* ptr, int device) {
