@@ -5,19 +5,13 @@
 // whole device, mapping the chunk at its new address first and unmapping the old one later
 // would save nothing.
 //   nvcc -O2 -o /tmp/vmm_busy benches/gpu/vmm_busy.cu -lcuda && /tmp/vmm_busy
-#include <cuda.h>
+#include "vmm_common.h"
 #include <cuda_runtime.h>
 #include <chrono>
 #include <algorithm>
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char* s_; cuGetErrorString(r_, &s_); \
-    printf("%s failed: %s\n", #x, s_); return 1; } } while (0)
-
-static double now_us() {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 __global__ void spin(long long cycles) {
     long long start = clock64();
@@ -35,19 +29,10 @@ __global__ void sum(const unsigned* p, size_t n, unsigned long long* out) {
 }
 
 int main() {
-    CHECK(cuInit(0));
-    CUdevice dev; CHECK(cuDeviceGet(&dev, 0));
-    CUcontext ctx; CHECK(cuDevicePrimaryCtxRetain(&ctx, dev)); CHECK(cuCtxSetCurrent(ctx));
+    Vmm v;
+    if (vmm_open(v)) return 1;
+    const auto& [dev, prop, page, access] = v;
     int clock_khz = 0; cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0);
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
-    size_t page = 0;
-    CHECK(cuMemGetAllocationGranularity(&page, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-    CUmemAccessDesc access = {};
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     const size_t chunk = 8 * page;
     CUdeviceptr va; CHECK(cuMemAddressReserve(&va, 64 * chunk, 0, 0, 0));
     cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);

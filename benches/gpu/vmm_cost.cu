@@ -1,31 +1,16 @@
 // What the CUDA virtual memory calls cost on this GPU, per call, and whether one cuMemUnmap may
 // cover several separately mapped pages (ccalloc moves pages one granule at a time).
 //   nvcc -O2 -o /tmp/vmm_cost benches/gpu/vmm_cost.cu -lcuda && /tmp/vmm_cost
-#include <cuda.h>
+#include "vmm_common.h"
 #include <chrono>
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char* s_; cuGetErrorString(r_, &s_); \
-    printf("%s failed: %s\n", #x, s_); return 1; } } while (0)
-
-static double now_us() {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 int main() {
-    CHECK(cuInit(0));
-    CUdevice dev; CHECK(cuDeviceGet(&dev, 0));
-    CUcontext ctx; CHECK(cuDevicePrimaryCtxRetain(&ctx, dev)); CHECK(cuCtxSetCurrent(ctx));
-    CUmemAllocationProp prop = {};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
-    size_t page = 0;
-    CHECK(cuMemGetAllocationGranularity(&page, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-    CUmemAccessDesc access = {};
-    access.location = prop.location;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    Vmm v;
+    if (vmm_open(v)) return 1;
+    const auto& [dev, prop, page, access] = v;
     const int n = 512;
     CUdeviceptr va; CHECK(cuMemAddressReserve(&va, n * page, 0, 0, 0));
     std::vector<CUmemGenericAllocationHandle> h(n);
