@@ -299,7 +299,13 @@ impl SimDriver {
         let queued = control(&d.streams).entry(stream).or_default().queued;
         let mut memory = control(&d.memory);
         for g in granules(va, va + len.max(1)) {
-            memory.uses.entry(g).or_default().push((stream, queued));
+            // A stream finishes its work in order: its latest use of a granule covers the
+            // earlier ones, so each granule keeps one per stream.
+            let uses = memory.uses.entry(g).or_default();
+            match uses.iter_mut().find(|(s, _)| *s == stream) {
+                Some((_, at)) => *at = (*at).max(queued),
+                None => uses.push((stream, queued)),
+            }
         }
     }
 
@@ -1293,5 +1299,25 @@ mod tests {
         sim.synchronize(0).unwrap();
         sim.unmap(0, va, 4 * G).unwrap();
         sim.release_physical(0, h, 4 * G).unwrap();
+    }
+
+    /// Uses of a granule on one stream are kept as its latest: once work before an earlier
+    /// use has finished, a later one still blocks the unmap.
+    #[test]
+    fn a_granules_latest_use_on_a_stream_is_the_one_that_blocks() {
+        let sim = SimDriver::new(1, 64 * G).with_event_lag(1);
+        let va = sim.reserve_address(0, 16 * G).unwrap();
+        let h = sim.create_physical(0, G).unwrap();
+        sim.map(0, va, G, h).unwrap();
+        let s = StreamId(1);
+        sim.record_event(0, s).unwrap();
+        sim.note_use(0, va, 4096, s);
+        sim.record_event(0, s).unwrap();
+        sim.note_use(0, va, 4096, s);
+        // The first use's work has finished (one event later), the second's has not.
+        assert!(sim.unmap(0, va, G).is_err(), "the later use blocks");
+        sim.record_event(0, s).unwrap();
+        sim.unmap(0, va, G).unwrap();
+        sim.release_physical(0, h, G).unwrap();
     }
 }

@@ -207,6 +207,10 @@ pub fn replay(
             }
             Action::FreeCompleted => match live.remove(&e.addr) {
                 Some((ptr, size)) => {
+                    // Work queued on the block's stream before its free used it: the sim
+                    // refuses to unmap its pages before that work is done, so a paging
+                    // policy that moved them too early fails the replay.
+                    sim.note_use(0, ptr, size.max(1), StreamId(e.stream));
                     allocator.free(ptr)?;
                     live_bytes -= size;
                     events += 1;
