@@ -63,6 +63,34 @@ fn csv_sample_replays_within_its_targets() {
     );
 }
 
+/// `--breakdown` accounts for every reserved byte at the peak: live, free chunks, pinned
+/// pages, page rounding, parked chunks and plain segments add up to it, paged or not.
+#[test]
+fn the_peak_breakdown_accounts_for_every_reserved_byte() {
+    let traces = trace::load(&sample()).unwrap();
+    for conf in ["", "expandable_segments:False", "page_slack:0"] {
+        let options = ReplayOptions {
+            conf: conf.into(),
+            breakdown: true,
+            ..ReplayOptions::default()
+        };
+        let r = replay(&traces[0], &options, |_, _| {}).unwrap();
+        let b = r.at_peak.expect("a breakdown was asked for");
+        assert_eq!(b.reserved_bytes, r.peak_reserved_bytes, "{conf:?}");
+        let parts = b.live_bytes
+            + b.free_chunk_bytes
+            + b.pinned_bytes
+            + b.rounding_bytes
+            + b.parked_bytes
+            + b.plain_bytes;
+        assert_eq!(parts, b.reserved_bytes, "{conf:?}: {b:?}");
+        let paged = conf != "expandable_segments:False";
+        assert_eq!(b.plain_bytes == 0, paged, "{conf:?}: {b:?}");
+    }
+    let without = replay(&traces[0], &ReplayOptions::default(), |_, _| {}).unwrap();
+    assert!(without.at_peak.is_none());
+}
+
 #[test]
 fn capacity_reports_where_a_trace_runs_out() {
     let traces = trace::load(

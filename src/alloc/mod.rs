@@ -41,6 +41,9 @@ pub struct SegmentView {
     /// For a paged segment, its mapped address ranges in order (only they hold memory);
     /// `None` for a plain segment, which is mapped whole.
     pub mapped: Option<Vec<(DevicePtr, u64)>>,
+    /// For a paged segment, each mapped chunk (one physical allocation, unmapped only whole)
+    /// as (address, bytes), in order; `None` for a plain segment.
+    pub chunks: Option<Vec<(DevicePtr, u64)>>,
 }
 
 fn driver_error(device: usize, e: DriverError) -> Error {

@@ -49,6 +49,11 @@ enum Command {
         /// later events were recorded on its stream (0: at once).
         #[arg(long, default_value_t = 2)]
         gpu_lag: u64,
+        /// What reserved memory was made of when it peaked: chunks with no live byte,
+        /// pinned pages (no live byte, in a chunk that has some), page rounding, parked
+        /// chunks. Slower: the allocator is inspected at every allocation.
+        #[arg(long)]
+        breakdown: bool,
     },
 }
 
@@ -63,6 +68,7 @@ fn main() -> ExitCode {
             stats,
             plot: plot_path,
             gpu_lag,
+            breakdown,
         } => {
             let Some(capacity) = parse_bytes(&capacity).filter(|&c| c > 0) else {
                 eprintln!("error: --capacity {capacity:?} is not a size such as 80GiB");
@@ -77,6 +83,7 @@ fn main() -> ExitCode {
                 capacity,
                 conf,
                 gpu_lag,
+                breakdown,
                 ..ReplayOptions::default()
             };
             let mut reports = Vec::new();
@@ -189,6 +196,21 @@ fn print_table(out: &mut impl Write, reports: &[ReplayReport]) -> std::io::Resul
                 out,
                 "  segments allocated/freed: {}/{}",
                 r.device_allocs, r.device_frees
+            )?;
+        }
+        if let Some(b) = &r.at_peak {
+            writeln!(
+                out,
+                "  at peak: {} over {} live: free chunks {}, pinned {} ({} chunks),\n    \
+                 page rounding {}, parked {}, plain segments {}",
+                human_bytes(b.reserved_bytes.saturating_sub(b.live_bytes)),
+                human_bytes(b.live_bytes),
+                human_bytes(b.free_chunk_bytes),
+                human_bytes(b.pinned_bytes),
+                b.pinning_chunks,
+                human_bytes(b.rounding_bytes),
+                human_bytes(b.parked_bytes),
+                human_bytes(b.plain_bytes),
             )?;
         }
         if let Some(o) = &r.oom {

@@ -1,6 +1,7 @@
 //! Trace replay: drives a `DeviceAllocator` on the simulated device with a recorded workload
 //! (allocate at `alloc`, free at `free_completed`, same streams) and measures what it reserved.
 
+mod breakdown;
 mod pickle_depth;
 pub mod plot;
 mod snapshot;
@@ -11,6 +12,7 @@ use crate::config::Config;
 use crate::driver::sim::{SimCounters, SimDriver};
 use crate::driver::StreamId;
 use crate::error::{ErrorKind, Result};
+pub use breakdown::PeakBreakdown;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -27,6 +29,8 @@ pub struct ReplayOptions {
     /// How far the simulated GPU runs behind: an event completes once this many later
     /// events were recorded on its stream (see `SimDriver::with_event_lag`).
     pub gpu_lag: u64,
+    /// Report what reserved memory was made of when it peaked (`ReplayReport::at_peak`).
+    pub breakdown: bool,
 }
 
 impl Default for ReplayOptions {
@@ -36,6 +40,7 @@ impl Default for ReplayOptions {
             conf: String::new(),
             timeline_points: 2000,
             gpu_lag: 2,
+            breakdown: false,
         }
     }
 }
@@ -83,6 +88,10 @@ pub struct ReplayReport {
     pub oom: Option<OomPoint>,
     /// Frees of addresses the trace never allocated (skipped).
     pub unmatched_frees: usize,
+    /// With `ReplayOptions::breakdown`: reserved memory by cause at the allocation that
+    /// set its peak.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at_peak: Option<PeakBreakdown>,
     /// (event index, live bytes, reserved bytes), evenly sampled; in `--json` only with
     /// `--stats`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -177,6 +186,13 @@ pub fn replay(
     } else {
         &trace.events[..]
     };
+    // With `breakdown`, what reserved was made of at each new peak (paged segments' page
+    // size; none without them).
+    let breakdown_page = options
+        .breakdown
+        .then(|| crate::driver::Driver::vmm_granularity(sim.as_ref(), 0))
+        .flatten();
+    let mut peak_breakdown: Option<PeakBreakdown> = None;
     for (i, e) in events_to_replay.iter().enumerate() {
         match e.action {
             Action::Alloc => {
@@ -226,6 +242,12 @@ pub fn replay(
             }
             Action::SegmentFree => torch_reserved = torch_reserved.saturating_sub(e.size),
         }
+        if let (Some(page), Action::Alloc) = (breakdown_page, e.action) {
+            let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
+            if reserved > peak_breakdown.map_or(0, |b| b.reserved_bytes) {
+                peak_breakdown = Some(breakdown::breakdown(&allocator, reserved, page)?);
+            }
+        }
         if i % every == 0 {
             let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
             timeline.push((i, live_bytes, reserved));
@@ -269,6 +291,7 @@ pub fn replay(
         ns_per_event: elapsed.as_nanos() as f64 / events.max(1) as f64,
         oom,
         unmatched_frees: unmatched,
+        at_peak: peak_breakdown,
         timeline,
         final_stats: stats.flat(),
     })

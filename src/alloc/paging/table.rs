@@ -271,6 +271,14 @@ impl PagedSegment {
         runs
     }
 
+    /// Every mapped chunk as (address, bytes), in address order.
+    pub fn chunk_ranges(&self) -> Vec<(DevicePtr, u64)> {
+        self.firsts
+            .iter()
+            .map(|first| (self.va(*first), self.chunks[first].pages as u64 * self.page))
+            .collect()
+    }
+
     /// Bytes of `[addr, addr+len)` that lie on mapped pages.
     pub fn mapped_bytes_in(&self, addr: DevicePtr, len: u64) -> u64 {
         self.touched(addr, len)

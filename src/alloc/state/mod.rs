@@ -435,6 +435,7 @@ impl State {
                     blocks,
                     requested,
                     mapped: self.paging.segments.get(addr).map(|p| p.mapped_runs()),
+                    chunks: self.paging.segments.get(addr).map(|p| p.chunk_ranges()),
                 }
             })
             .collect()
