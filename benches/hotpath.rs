@@ -1,6 +1,7 @@
 //! Hot-path benchmarks on the simulated device, the same patterns as the GPU harness
 //! (shared/bench/hotpath.cpp): same-size alloc+free pairs, steady churn (small and mixed
-//! sizes), several threads each on its own stream, and two sharing one.
+//! sizes), several threads each on its own stream, two sharing one, and two taking turns
+//! on one (PyTorch's forward and backward: `handoff`).
 //! Run: `cargo bench --features sim --bench hotpath`.
 
 use ccalloc::SimDriver;
@@ -167,9 +168,99 @@ fn threads(c: &mut Criterion) {
     group.finish();
 }
 
+/// `took` for `done` blocks, scaled to `iters` (criterion's count).
+fn per_iteration(took: Duration, done: u64, iters: u64) -> Duration {
+    took.mul_f64(iters as f64 / done.max(1) as f64)
+}
+
+/// The sizes of one "step" of `handoff`: a training step's activations, small and large.
+fn step_sizes() -> Vec<u64> {
+    let mut sizes = Sizes(7);
+    (0..64)
+        .map(|_| sizes.next(512.0, (8u64 << 20) as f64))
+        .collect()
+}
+
+/// One `handoff` run on two threads: `a` (none: the hand-off alone, the floor) allocates a
+/// step's blocks on one thread, the other frees them in reverse while the first waits.
+fn handoff_steps(a: Option<Arc<DeviceAllocator>>, sizes: &[u64], iters: u64) -> Duration {
+    let steps = (iters / sizes.len() as u64).max(1);
+    let stream = StreamId(0);
+    let (to_freer, from_maker) = std::sync::mpsc::channel::<Vec<u64>>();
+    let (to_maker, from_freer) = std::sync::mpsc::channel::<()>();
+    let freer = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            while let Ok(blocks) = from_maker.recv() {
+                for p in blocks.into_iter().rev() {
+                    if let Some(a) = &a {
+                        a.free(p).unwrap();
+                    }
+                    black_box(p);
+                }
+                if to_maker.send(()).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let start = Instant::now();
+    for _ in 0..steps {
+        let blocks: Vec<u64> = sizes
+            .iter()
+            .map(|&s| match &a {
+                Some(a) => a.malloc(s, stream).unwrap(),
+                None => black_box(s),
+            })
+            .collect();
+        to_freer.send(blocks).unwrap();
+        from_freer.recv().unwrap();
+    }
+    let took = start.elapsed();
+    drop(to_freer);
+    freer.join().unwrap();
+    per_iteration(took, steps * sizes.len() as u64, iters)
+}
+
+/// PyTorch's forward and backward on one stream: one thread allocates a step's blocks, then
+/// another frees them (autograd's thread, while the first waits), and so on; `floor` is the
+/// hand-off alone, to subtract. `1`: one thread makes the same calls in the same order. Per
+/// block (one malloc and one free).
+fn handoff(c: &mut Criterion) {
+    let mut group = c.benchmark_group("handoff");
+    group.throughput(Throughput::Elements(1));
+    let sizes = step_sizes();
+    group.bench_function(BenchmarkId::new("floor", "2_threads"), |b| {
+        b.iter_custom(|iters| handoff_steps(None, &sizes, iters))
+    });
+    for (mode, conf) in modes() {
+        let a = allocator(conf);
+        group.bench_function(BenchmarkId::new(mode, "1"), |b| {
+            b.iter_custom(|iters| {
+                let steps = (iters / sizes.len() as u64).max(1);
+                let start = Instant::now();
+                for _ in 0..steps {
+                    let blocks: Vec<u64> = sizes
+                        .iter()
+                        .map(|&s| a.malloc(s, StreamId(0)).unwrap())
+                        .collect();
+                    for p in blocks.into_iter().rev() {
+                        a.free(p).unwrap();
+                    }
+                }
+                per_iteration(start.elapsed(), steps * sizes.len() as u64, iters)
+            })
+        });
+        group.bench_function(BenchmarkId::new(mode, "2_threads"), |b| {
+            b.iter_custom(|iters| handoff_steps(Some(a.clone()), &sizes, iters))
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2)).sample_size(20);
-    targets = pair_same, churn, threads
+    targets = pair_same, churn, threads, handoff
 }
 criterion_main!(benches);
