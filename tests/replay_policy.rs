@@ -25,6 +25,7 @@ fn replay_with(name: &str, gpu_lag: u64, conf: &str) -> ReplayReport {
         gpu_lag,
         conf: conf.to_string(),
         timeline_points: 1,
+        check_unmaps: true,
         ..ReplayOptions::default()
     };
     let r = replay(&traces[0], &options, |_, _| {}).unwrap();

@@ -54,6 +54,10 @@ enum Command {
         /// chunks. Slower: the allocator is inspected at every allocation.
         #[arg(long)]
         breakdown: bool,
+        /// Fail a trace whose replay unmaps pages while work queued before their last free
+        /// may still use them (a check of the paging policy; slower for large blocks).
+        #[arg(long)]
+        check_unmaps: bool,
     },
 }
 
@@ -69,6 +73,7 @@ fn main() -> ExitCode {
             plot: plot_path,
             gpu_lag,
             breakdown,
+            check_unmaps,
         } => {
             let Some(capacity) = parse_bytes(&capacity).filter(|&c| c > 0) else {
                 eprintln!("error: --capacity {capacity:?} is not a size such as 80GiB");
@@ -84,6 +89,7 @@ fn main() -> ExitCode {
                 conf,
                 gpu_lag,
                 breakdown,
+                check_unmaps,
                 ..ReplayOptions::default()
             };
             let mut reports = Vec::new();
