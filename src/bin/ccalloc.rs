@@ -51,7 +51,7 @@ enum Command {
         gpu_lag: u64,
         /// What reserved memory was made of when it peaked: chunks with no live byte,
         /// pinned pages (no live byte, in a chunk that has some), page rounding, parked
-        /// chunks. Slower: the allocator is inspected at every allocation.
+        /// chunks. The trace is replayed twice: the second pass stops there.
         #[arg(long)]
         breakdown: bool,
         /// Fail a trace whose replay unmaps pages while work queued before their last free

@@ -148,8 +148,39 @@ pub fn driver_ms_note() -> String {
 pub fn replay(
     trace: &Trace,
     options: &ReplayOptions,
-    mut progress: impl FnMut(usize, usize),
+    progress: impl FnMut(usize, usize),
 ) -> Result<ReplayReport> {
+    if !options.breakdown {
+        return replay_pass(trace, options, progress, Pass::Plain).map(|(report, _)| report);
+    }
+    // A breakdown walks every block: taken once, at the allocation that set the peak, found
+    // by a first pass (the replay is deterministic), so that its cost stays one walk.
+    let (mut report, peak_event) = replay_pass(trace, options, progress, Pass::FindPeak)?;
+    if let Some(event) = peak_event {
+        let (again, _) = replay_pass(trace, options, |_, _| {}, Pass::BreakdownAt(event))?;
+        report.at_peak = again.at_peak;
+    }
+    Ok(report)
+}
+
+/// What a replay pass does besides replaying (`ReplayOptions::breakdown`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Plain,
+    /// Notes the allocation after which reserved was highest.
+    FindPeak,
+    /// Stops after this event, with the breakdown of reserved then in `at_peak`.
+    BreakdownAt(usize),
+}
+
+/// One replay; with `Pass::FindPeak`, also the index of the allocation event after which
+/// reserved was highest.
+fn replay_pass(
+    trace: &Trace,
+    options: &ReplayOptions,
+    mut progress: impl FnMut(usize, usize),
+    pass: Pass,
+) -> Result<(ReplayReport, Option<usize>)> {
     let mut config = Config::default();
     config.apply(&options.conf)?;
     let sim = Arc::new(SimDriver::new(1, options.capacity).with_event_lag(options.gpu_lag));
@@ -192,13 +223,8 @@ pub fn replay(
     } else {
         &trace.events[..]
     };
-    // With `breakdown`, what reserved was made of at each new peak (paged segments' page
-    // size; none without them).
-    let breakdown_page = options
-        .breakdown
-        .then(|| crate::driver::Driver::vmm_granularity(sim.as_ref(), 0))
-        .flatten();
     let mut peak_breakdown: Option<PeakBreakdown> = None;
+    let (mut highest, mut peak_event) = (0u64, None);
     for (i, e) in events_to_replay.iter().enumerate() {
         match e.action {
             Action::Alloc => {
@@ -247,11 +273,21 @@ pub fn replay(
             }
             Action::SegmentFree => torch_reserved = torch_reserved.saturating_sub(e.size),
         }
-        if let (Some(page), Action::Alloc) = (breakdown_page, e.action) {
-            let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
-            if reserved > peak_breakdown.map_or(0, |b| b.reserved_bytes) {
-                peak_breakdown = Some(breakdown::breakdown(&allocator, reserved, page)?);
+        match pass {
+            Pass::FindPeak if e.action == Action::Alloc => {
+                let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
+                if reserved > highest {
+                    (highest, peak_event) = (reserved, Some(i));
+                }
             }
+            Pass::BreakdownAt(event) if event == i => {
+                let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
+                // Paged segments' page size (none without them: every byte is then plain).
+                let page = crate::driver::Driver::vmm_granularity(sim.as_ref(), 0).unwrap_or(1);
+                peak_breakdown = Some(breakdown::breakdown(&allocator, reserved, page)?);
+                break;
+            }
+            _ => {}
         }
         if i % every == 0 {
             let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
@@ -275,7 +311,7 @@ pub fn replay(
     };
     let torch_peak = torch_seen.then_some(torch_peak);
     let counters = sim.counters(0);
-    Ok(ReplayReport {
+    let report = ReplayReport {
         trace: trace.name.clone(),
         events,
         allocs,
@@ -299,5 +335,6 @@ pub fn replay(
         at_peak: peak_breakdown,
         timeline,
         final_stats: stats.flat(),
-    })
+    };
+    Ok((report, peak_event))
 }
