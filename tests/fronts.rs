@@ -11,6 +11,10 @@ use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+mod common;
+
+use common::figures::{rounded, PoolFigures};
+
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
@@ -35,29 +39,11 @@ fn from_front(a: &DeviceAllocator) -> u64 {
     q
 }
 
-fn rounded(size: u64) -> u64 {
-    size.max(1).div_ceil(512) * 512
-}
-
-/// Pool index in the statistics: 1 small (up to 1 MiB), 2 large.
-fn pool(rounded: u64) -> usize {
-    if rounded <= MIB {
-        1
-    } else {
-        2
-    }
-}
-
-/// The model's figures for allocation count, allocated bytes and requested bytes: per pool
-/// (all, small, large), current and peak.
+/// The model's figures: per pool (`common::figures`), and the allocations ever made.
 #[derive(Clone, Copy, Default, Debug)]
 struct Figures {
-    current: [[i64; 3]; 3],
-    peak: [[i64; 3]; 3],
+    pools: PoolFigures,
     allocations: i64,
-    /// Requested bytes are not modelled while freed blocks wait for another stream's events
-    /// (they leave when the shard next polls, which a front's hand-out does not).
-    requested_unknown: bool,
 }
 
 impl Figures {
@@ -67,44 +53,14 @@ impl Figures {
 
     /// Changes only the listed statistics (0 count, 1 bytes, 2 requested).
     fn change_stats(&mut self, size: u64, sign: i64, stats: &[usize]) {
-        let r = rounded(size);
-        let amounts = [1, r as i64, size as i64];
-        for &stat in stats {
-            let amount = amounts[stat];
-            for index in [0, pool(r)] {
-                self.current[stat][index] += sign * amount;
-                let now = self.current[stat][index];
-                let peak = &mut self.peak[stat][index];
-                *peak = (*peak).max(now);
-            }
-        }
+        self.pools.change(size, rounded(size), sign, stats);
         if sign > 0 && stats.contains(&0) {
             self.allocations += 1;
         }
     }
 
-    fn reset_peaks(&mut self) {
-        self.peak = self.current;
-    }
-
-    fn check(&self, s: &DeviceStats) {
-        for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
-            .iter()
-            .enumerate()
-        {
-            if stat == 2 && self.requested_unknown {
-                continue;
-            }
-            for index in 0..3 {
-                let got = array.0[index];
-                assert_eq!(
-                    (got.current, got.peak),
-                    (self.current[stat][index], self.peak[stat][index]),
-                    "statistic {stat} (0 count, 1 bytes, 2 requested), pool index {index}: {s:?}"
-                );
-                assert_eq!(got.allocated - got.freed, got.current);
-            }
-        }
+    fn check(&self, s: &DeviceStats, what: &str) {
+        self.pools.check(s, what);
         assert_eq!(s.allocation.all().allocated, self.allocations);
         assert!(s.active_bytes.all().current >= s.allocated_bytes.all().current);
         assert!(s.active_bytes.all().peak >= s.active_bytes.all().current);
@@ -161,7 +117,8 @@ fn run(ops: Vec<Op>) {
     let mut awaiting: Vec<u64> = Vec::new();
     let pick =
         |live: &BTreeMap<u64, (u64, u64)>, i: usize| live.keys().nth(i % live.len()).copied();
-    for op in ops {
+    for (i, op) in ops.into_iter().enumerate() {
+        let what = format!("op {i} {op:?}");
         match op {
             Op::Alloc { size, stream } => {
                 let ptr = a.malloc(size, if stream { S1 } else { S0 }).unwrap();
@@ -188,7 +145,7 @@ fn run(ops: Vec<Op>) {
                 if recorded.contains(&ptr) {
                     recorded.retain(|&r| r != ptr);
                     awaiting.push(size);
-                    model.requested_unknown = true;
+                    model.pools.requested_unknown = true;
                     model.change_stats(size, -1, &[0, 1]);
                 } else {
                     model.change(size, -1);
@@ -221,13 +178,13 @@ fn run(ops: Vec<Op>) {
             }
             Op::ResetPeaks => {
                 a.reset_peak_stats().unwrap();
-                model.reset_peaks();
+                model.pools.reset_peaks();
                 // Known again once nothing waits (from empty_cache) and the peaks restart.
-                model.requested_unknown &= !awaiting.is_empty();
+                model.pools.requested_unknown &= !awaiting.is_empty();
             }
             _ => {}
         }
-        model.check(&a.stats().unwrap());
+        model.check(&a.stats().unwrap(), &what);
     }
     for (ptr, _) in std::mem::take(&mut live) {
         a.free(ptr).unwrap();

@@ -7,14 +7,14 @@ use proptest::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+mod common;
+
+use common::figures::{rounded, PoolFigures};
+
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
 const NA: usize = 10;
-
-fn rounded(size: u64) -> u64 {
-    size.max(1).div_ceil(512) * 512
-}
 
 #[derive(Default, Clone, Debug)]
 struct M {
@@ -382,26 +382,15 @@ impl Drop for Worker {
 }
 
 /// Pool index in the statistics: 1 small (up to 1 MiB), 2 large.
-fn pool_of(size: u64) -> usize {
-    if rounded(size) <= MIB {
-        1
-    } else {
-        2
-    }
-}
-
 /// Count, allocated bytes and requested bytes, per pool (all, small, large): current, peak.
 #[derive(Default, Debug)]
 struct Large {
-    current: [[i64; 3]; 3],
-    peak: [[i64; 3]; 3],
-    /// `current` at the last `reset_accumulated_stats`.
-    current_at_reset: [[i64; 3]; 3],
+    /// Requested bytes of blocks freed while recorded on another stream leave only when
+    /// the shard sees their events: unknown (`requested_unknown`) until `empty_cache` and
+    /// a peak reset.
+    pools: PoolFigures,
     allocated: i64,
     freed: i64,
-    /// Requested bytes of blocks freed while recorded on another stream leave only when
-    /// the shard sees their events: unknown until `empty_cache` and a peak reset.
-    requested_unknown: bool,
     /// Live blocks: requested size and block size.
     live: BTreeMap<u64, (u64, u64)>,
     freed_ptrs: Vec<u64>,
@@ -413,33 +402,7 @@ struct Large {
     fragile: bool,
 }
 
-/// Bytes as an OOM message writes them.
-fn human(bytes: u64) -> String {
-    let (mut value, mut unit) = (bytes as f64, 0);
-    while value >= 1024.0 && unit < 3 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    match unit {
-        0 => format!("{bytes} B"),
-        _ => format!("{value:.2} {}", ["B", "KiB", "MiB", "GiB"][unit]),
-    }
-}
-
 impl Large {
-    /// A block of `block` bytes handed out for `size` (or taken back).
-    fn change(&mut self, size: u64, block: u64, sign: i64, stats: &[usize]) {
-        let amounts = [1, block as i64, size as i64];
-        for &stat in stats {
-            for index in [0, pool_of(size)] {
-                self.current[stat][index] += sign * amounts[stat];
-                let now = self.current[stat][index];
-                let peak = &mut self.peak[stat][index];
-                *peak = (*peak).max(now);
-            }
-        }
-    }
-
     fn live_bytes(&self) -> u64 {
         self.live.values().map(|&(_, b)| b).sum()
     }
@@ -459,7 +422,7 @@ impl Large {
         self.live.insert(ptr, (size, block));
         self.freed_ptrs.retain(|&f| f != ptr);
         self.allocated += 1;
-        self.change(size, block, 1, &[0, 1, 2]);
+        self.pools.change(size, block, 1, &[0, 1, 2]);
     }
 
     fn free(&mut self, ptr: u64) {
@@ -469,37 +432,15 @@ impl Large {
         if self.recorded.contains(&ptr) {
             self.recorded.retain(|&r| r != ptr);
             self.awaiting.push((size, block));
-            self.requested_unknown = true;
-            self.change(size, block, -1, &[0, 1]);
+            self.pools.requested_unknown = true;
+            self.pools.change(size, block, -1, &[0, 1]);
         } else {
-            self.change(size, block, -1, &[0, 1, 2]);
+            self.pools.change(size, block, -1, &[0, 1, 2]);
         }
     }
 
     fn check(&self, s: &DeviceStats, what: &str) {
-        for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
-            .iter()
-            .enumerate()
-        {
-            if stat == 2 && self.requested_unknown {
-                continue;
-            }
-            for index in 0..3 {
-                let got = array.0[index];
-                assert_eq!(
-                    (got.current, got.peak),
-                    (self.current[stat][index], self.peak[stat][index]),
-                    "after {what}: statistic {stat} (0 count, 1 bytes, 2 requested), pool {index}"
-                );
-                // Totals since the last reset: what was live then stays out of them.
-                let since = got.current - self.current_at_reset[stat][index];
-                assert_eq!(
-                    got.allocated - got.freed,
-                    since,
-                    "after {what}: totals of {stat}, pool {index}"
-                );
-            }
-        }
+        self.pools.check(s, what);
         let a = s.allocation.all();
         assert_eq!(
             (a.allocated, a.freed),
@@ -602,7 +543,10 @@ fn run_large(conf: &str, ops: Vec<LargeOp>) {
                 let p = match got {
                     Err(e) if (m.capturing || m.fragile) && e.kind == ErrorKind::OutOfMemory => {
                         // Held blocks were taken back before the refusal: live is the truth.
-                        let live = format!("{} live in allocations", human(m.live_bytes()));
+                        let live = format!(
+                            "{} live in allocations",
+                            ccalloc::human_bytes(m.live_bytes())
+                        );
                         assert!(e.message.contains(&live), "{what}: {live}? {e}");
                         m.check(&a.stats().unwrap(), &what);
                         continue;
@@ -634,15 +578,7 @@ fn run_large(conf: &str, ops: Vec<LargeOp>) {
             }
             LargeOp::ResetAccum(t) => {
                 workers[t].on(|a| a.reset_accumulated_stats()).unwrap();
-                // The allocator's own figures (checked against the model's at every step but
-                // requested bytes still awaiting events, which the model cannot know).
-                let s = a.stats().unwrap();
-                for (stat, array) in [s.allocation, s.allocated_bytes, s.requested_bytes]
-                    .iter()
-                    .enumerate()
-                {
-                    m.current_at_reset[stat] = array.0.map(|got| got.current);
-                }
+                m.pools.reset_totals(&a.stats().unwrap());
                 m.allocated = 0;
                 m.freed = 0;
             }
@@ -716,7 +652,7 @@ fn run_large(conf: &str, ops: Vec<LargeOp>) {
                 workers[t].on(|a| a.empty_cache()).unwrap();
                 if !m.capturing {
                     for (size, block) in std::mem::take(&mut m.awaiting) {
-                        m.change(size, block, -1, &[2]);
+                        m.pools.change(size, block, -1, &[2]);
                     }
                     if m.live.is_empty() {
                         assert_eq!(
@@ -729,8 +665,8 @@ fn run_large(conf: &str, ops: Vec<LargeOp>) {
             }
             LargeOp::ResetPeaks(t) => {
                 workers[t].on(|a| a.reset_peak_stats()).unwrap();
-                m.peak = m.current;
-                m.requested_unknown &= !m.awaiting.is_empty();
+                m.pools.reset_peaks();
+                m.pools.requested_unknown &= !m.awaiting.is_empty();
             }
             LargeOp::Segments(t) => {
                 let segments = workers[t].on(|a| a.segments()).unwrap();

@@ -1,6 +1,8 @@
 //! Shared by the integration tests that include it (`mod common;`); each uses only part.
 #![allow(dead_code)]
 
+pub mod figures;
+
 use ccalloc::SimDriver;
 use ccalloc::StreamId;
 use ccalloc::{DevicePtr, Driver, DriverResult, EventId, PhysHandle};
