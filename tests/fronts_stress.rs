@@ -40,10 +40,7 @@ fn under_concurrent_slow_paths(conf: &str) {
                         s2.spawn(|| {
                             let mut mine: Vec<u64> = Vec::new();
                             for _ in 0..200 {
-                                seed = seed
-                                    .wrapping_mul(6364136223846793005)
-                                    .wrapping_add(1442695040888963407);
-                                let r = seed >> 33;
+                                let r = draw(&mut seed);
                                 match r % 6 {
                                     0..=2 => {
                                         let size = 512 * (1 + r % 5);
@@ -59,19 +56,9 @@ fn under_concurrent_slow_paths(conf: &str) {
                                         a.free(p).unwrap();
                                     }
                                     5 if !mine.is_empty() => {
-                                        let p = mine.swap_remove(0);
-                                        if r % 3 == 0 {
-                                            a.record_stream(p, StreamId(7)).unwrap();
-                                        }
-                                        handoff.lock().unwrap().push(p);
+                                        hand_off(a, handoff, mine.swap_remove(0), r);
                                     }
-                                    _ => {
-                                        let got = handoff.lock().unwrap().pop();
-                                        if let Some(p) = got {
-                                            live.remove(p);
-                                            a.free(p).unwrap();
-                                        }
-                                    }
+                                    _ => free_handed_off(a, live, handoff),
                                 }
                             }
                             for p in mine {
@@ -144,10 +131,7 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
                 let mut seed = t + 11;
                 let mut mine: Vec<(u64, u64)> = Vec::new();
                 for _ in 0..600 {
-                    seed = seed
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    let r = seed >> 33;
+                    let r = draw(&mut seed);
                     match r % 7 {
                         // Free and ask again for the same size: the front's loop.
                         0 if !mine.is_empty() => {
@@ -173,19 +157,9 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
                             a.free(p).unwrap();
                         }
                         6 if !mine.is_empty() && handoff.lock().unwrap().len() < HANDOFF => {
-                            let (p, _) = mine.swap_remove(0);
-                            if r % 3 == 0 {
-                                a.record_stream(p, StreamId(7)).unwrap();
-                            }
-                            handoff.lock().unwrap().push(p);
+                            hand_off(a, handoff, mine.swap_remove(0).0, r);
                         }
-                        _ => {
-                            let got = handoff.lock().unwrap().pop();
-                            if let Some(p) = got {
-                                live.remove(p);
-                                a.free(p).unwrap();
-                            }
-                        }
+                        _ => free_handed_off(a, live, handoff),
                     }
                 }
                 for (p, _) in mine {
@@ -220,6 +194,32 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
     });
     live.free_all(&a, &mut handoff.lock().unwrap());
     all_counted_and_given_back(&a, &sim, allocs.load(Ordering::Relaxed));
+}
+
+/// A worker's next draw: a linear congruential generator's high bits.
+fn draw(seed: &mut u64) -> u64 {
+    *seed = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    *seed >> 33
+}
+
+/// Leaves `p` for another thread to free, recorded on another stream first for one draw
+/// `r` in three.
+fn hand_off(a: &DeviceAllocator, handoff: &Mutex<Vec<u64>>, p: u64, r: u64) {
+    if r.is_multiple_of(3) {
+        a.record_stream(p, StreamId(7)).unwrap();
+    }
+    handoff.lock().unwrap().push(p);
+}
+
+/// Frees a block another thread left, if any.
+fn free_handed_off(a: &DeviceAllocator, live: &LiveBlocks, handoff: &Mutex<Vec<u64>>) {
+    let got = handoff.lock().unwrap().pop();
+    if let Some(p) = got {
+        live.remove(p);
+        a.free(p).unwrap();
+    }
 }
 
 /// The blocks handed out and not yet freed, by address: a block handed out while it
