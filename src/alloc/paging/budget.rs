@@ -220,6 +220,11 @@ impl MoveClock {
             // The job keeps its device busy: it is the warm-up of a job that runs on
             // (see above), and moves at warm-up set its peak.
             allowance.warm_up_credited = true;
+            tracing::debug!(
+                "the device was busy through a growth: moves get a warm-up credit of {:.0} ms ({:.0} ms were left)",
+                Allowance::most(budget) * 1e3,
+                allowance.seconds * 1e3,
+            );
             allowance.seconds = allowance.seconds.max(Allowance::most(budget));
         }
         if !reclaimed || refused || busy {

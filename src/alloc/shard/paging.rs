@@ -205,6 +205,18 @@ impl Shard {
             let _ = self.release_chunks(st, unmapped, page);
             return Err(e);
         }
+        // Where refused moves leave reserved memory above the bound (a debug log, for finding
+        // which growths set a peak).
+        let reserved = st.reserved() + elsewhere;
+        if !may_move && reserved > high + slack {
+            tracing::debug!(
+                device = self.device,
+                "growth refused its moves: {} reserved against a live high-water mark of {} and a slack of {}",
+                crate::human_bytes(reserved),
+                crate::human_bytes(high),
+                crate::human_bytes(slack),
+            );
+        }
         Ok(true)
     }
 
