@@ -784,7 +784,7 @@ fn growth_maps_whole_chunks_and_moves_them_whole() {
     let (sim, a) = paged(1 << 30, "");
     // 48 MiB = 24 pages: a sixteenth of the run is under a page, so chunks of one page, one
     // create and one map each, and one grant of access for the run.
-    assert_eq!(chunk_pages_for(24, false), 1);
+    assert_eq!(chunk_pages_for(24, 4, false), 1);
     let p = a.malloc(48 * MIB, S0).unwrap();
     let c = sim.counters(0);
     assert_eq!(
@@ -829,7 +829,7 @@ fn small_chunks_a_move_takes_are_made_anew_in_fewer_larger_ones() {
     // A 48 MiB hole of 24 one-page chunks, then 256 MiB (128 pages, chunks of 8): past the
     // slack, so the hole's chunks move. Mapped again they would cost 24 grants; released,
     // their pages come back in 8-page chunks: 16 maps for the whole run instead of 24 + 13.
-    assert_eq!(chunk_pages_for(128, false), 8);
+    assert_eq!(chunk_pages_for(128, 4, false), 8);
     let hole = a.malloc(48 * MIB, S0).unwrap();
     let keep = a.malloc(4 * MIB, S0).unwrap();
     a.free(hole).unwrap();
@@ -879,15 +879,52 @@ fn a_limit_lowered_below_the_memory_held_still_lets_moved_chunks_map_again() {
 }
 
 #[test]
+fn a_large_jobs_small_requests_get_chunks_of_a_sixteenth_of_its_slack() {
+    use super::paging::table::{chunk_pages_for, MAX_CHUNK_PAGES};
+    // A slack under 16 pages sets no floor; above it, a sixteenth of it, within the limits.
+    assert_eq!(chunk_pages_for(24, 15, false), 1);
+    assert_eq!(chunk_pages_for(24, 64, false), 4);
+    assert_eq!(
+        chunk_pages_for(128, 64, false),
+        8,
+        "a sixteenth of the run is larger"
+    );
+    assert_eq!(
+        chunk_pages_for(1, 64, false),
+        4,
+        "the gap bounds what is made of it"
+    );
+    assert_eq!(chunk_pages_for(40, 256, true), 16);
+    assert_eq!(chunk_pages_for(1, 1 << 20, false), MAX_CHUNK_PAGES);
+    // A job with 4 GiB live keeps 128 MiB (64 pages) of slack: a 48 MiB block then comes
+    // in 6 chunks of 4 pages, not 24 of one, and a later move of them costs 6 grants.
+    let (sim, a) = paged(16 << 30, "");
+    let big = a.malloc(4 << 30, S0).unwrap();
+    let before = sim.counters(0);
+    let small = a.malloc(48 * MIB, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!(
+        (
+            c.maps - before.maps,
+            c.physical_creates - before.physical_creates,
+            c.granules_mapped - before.granules_mapped
+        ),
+        (6, 6, 24),
+        "{c:?}"
+    );
+    all_given_back(&sim, &a, &[big, small]);
+}
+
+#[test]
 fn a_large_block_is_backed_by_few_large_chunks() {
     use super::paging::table::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
-    assert_eq!(chunk_pages_for(1, false), CHUNK_PAGES);
-    assert_eq!(chunk_pages_for(15, false), CHUNK_PAGES);
-    assert_eq!(chunk_pages_for(40, false), 2);
-    assert_eq!(chunk_pages_for(1 << 20, false), MAX_CHUNK_PAGES);
-    assert_eq!(chunk_pages_for(1, true), 4);
-    assert_eq!(chunk_pages_for(40, true), 10);
-    assert_eq!(chunk_pages_for(1 << 20, true), MAX_CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(1, 0, false), CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(15, 0, false), CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(40, 0, false), 2);
+    assert_eq!(chunk_pages_for(1 << 20, 0, false), MAX_CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(1, 0, true), 4);
+    assert_eq!(chunk_pages_for(40, 0, true), 10);
+    assert_eq!(chunk_pages_for(1 << 20, 0, true), MAX_CHUNK_PAGES);
     let (sim, a) = paged(4 << 30, "");
     // 512 MiB = 256 pages: sixteen chunks of 16 pages, not 256 of one.
     let p = a.malloc(512 * MIB, S0).unwrap();

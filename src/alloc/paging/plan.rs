@@ -1,7 +1,7 @@
 //! Where growth's memory comes from and goes: the runs of missing pages a request fills
 //! (`Plan`), and the chunks under free blocks that may be unmapped for it (`Victim`s).
 
-use super::table::{segment_at, PagedSegments, Spare};
+use super::table::{chunk_pages_for, segment_at, PagedSegments, Spare};
 use crate::alloc::core::blocks::BlockArena;
 use crate::alloc::core::free_lists::Caches;
 use crate::alloc::sizing::PoolKind;
@@ -59,21 +59,37 @@ pub struct Plan {
     pub gaps: Vec<Range<usize>>,
     /// Memory placed so far: (first page, memory).
     pub placed: Vec<(usize, Spare)>,
+    /// The page slack of the growth, in pages: new chunks are sized against it too
+    /// (`chunk_pages_for`).
+    slack_pages: usize,
+}
+
+/// The runs of consecutive pages in `missing` (ascending page indices).
+pub fn runs_of(missing: &[usize]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for &i in missing {
+        match runs.last_mut() {
+            Some(run) if run.end == i => run.end += 1,
+            _ => runs.push(i..i + 1),
+        }
+    }
+    runs
 }
 
 impl Plan {
-    pub fn new(missing: &[usize]) -> Self {
-        let mut gaps: Vec<Range<usize>> = Vec::new();
-        for &i in missing {
-            match gaps.last_mut() {
-                Some(run) if run.end == i => run.end += 1,
-                _ => gaps.push(i..i + 1),
-            }
-        }
+    /// A plan to fill the pages `missing`, for a growth allowed `slack_pages` beyond the
+    /// live high-water mark.
+    pub fn new(missing: &[usize], slack_pages: usize) -> Self {
         Self {
-            gaps,
+            gaps: runs_of(missing),
             placed: Vec::new(),
+            slack_pages,
         }
+    }
+
+    /// Pages per new chunk for a run of `run` pages (`chunk_pages_for`).
+    pub fn chunk_pages(&self, run: usize, coarse: bool) -> usize {
+        chunk_pages_for(run, self.slack_pages, coarse)
     }
 
     pub fn unfilled(&self) -> usize {

@@ -2,8 +2,8 @@
 //! chunks, and releasing them, as `paging`'s page table, plan and budget decide.
 
 use super::super::paging::budget::slack_bytes;
-use super::super::paging::plan::{take_until, Plan, Victim};
-use super::super::paging::table::{chunk_pages_for, pages_of, Spare};
+use super::super::paging::plan::{runs_of, take_until, Plan, Victim};
+use super::super::paging::table::{pages_of, Spare};
 use super::super::sizing::PoolKind;
 use super::super::state::State;
 use super::super::{driver_error, Shard};
@@ -143,7 +143,7 @@ impl Shard {
             u64::MAX
         };
         let mut budget = soft.min(self.hard_limit(st)).saturating_sub(elsewhere);
-        let mut plan = Plan::new(&missing);
+        let mut plan = Plan::new(&missing, (slack / page) as usize);
         let mut spares = self.unpark_all(st, page);
         let gathered = self.gather(
             st,
@@ -404,7 +404,7 @@ impl Shard {
         moved: &mut Vec<Spare>,
         page: u64,
     ) -> Result<()> {
-        let fresh = chunk_pages_for(plan.largest_gap(), st.moves_over_budget());
+        let fresh = plan.chunk_pages(plan.largest_gap(), st.moves_over_budget());
         let smaller = |s: &Spare| s.pages < fresh;
         let (count, pages) = moved
             .iter()
@@ -456,7 +456,7 @@ impl Shard {
             *done += 1;
         }
         let seg = st.paged_at(base);
-        for run in Plan::new(missing).gaps {
+        for run in runs_of(missing) {
             self.driver
                 .set_access(self.device, seg.va(run.start), run.len() as u64 * page)
                 .map_err(|e| driver_error(self.device, e))?;
@@ -470,7 +470,7 @@ impl Shard {
     /// one page.
     fn add_new_chunks(&self, st: &mut State, plan: &mut Plan, page: u64) -> Result<()> {
         for gap in 0..plan.gaps.len() {
-            let mut size = chunk_pages_for(plan.gaps[gap].len(), st.moves_over_budget());
+            let mut size = plan.chunk_pages(plan.gaps[gap].len(), st.moves_over_budget());
             while !plan.gaps[gap].is_empty() {
                 let pages = size.min(plan.gaps[gap].len());
                 match self.new_chunk(st, pages, page)? {
