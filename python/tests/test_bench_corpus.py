@@ -129,3 +129,32 @@ def test_plan_splits_over_calls():
     assert sorted(w for c in calls for w in c) == sorted(names)
     seconds = [float(line.split("~")[1].split()[0]) for line in out.stdout.splitlines() if "WORKLOADS=" in line]
     assert all(s <= 300 for s in seconds) and len(calls) >= 2
+
+
+def test_ab_table_pairs_the_builds_round_by_round(tmp_path):
+    def run_of(lib, rnd, seconds, reserved, **paging):
+        r = record("moe_train", "ccalloc", rnd, seconds, reserved)
+        r.update(lib=lib, paging=dict(paging))
+        return r
+
+    records = [
+        run_of("base", 1, 1.0, 1.04, growths_past_slack=7, chunks_mapped=800),
+        run_of("trial", 1, 1.1, 1.02, growths_past_slack=0, chunks_mapped=400),
+        run_of("trial", 2, 0.9, 1.03, growths_past_slack=0, chunks_mapped=420),
+        run_of("base", 2, 1.0, 1.05, growths_past_slack=5, chunks_mapped=820),
+        record("moe_train", "ccalloc", 3, 1.0, 1.0, error="no record (crash or timeout)"),
+    ]
+    records[-1]["lib"] = "trial"
+    path = tmp_path / "ab.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = run(sys.executable, os.path.join(CORPUS, "ab_table.py"), "base", "trial", str(path))
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("| moe_train"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "1.040, 1.050"
+    assert cells[2] == "1.020, 1.030, ERR"
+    # Per round: 1.1 / 1.0 and 0.9 / 1.0; the failed third round has no pair.
+    assert cells[3] == "1.000 [0.900–1.100]"
+    assert cells[4] == "6 / 0"
+    assert cells[5] == "810 / 410"
+    assert "error: moe_train trial round 3: no record (crash or timeout)" in out.stdout
