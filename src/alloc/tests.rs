@@ -892,7 +892,7 @@ fn a_large_jobs_small_requests_get_chunks_of_a_sixteenth_of_its_slack() {
     assert_eq!(
         chunk_pages_for(1, 64, false),
         4,
-        "the gap bounds what is made of it"
+        "a one-page gap: `add_new_chunks` makes the smaller of this and the gap"
     );
     assert_eq!(chunk_pages_for(40, 256, true), 16);
     assert_eq!(chunk_pages_for(1, 1 << 20, false), MAX_CHUNK_PAGES);
