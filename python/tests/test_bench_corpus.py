@@ -158,3 +158,40 @@ def test_ab_table_pairs_the_builds_round_by_round(tmp_path):
     assert cells[4] == "6 / 0"
     assert cells[5] == "810 / 410"
     assert "error: moe_train trial round 3: no record (crash or timeout)" in out.stdout
+
+
+def test_ab_script_keeps_every_run_even_without_a_readable_record(tmp_path):
+    # ab.sh in a copy of the tree whose run.py is a stub: build A's runs print a record,
+    # build B's a cut-off one in round 1 and nothing (a crash) in round 2.
+    corpus = tmp_path / "benches" / "gpu" / "corpus"
+    corpus.mkdir(parents=True)
+    for name in ("ab.sh", "ab_table.py"):
+        (corpus / name).write_text(open(os.path.join(CORPUS, name)).read())
+    (tmp_path / "benches" / "gpu" / "find_bench.sh").write_text(
+        open(os.path.join(CORPUS, "..", "find_bench.sh")).read())
+    (tmp_path / "python").mkdir()
+    (corpus / "run.py").write_text(
+        "import json, os, sys\n"
+        "lib = os.path.basename(os.path.dirname(os.environ['CCALLOC_LIBRARY']))\n"
+        "rnd = os.environ['CORPUS_ROUND']\n"
+        "if lib == 'a':\n"
+        "    print('CORPUS ' + json.dumps({'workload': sys.argv[1], 'allocator': 'ccalloc',\n"
+        "        'loop_seconds': [1.0], 'requested_bytes.all.peak': 100,\n"
+        "        'reserved_bytes.all.peak': 103}))\n"
+        "elif rnd == '1':\n"
+        "    print('CORPUS {\"workload\": \"cut')\n"
+        "else:\n"
+        "    print('Segmentation fault', file=sys.stderr); sys.exit(139)\n")
+    for lib in ("a", "b"):
+        (tmp_path / lib).mkdir()
+        (tmp_path / lib / "libccalloc.so").write_text("")
+    env = {"A": str(tmp_path / "a"), "B": str(tmp_path / "b"), "ROUNDS": "2", "PIN_CPUS": "",
+           "WORKLOADS": "moe_train", "OUT": str(tmp_path / "out"), "CCALLOC_BENCH": str(tmp_path)}
+    out = run("bash", str(corpus / "ab.sh"), env=env)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "ab.jsonl").read_text().splitlines()]
+    assert [(r["lib"].split("/")[-1], r["round"]) for r in records] == [
+        ("a", 1), ("b", 1), ("b", 2), ("a", 2)]
+    assert records[1]["error"].startswith("unreadable record")
+    assert records[2]["error"] == "no record (rc=139): Segmentation fault"
+    assert "| moe_train | 1.030, 1.030 | ERR, ERR |" in out.stdout

@@ -881,8 +881,10 @@ fn a_limit_lowered_below_the_memory_held_still_lets_moved_chunks_map_again() {
 #[test]
 fn a_large_jobs_small_requests_get_chunks_of_a_sixteenth_of_its_slack() {
     use super::paging::table::{chunk_pages_for, MAX_CHUNK_PAGES};
-    // A slack under 16 pages sets no floor; above it, a sixteenth of it, within the limits.
-    assert_eq!(chunk_pages_for(24, 15, false), 1);
+    // A slack under 32 pages sets no floor above one page; from there, a sixteenth of it,
+    // within the limits.
+    assert_eq!(chunk_pages_for(24, 31, false), 1);
+    assert_eq!(chunk_pages_for(24, 32, false), 2);
     assert_eq!(chunk_pages_for(24, 64, false), 4);
     assert_eq!(
         chunk_pages_for(128, 64, false),
@@ -897,7 +899,7 @@ fn a_large_jobs_small_requests_get_chunks_of_a_sixteenth_of_its_slack() {
     assert_eq!(chunk_pages_for(40, 256, true), 16);
     assert_eq!(chunk_pages_for(1, 1 << 20, false), MAX_CHUNK_PAGES);
     // A job with 4 GiB live keeps 128 MiB (64 pages) of slack: a 48 MiB block then comes
-    // in 6 chunks of 4 pages, not 24 of one, and a later move of them costs 6 grants.
+    // in 6 chunks of 4 pages, not 24 of one.
     let (sim, a) = paged(16 << 30, "");
     let big = a.malloc(4 << 30, S0).unwrap();
     let before = sim.counters(0);

@@ -14,7 +14,8 @@
 #   PIN_CPUS     a taskset CPU list every process is bound to (default 2-3; empty: unbound)
 #   RUN_TIMEOUT  seconds per process (default 150)
 #   OUT          $OUT/ab.jsonl (one record a run, run.py's with the build's folder as "lib")
-#                and $OUT/ab.md (the table); default /tmp/ab
+#                and $OUT/ab.md (the table); $OUT/last_run.log, the last process's output;
+#                default /tmp/ab
 set -u
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../../.." && pwd)"
@@ -39,32 +40,58 @@ unset PYTORCH_CUDA_ALLOC_CONF CCALLOC_CONF
 PIN=()
 [ -n "$PIN_CPUS" ] && PIN=(taskset -c "$PIN_CPUS")
 JSONL="$OUT_DIR/ab.jsonl"
+LOG="$OUT_DIR/last_run.log"
 : >"$JSONL"
+
+# ccalloc.torch compiles its PyTorch adapter on first use (~20 s, cached): once, untimed.
+CCALLOC_LIBRARY="$(cd "$A" && pwd)/libccalloc.so" timeout 300 "$PYTHON" -c '
+import sys; sys.path.insert(0, sys.argv[1])
+import ccalloc.torch
+ccalloc.torch.enable()
+import torch
+torch.zeros(1, device="cuda")' "$ROOT/python" >"$LOG" 2>&1 || echo "[prep] adapter build failed: $(tail -n 1 "$LOG")"
+
+# One process of workload $1 on the build in folder $2, round $3: its record, with the
+# build's folder as "lib", appended to $JSONL; a process that printed no readable record (a
+# crash, a timeout, a refusal) gets one whose error says why.
+run_one() {
+    local w=$1 lib=$2 round=$3 rc
+    CCALLOC_LIBRARY="$(cd "$lib" && pwd)/libccalloc.so" CORPUS_ROUND="$round" \
+        timeout -k 10 "$RUN_TIMEOUT" ${PIN[@]+"${PIN[@]}"} \
+        "$PYTHON" "$HERE/run.py" "$w" ccalloc --reps "$REPS" >"$LOG" 2>&1
+    rc=$?
+    "$PYTHON" - "$lib" "$round" "$w" "$rc" "$RUN_TIMEOUT" "$LOG" >>"$JSONL" <<'PY'
+import json, sys
+lib, rnd, workload, rc, limit, log = sys.argv[1:7]
+with open(log, errors="replace") as f:
+    lines = [l.rstrip("\n") for l in f]
+records = [l[len("CORPUS "):] for l in lines if l.startswith("CORPUS ")]
+record = None
+if records:
+    try:
+        record = json.loads(records[-1])
+    except ValueError as e:
+        why = f"unreadable record ({e})"
+elif rc in ("124", "137"):
+    why = f"timed out after {limit} s (rc={rc})"
+else:
+    last = [l.strip() for l in lines if l.strip()] or ["no output"]
+    why = f"no record (rc={rc}): {last[-1][:200]}"
+if record is None:
+    record = {"workload": workload, "allocator": "ccalloc", "loop_seconds": [], "error": why}
+record.update(lib=lib, round=int(rnd))
+print(json.dumps(record))
+PY
+}
+
 started=$SECONDS
 for round in $(seq 1 "$ROUNDS"); do
     for w in $WORKLOADS; do
         order=("$A" "$B")
         [ $((round % 2)) = 0 ] && order=("$B" "$A")
         for lib in "${order[@]}"; do
-            line="$(CCALLOC_LIBRARY="$(cd "$lib" && pwd)/libccalloc.so" CORPUS_ROUND="$round" \
-                timeout "$RUN_TIMEOUT" "${PIN[@]}" "$PYTHON" "$HERE/run.py" "$w" ccalloc --reps "$REPS" \
-                2>"$OUT_DIR/last_stderr.txt" | grep '^CORPUS ' | tail -1)"
-            # A process that printed no record (a crash, a timeout, a refusal) gets one with
-            # its last line of stderr as the error.
-            "$PYTHON" - "$lib" "$round" "$w" "${line#CORPUS }" "$OUT_DIR/last_stderr.txt" >>"$JSONL" <<'PY'
-import json, sys
-lib, rnd, workload, line, stderr = sys.argv[1:6]
-if line:
-    record = json.loads(line)
-else:
-    with open(stderr, errors="replace") as f:
-        last = ([l.strip() for l in f if l.strip()] or ["no output"])[-1]
-    record = {"workload": workload, "allocator": "ccalloc", "loop_seconds": [],
-              "error": f"no record (crash or timeout): {last[:200]}"}
-record.update(lib=lib, round=int(rnd))
-print(json.dumps(record))
-PY
-            echo "[$((SECONDS - started))s] r$round $w $lib"
+            run_one "$w" "$lib" "$round"
+            echo "[$((SECONDS - started))s] r$round $w $lib $(tail -n 1 "$JSONL" | grep -o '"error": "[^"]\{0,120\}')"
         done
     done
 done

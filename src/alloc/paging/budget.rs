@@ -221,7 +221,7 @@ impl MoveClock {
             // (see above), and moves at warm-up set its peak.
             allowance.warm_up_credited = true;
             tracing::debug!(
-                "the device was busy through a growth: moves get a warm-up credit of {:.0} ms ({:.0} ms were left)",
+                "the device was busy through a growth: the move allowance is raised to the warm-up credit of {:.0} ms ({:.0} ms were left)",
                 Allowance::most(budget) * 1e3,
                 allowance.seconds * 1e3,
             );

@@ -207,7 +207,7 @@ impl Shard {
         }
         // Where refused moves leave reserved memory above the bound (a debug log, for finding
         // which growths set a peak).
-        let reserved = st.reserved() + elsewhere;
+        let reserved = st.device_reserved().unwrap_or(0);
         if !may_move && reserved > high + slack {
             tracing::debug!(
                 device = self.device,
@@ -387,7 +387,9 @@ impl Shard {
     }
 
     /// Releases the chunks a move took that cost more to map again than to replace: those
-    /// smaller than the chunks growth makes for the largest gap (`chunk_pages_for`), when
+    /// smaller than the chunks growth makes for the largest gap (`chunk_pages_for`, which
+    /// in a large job may exceed a small gap: `add_new_chunks` then makes gap-sized ones, so
+    /// the estimate below counts fewer creates than are made), when
     /// making their pages anew in such chunks (`add_new_chunks`) takes fewer driver µs. The
     /// driver charges per mapping, not per byte (docs/paging.md): mapping k small chunks
     /// again costs k grants; releasing them costs k releases and a create and grant per new
