@@ -62,24 +62,48 @@ fn pair_same(c: &mut Criterion) {
     group.finish();
 }
 
-/// Keeps `live` blocks; each step frees a random one and allocates a new size.
-fn churn_steps(
-    a: &DeviceAllocator,
-    stream: StreamId,
-    live: usize,
-    steps: u64,
-    hi: f64,
-    seed: u64,
-) -> Duration {
-    let mut sizes = Sizes(seed);
-    let mut ptrs: Vec<u64> = (0..live)
-        .map(|_| a.malloc(sizes.next(256.0, hi), stream).unwrap())
+/// The most steps a churn plan draws; longer runs replay it from the start. A sample of
+/// criterion's default measurement takes well under this many steps, so no pattern repeats:
+/// a plan that repeats turns the random walk into a periodic workload whose live high-water
+/// mark stops rising, and mixed churn then moves pages every cycle (with a 65,536-step plan,
+/// 810-850 ns a step against 525).
+const PLAN_STEPS: usize = 1 << 20;
+
+/// A churn drawn before the clock starts, as the GPU harness draws it (so that neither
+/// times its random number generator): the initial sizes of `live` blocks, then per step
+/// which block to replace and its new size.
+struct ChurnPlan {
+    initial: Vec<u64>,
+    steps: Vec<(usize, u64)>,
+}
+
+impl ChurnPlan {
+    /// `live` blocks of up to `hi` bytes and `steps` steps (at most `PLAN_STEPS`).
+    fn new(live: usize, hi: f64, seed: u64, steps: usize) -> Self {
+        let mut sizes = Sizes(seed);
+        let initial = (0..live).map(|_| sizes.next(256.0, hi)).collect();
+        let steps = (0..steps.clamp(1, PLAN_STEPS))
+            .map(|k| {
+                let i = (sizes.next(1.0, 1e9) as usize + k) % live;
+                (i, sizes.next(256.0, hi))
+            })
+            .collect();
+        Self { initial, steps }
+    }
+}
+
+/// Keeps the plan's blocks live; each step frees one and allocates its new size.
+fn churn_steps(a: &DeviceAllocator, stream: StreamId, plan: &ChurnPlan, steps: u64) -> Duration {
+    let mut ptrs: Vec<u64> = plan
+        .initial
+        .iter()
+        .map(|&size| a.malloc(size, stream).unwrap())
         .collect();
     let start = Instant::now();
-    for k in 0..steps {
-        let i = (sizes.next(1.0, 1e9) as usize + k as usize) % live;
+    for k in 0..steps as usize {
+        let (i, size) = plan.steps[k % plan.steps.len()];
         a.free(ptrs[i]).unwrap();
-        ptrs[i] = a.malloc(sizes.next(256.0, hi), stream).unwrap();
+        ptrs[i] = a.malloc(size, stream).unwrap();
     }
     let took = start.elapsed();
     for p in ptrs {
@@ -97,8 +121,9 @@ fn churn(c: &mut Criterion) {
             ("mixed", 500, (256u64 << 20) as f64),
         ] {
             let a = allocator(conf);
+            let plan = ChurnPlan::new(live, hi, 1, PLAN_STEPS);
             group.bench_function(BenchmarkId::new(mode, name), |b| {
-                b.iter_custom(|iters| churn_steps(&a, StreamId(0), live, iters, hi, 1))
+                b.iter_custom(|iters| churn_steps(&a, StreamId(0), &plan, iters))
             });
         }
     }
@@ -140,18 +165,14 @@ fn threads(c: &mut Criterion) {
                             let (a, barrier) = (a.clone(), barrier.clone());
                             std::thread::spawn(move || {
                                 let stream = StreamId(100 + if one_stream { 0 } else { t as u64 });
+                                let steps = per_thread as usize;
+                                let plan =
+                                    ChurnPlan::new(500, (1u64 << 20) as f64, t as u64 + 1, steps);
                                 barrier.wait();
                                 if pairs {
                                     return pair_steps(&a, stream, per_thread);
                                 }
-                                churn_steps(
-                                    &a,
-                                    stream,
-                                    500,
-                                    per_thread,
-                                    (1u64 << 20) as f64,
-                                    t as u64 + 1,
-                                )
+                                churn_steps(&a, stream, &plan, per_thread)
                             })
                         })
                         .collect();
