@@ -206,16 +206,18 @@ impl Shard {
             return Err(e);
         }
         // Where refused moves leave reserved memory above the bound (a debug log, for finding
-        // which growths set a peak).
-        let reserved = st.device_reserved().unwrap_or(0);
-        if !may_move && reserved > high + slack {
-            tracing::debug!(
-                device = self.device,
-                "growth refused its moves: {} reserved against a live high-water mark of {} and a slack of {}",
-                crate::human_bytes(reserved),
-                crate::human_bytes(high),
-                crate::human_bytes(slack),
-            );
+        // which growths set a peak); a growth that could move reads nothing for it.
+        if !may_move {
+            let reserved = st.device_reserved().unwrap_or(0);
+            if reserved > high + slack {
+                tracing::debug!(
+                    device = self.device,
+                    "growth refused its moves: {} reserved against a live high-water mark of {} and a slack of {}",
+                    crate::human_bytes(reserved),
+                    crate::human_bytes(high),
+                    crate::human_bytes(slack),
+                );
+            }
         }
         Ok(true)
     }
