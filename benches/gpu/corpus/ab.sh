@@ -44,12 +44,8 @@ LOG="$OUT_DIR/last_run.log"
 : >"$JSONL"
 
 # ccalloc.torch compiles its PyTorch adapter on first use (~20 s, cached): once, untimed.
-CCALLOC_LIBRARY="$(cd "$A" && pwd)/libccalloc.so" timeout 300 "$PYTHON" -c '
-import sys; sys.path.insert(0, sys.argv[1])
-import ccalloc.torch
-ccalloc.torch.enable()
-import torch
-torch.zeros(1, device="cuda")' "$ROOT/python" >"$LOG" 2>&1 || echo "[prep] adapter build failed: $(tail -n 1 "$LOG")"
+CCALLOC_LIBRARY="$(cd "$A" && pwd)/libccalloc.so" timeout 300 "$PYTHON" "$HERE/prebuild.py" >"$LOG" 2>&1 ||
+    echo "[prep] adapter build failed: $(tail -n 1 "$LOG")"
 
 # One process of workload $1 on the build in folder $2, round $3: its record, with the
 # build's folder as "lib", appended to $JSONL; a process that printed no readable record (a

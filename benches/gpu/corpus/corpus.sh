@@ -132,13 +132,7 @@ prebuild_ccalloc() {
     case " $ALLOCATORS " in *" ccalloc"*) ;; *) return 0 ;; esac
     [ -f "$CCALLOC_LIBRARY" ] || echo "corpus.sh: warning: $CCALLOC_LIBRARY not found; ccalloc runs will fail" >&2
     echo "[prep] ccalloc.torch adapter (built once, untimed)"
-    timeout 300 "$PYTHON" -c '
-import sys; sys.path.insert(0, sys.argv[1])
-import ccalloc.torch
-mode = ccalloc.torch.enable()
-import torch
-torch.zeros(1, device="cuda")
-print("[prep] ccalloc", ccalloc.version(), "mode", mode)' "$ROOT/python" 2>&1 | tail -n 3
+    timeout 300 "$PYTHON" "$HERE/prebuild.py" 2>&1 | tail -n 3
 }
 
 run_corpus() {
