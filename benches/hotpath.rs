@@ -59,6 +59,24 @@ fn pair_same(c: &mut Criterion) {
             })
         });
     }
+    // `paged_front_out`: the thread's front first hands out as many blocks as it has slots,
+    // which then stay live (a job's weights or optimizer state allocated where temporaries
+    // of their sizes were just freed); the pair loop must still be served by the front.
+    let a = allocator("");
+    let s = StreamId(0);
+    let _kept: Vec<u64> = (0..16u64)
+        .map(|i| {
+            let size = 8192 * (i + 2);
+            a.free(a.malloc(size, s).unwrap()).unwrap();
+            a.malloc(size, s).unwrap()
+        })
+        .collect();
+    group.bench_function(BenchmarkId::new("paged_front_out", 4096), |b| {
+        b.iter(|| {
+            let p = a.malloc(black_box(4096), s).unwrap();
+            a.free(p).unwrap();
+        })
+    });
     group.finish();
 }
 

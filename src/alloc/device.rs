@@ -122,7 +122,7 @@ pub struct DeviceAllocator {
     sharded: AtomicBool,
     /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
     /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
-    key: u64,
+    pub(super) key: u64,
 }
 
 impl DeviceAllocator {

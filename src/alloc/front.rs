@@ -197,6 +197,17 @@ pub enum GiveBack {
     NotHere,
 }
 
+/// What made room for a block a front adopted (`Front::adopt`).
+#[derive(Debug)]
+pub enum Evicted {
+    /// A slot was free.
+    None,
+    /// A held block, for the shard to free.
+    Held(Entry),
+    /// A block out (live): it leaves the front and is the shard's alone.
+    Out(Entry),
+}
+
 /// How many entries a front has of each kind (kept as they change: read on every visit).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Census {
@@ -289,39 +300,50 @@ impl Front {
     }
 
     /// Takes a block the caller just freed (through the shard) as held. When every slot of
-    /// its kind (small or large) is taken, the oldest held entry of that kind makes room and
-    /// is returned, for the shard to free; `Err` (nothing changed) when every one is out.
-    pub fn adopt(&mut self, mut entry: Entry) -> Result<Option<Entry>, Entry> {
+    /// its kind (small or large) is taken, the oldest held entry of that kind makes room
+    /// (`Evicted::Held`, for the shard to free); when every one is out, the one freed
+    /// longest ago (`Evicted::Out`: the block stays live, the shard's own from now on, as
+    /// after `detach`). Out blocks may live for the rest of the job (a weight or optimizer
+    /// state allocated where a temporary of its size was just freed): were they never to
+    /// give way, a front with all its slots out would never take a block again, and every
+    /// same-size loop of that thread would go through the shard's lock from then on.
+    pub fn adopt(&mut self, mut entry: Entry) -> Evicted {
         self.clock += 1;
         entry.held = true;
         entry.stamp = self.clock;
         let range = Self::slots_for(entry.is_large());
         let kind = &self.slots[range.clone()];
-        let slot = match kind.iter().position(Option::is_none) {
-            Some(free) => range.start + free,
-            None => {
-                let oldest = kind
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, e)| e.filter(|e| e.held).map(|e| (e.stamp, range.start + i)))
-                    .min();
-                match oldest {
-                    Some((_, i)) => i,
-                    None => return Err(entry),
-                }
+        let oldest = |held: bool| {
+            kind.iter()
+                .enumerate()
+                .filter_map(|(i, e)| e.filter(|e| e.held == held).map(|e| (e.stamp, i)))
+                .min()
+                .map(|(_, i)| range.start + i)
+        };
+        let slot = kind
+            .iter()
+            .position(Option::is_none)
+            .map(|free| range.start + free)
+            .or_else(|| oldest(true))
+            .or_else(|| oldest(false))
+            .expect("a front has slots of each kind");
+        let evicted = match self.slots[slot].replace(entry) {
+            None => Evicted::None,
+            Some(old) if old.held => {
+                self.counts.unreturn(&old);
+                self.census.held -= 1;
+                self.census.held_large -= old.is_large() as u32;
+                Evicted::Held(old)
+            }
+            Some(old) => {
+                self.census.out -= 1;
+                Evicted::Out(old)
             }
         };
-        let evicted = self.slots[slot].replace(entry);
-        match &evicted {
-            Some(old) => {
-                self.counts.unreturn(old);
-                self.census.held_large -= old.is_large() as u32;
-            }
-            None => self.census.held += 1,
-        }
+        self.census.held += 1;
         self.census.held_large += entry.is_large() as u32;
         self.counts.take_back(&entry);
-        Ok(evicted)
+        evicted
     }
 
     /// Removes and returns every held entry (for the shard to free).
@@ -381,14 +403,14 @@ pub struct FrontCell {
 
 impl FrontCell {
     /// Takes `entry`, a block its thread just freed through the shard, as held, while
-    /// `fronts` are open. Returns the entry evicted to make room (for the shard to free)
-    /// and the front's census; `None` (nothing changed) when closed or full of blocks out.
-    pub fn adopt(&self, fronts: &Fronts, entry: Entry) -> Option<(Option<Entry>, Census)> {
+    /// `fronts` are open. Returns what made room (for the shard to free or take back) and
+    /// the front's census; `None` (nothing changed) when closed.
+    pub fn adopt(&self, fronts: &Fronts, entry: Entry) -> Option<(Evicted, Census)> {
         self.front.with(|f| {
             if !fronts.open.load(Ordering::Relaxed) {
                 return None;
             }
-            let evicted = f.adopt(entry).ok()?;
+            let evicted = f.adopt(entry);
             Some((evicted, f.census()))
         })
     }
@@ -809,6 +831,62 @@ mod tests {
                 _ => {}
             }
             assert_eq!(f.census(), recount(&f), "step {step}");
+        }
+    }
+
+    #[test]
+    fn a_front_with_every_slot_out_gives_way_to_the_block_freed_longest_ago() {
+        let s = StreamId(0);
+        for (size, pool, slots) in [
+            (4096, PoolKind::Small, FRONT_SLOTS),
+            (4 * FRONT_MAX_BLOCK, PoolKind::Large, FRONT_LARGE_SLOTS),
+        ] {
+            let mut f = Front::default();
+            let entry = |i: u64| {
+                Entry::new(
+                    i << 30,
+                    size + i * 512,
+                    size + i * 512,
+                    s,
+                    pool,
+                    i as BlockId,
+                )
+            };
+            for i in 0..slots as u64 {
+                assert!(matches!(f.adopt(entry(i)), Evicted::None));
+            }
+            // All handed out again; entry 0 was freed longest ago.
+            for i in (0..slots as u64).rev() {
+                assert_eq!(
+                    f.take(size + i * 512, s),
+                    Some((i << 30, pool == PoolKind::Large))
+                );
+            }
+            let counts = *f.counts();
+            match f.adopt(entry(99)) {
+                Evicted::Out(old) => assert_eq!(old.ptr, 0, "the one freed longest ago"),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(f.census(), recount(&f));
+            let large = (pool == PoolKind::Large) as u32;
+            assert_eq!(
+                f.census(),
+                Census {
+                    held: 1,
+                    out: slots as u32 - 1,
+                    held_large: large
+                }
+            );
+            // The block that gave way stays counted as handed out (the shard's now); the
+            // adopted one is taken back.
+            let mut after = counts;
+            after.take_back(&entry(99));
+            assert_eq!(format!("{:?}", f.counts()), format!("{after:?}"));
+            assert_eq!(f.give_back(0), (GiveBack::NotHere, false));
+            assert_eq!(
+                f.take(size + 99 * 512, s),
+                Some((99 << 30, pool == PoolKind::Large))
+            );
         }
     }
 

@@ -1621,3 +1621,61 @@ fn paging_counts_since_a_reset_read_zero() {
     assert_eq!((d.growths, d.growths_past_slack), (0, 0));
     assert_eq!(earlier.since(&after_reset).growths, 4);
 }
+
+/// Blocks a thread's front handed out that then live on (weights, optimizer state allocated
+/// where temporaries of their sizes were just freed) must not close the front for good: a
+/// front whose every slot is out gives way to the next block its thread frees.
+#[test]
+fn a_front_whose_blocks_all_stay_live_still_serves_a_same_size_loop() {
+    for (kind, sizes) in [
+        ("small", [8 * 1024, 64 * 1024]),
+        ("large", [2 * MIB, 16 * MIB]),
+    ] {
+        let (_sim, a) = paged(1 << 30, "");
+        let slots = match kind {
+            "small" => front::FRONT_SLOTS,
+            _ => front::FRONT_LARGE_SLOTS,
+        } as u64;
+        // Each kept block comes from the front: freed, then asked for again at its size.
+        let kept: Vec<u64> = (0..slots)
+            .map(|i| {
+                let size = sizes[0] + i * 4096;
+                let p = a.malloc(size, S0).unwrap();
+                a.free(p).unwrap();
+                let q = a.malloc(size, S0).unwrap();
+                assert_eq!(q, p, "{kind}: handed out by the front");
+                q
+            })
+            .collect();
+        assert_eq!(a.state_of(S0).front_blocks(), slots as usize, "{kind}");
+        let loop_size = sizes[1];
+        let p = a.malloc(loop_size, S0).unwrap();
+        a.free(p).unwrap();
+        let key = front::FrontOf::OnlyShard(a.key);
+        assert_eq!(
+            front::take(key, loop_size, S0),
+            Some(p),
+            "{kind}: the front took the freed block, the kept block freed longest ago gave way"
+        );
+        a.free(p).unwrap();
+        // The block that gave way is the shard's: its free goes there, once.
+        {
+            let st = a.state_of(S0);
+            assert_eq!(st.front_of(st.live_block(kept[0]).unwrap()), 0, "{kind}");
+            assert_eq!(st.front_blocks(), slots as usize, "{kind}");
+        }
+        a.free(kept[0]).unwrap();
+        assert_eq!(a.free(kept[0]).unwrap_err().kind, ErrorKind::DoubleFree);
+        for &q in &kept[1..] {
+            a.free(q).unwrap();
+        }
+        a.empty_cache().unwrap();
+        let s = stats(&a);
+        assert_eq!(s.allocated_bytes.all().current, 0, "{kind}");
+        assert_eq!(s.requested_bytes.all().current, 0, "{kind}");
+        assert_eq!(s.active.all().current, 0, "{kind}");
+        let allocations = s.allocation.all();
+        assert_eq!(allocations.allocated, allocations.freed, "{kind}");
+        assert_eq!(allocations.allocated, 2 * slots as i64 + 2, "{kind}");
+    }
+}

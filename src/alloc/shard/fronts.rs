@@ -69,8 +69,10 @@ impl Shard {
         if large && st.stamp_free(id) && self.free_fence_allowed(st, stream) {
             self.record_fence(st, stream);
         }
-        if let Some(old) = evicted {
-            self.free_drained(st, old, None);
+        match evicted {
+            front::Evicted::None => {}
+            front::Evicted::Held(old) => self.free_drained(st, old, None),
+            front::Evicted::Out(old) => st.leave_front(old.id),
         }
         Some(census)
     }
