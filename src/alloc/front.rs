@@ -792,27 +792,31 @@ mod tests {
     }
 
     #[test]
-    fn the_kept_census_matches_the_slots_through_every_change() {
+    fn the_census_and_counts_match_the_slots_through_every_change() {
         let mut f = Front::default();
         let mut seed = 3u64;
         for step in 0..20_000u64 {
             seed = seed
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
-            let ptr = 512 * ((seed >> 33) % 12 + 1);
+            let ptr = 512 * ((seed >> 33) % 16 + 1);
+            // What a request for the block at `ptr` asks (a large block's, over
+            // `FRONT_MAX_BLOCK`).
+            let requested = 100 + ptr + ptr.is_multiple_of(3) as u64 * FRONT_MAX_BLOCK;
             let stream = StreamId((seed >> 20) % 2);
             match (seed >> 40) % 5 {
                 0 if f.slots.iter().flatten().all(|e| e.ptr != ptr) => {
-                    // Every third pointer is a large block.
+                    // Every third pointer is a large block; there are more pointers of
+                    // each kind than slots, so held and out entries are evicted too.
                     let (size, pool) = match ptr % 3 {
                         0 => (FRONT_MAX_BLOCK * 2, PoolKind::Large),
                         _ => (512, PoolKind::Small),
                     };
-                    let e = Entry::new(ptr, size, 100 + ptr, stream, pool, 0);
+                    let e = Entry::new(ptr, size, requested, stream, pool, 0);
                     let _ = f.adopt(e);
                 }
                 1 => {
-                    let _ = f.take(100 + ptr, stream);
+                    let _ = f.take(requested, stream);
                 }
                 2 => {
                     let _ = f.give_back(ptr);
@@ -831,6 +835,32 @@ mod tests {
                 _ => {}
             }
             assert_eq!(f.census(), recount(&f), "step {step}");
+            assert_counts_weigh_the_held_entries(&f, step);
+        }
+    }
+
+    /// What a front's counts must show whatever it did: each pool's current change is minus
+    /// what its held entries weigh (an entry out, or gone out by a detach or an eviction,
+    /// weighs nothing), and equals what was handed out less what was taken back.
+    fn assert_counts_weigh_the_held_entries(f: &Front, step: u64) {
+        let c = f.counts();
+        for pool in [PoolKind::Small, PoolKind::Large] {
+            let p = pool as usize;
+            let mut held = FrontMoved::default();
+            for e in f
+                .slots
+                .iter()
+                .flatten()
+                .filter(|e| e.held && e.pool == pool)
+            {
+                held += e.amounts();
+            }
+            let mut minus_held = FrontMoved::default();
+            minus_held -= held;
+            assert_eq!(c.current[p], minus_held, "step {step}, {pool:?}");
+            let mut net = c.handed[p];
+            net -= c.returned[p];
+            assert_eq!(c.current[p], net, "step {step}, {pool:?}");
         }
     }
 

@@ -72,7 +72,11 @@ impl Shard {
         match evicted {
             front::Evicted::None => {}
             front::Evicted::Held(old) => self.free_drained(st, old, None),
-            front::Evicted::Out(old) => st.leave_front(old.id),
+            front::Evicted::Out(old) => {
+                debug_assert_eq!(st.live_block(old.ptr), Some(old.id), "an out block is live");
+                debug_assert_eq!(st.front_of(old.id), cell.id, "in the front it left");
+                st.leave_front(old.id);
+            }
         }
         Some(census)
     }
