@@ -182,7 +182,7 @@ impl DeviceAllocator {
     }
 
     /// The shard of `stream` and its slot, made on its first use.
-    fn shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
+    pub(super) fn shard(&self, stream: StreamId) -> Result<(usize, &Shard)> {
         match self.find_slot(stream) {
             Ok(found) => Ok(found),
             Err(_) => self.make_shard(stream),

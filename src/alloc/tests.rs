@@ -1681,3 +1681,22 @@ fn a_front_whose_blocks_all_stay_live_still_serves_a_same_size_loop() {
         assert_eq!(allocations.allocated, 2 * slots as i64 + 2, "{kind}");
     }
 }
+
+/// Other shards weigh a shard's published live bytes in their growth: a free that a front
+/// adopts, making room by freeing a block it held, publishes the fall too.
+#[test]
+fn a_front_adoption_that_frees_a_held_block_publishes_the_live_bytes() {
+    let (_sim, a) = paged(1 << 30, "per_stream_shards:True");
+    let slots = front::FRONT_SLOTS as u64;
+    let blocks: Vec<u64> = (0..=slots)
+        .map(|i| a.malloc(4096 * (i + 1), S0).unwrap())
+        .collect();
+    // The front takes the first `slots` frees; the last makes room by freeing the oldest.
+    for &p in &blocks {
+        a.free(p).unwrap();
+    }
+    let (_, shard) = a.shard(S0).unwrap();
+    let active = shard.lock().unwrap().stats().active_bytes.all().current as u64;
+    assert_eq!(active, (2..=slots + 1).map(|i| 4096 * i).sum::<u64>());
+    assert_eq!(shard.published_live(), active);
+}

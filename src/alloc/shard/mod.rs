@@ -139,6 +139,12 @@ impl Shard {
         self.live.store(live, Ordering::Relaxed);
     }
 
+    /// The live bytes last published (`publish_live`), for tests.
+    #[cfg(test)]
+    pub(in crate::alloc) fn published_live(&self) -> u64 {
+        self.live.load(Ordering::Relaxed)
+    }
+
     pub(in crate::alloc) fn lock(&self) -> Result<Guard<'_, State>> {
         // A panic while holding the lock leaves bookkeeping that can no longer be trusted.
         let state = self
@@ -449,6 +455,8 @@ impl Shard {
             (census.is_some(), census)
         });
         if adopted {
+            // The adoption may have made room by freeing a block the front held.
+            self.publish_live(&st);
             return Ok(Freed::Adopted);
         }
         self.free_block(&mut st, id, FreedAt::CallersFree)?;
