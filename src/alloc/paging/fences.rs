@@ -7,6 +7,9 @@ use std::time::{Duration, Instant};
 
 /// Fences kept pending per stream; beyond this none are recorded until some complete.
 pub const MAX_FENCES_PER_STREAM: usize = 64;
+/// Streams whose completed fences (and last fence's time) are remembered: a job that makes
+/// a stream per request must not leave an entry per stream it ever used.
+const MAX_DONE_STREAMS: usize = 256;
 
 /// An event recorded on `stream` after `seq` frees: once it completes, pages of that
 /// stream's segments last used by blocks freed up to then can be unmapped without waiting.
@@ -99,12 +102,36 @@ impl Fences {
         while let Some(fence) = self.pending.pop_front() {
             retire(self.retire(fence));
         }
+        // `synced_seq` now answers for every free these name (`is_done`).
+        self.done_seq.retain(|_, done| *done > free_seq);
     }
 
     fn retire(&mut self, fence: Fence) -> EventId {
+        if self.done_seq.len() >= MAX_DONE_STREAMS && !self.done_seq.contains_key(&fence.stream) {
+            self.forget_oldest_done();
+        }
         let done = self.done_seq.entry(fence.stream).or_insert(0);
         *done = (*done).max(fence.seq);
         fence.event
+    }
+
+    /// Makes room in `done_seq` for one more stream (a job that makes streams as it goes
+    /// would otherwise keep one entry per stream it ever used): entries `synced_seq` answers
+    /// for go first, else the one done longest ago. Forgetting is safe: `is_done` then says
+    /// no, and the caller waits for a fence or synchronizes the device.
+    fn forget_oldest_done(&mut self) {
+        let synced = self.synced_seq;
+        self.done_seq.retain(|_, done| *done > synced);
+        if self.done_seq.len() >= MAX_DONE_STREAMS {
+            if let Some(oldest) = self
+                .done_seq
+                .iter()
+                .min_by_key(|(_, d)| **d)
+                .map(|(s, _)| *s)
+            {
+                self.done_seq.remove(&oldest);
+            }
+        }
     }
 
     /// Whether a fence due at a free on `stream` may be recorded now: at most one per
@@ -114,6 +141,11 @@ impl Fences {
             return true;
         }
         let now = Instant::now();
+        if self.last_free_fence.len() >= MAX_DONE_STREAMS {
+            // An entry older than `interval` allows the next fence as no entry does.
+            self.last_free_fence
+                .retain(|_, last| now.duration_since(*last) < interval);
+        }
         let last = self.last_free_fence.entry(stream).or_insert(now);
         if *last != now && now.duration_since(*last) < interval {
             return false;
@@ -126,5 +158,37 @@ impl Fences {
     #[cfg(test)]
     pub fn newest_seq(&self) -> u64 {
         self.pending.iter().map(|f| f.seq).max().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job that makes a stream per request: what is remembered per stream stays bounded,
+    /// and forgetting never makes `is_done` say yes where it would have said no.
+    #[test]
+    fn streams_done_with_are_forgotten_and_answers_stay_safe() {
+        let mut f = Fences::default();
+        let mut seq = 0;
+        for s in 0..10 * MAX_DONE_STREAMS as u64 {
+            seq += 1;
+            f.push(StreamId(s), seq, EventId(s));
+            f.poll(Some(StreamId(s)), |_| Ok::<_, ()>(true), |_| {})
+                .unwrap();
+            assert!(f.is_done(StreamId(s), seq), "its own fence completed");
+            assert!(f.done_seq.len() <= MAX_DONE_STREAMS);
+            f.allow_free_fence(StreamId(s), Duration::from_nanos(1));
+            assert!(f.last_free_fence.len() <= MAX_DONE_STREAMS + 1);
+        }
+        // The streams done longest ago were forgotten: their frees are no longer known
+        // done (the caller then waits or synchronizes), never wrongly known done.
+        assert!(!f.is_done(StreamId(0), 1));
+        assert!(!f.is_done(StreamId(1), seq));
+        // A synchronize answers for every free up to it, and clears what it answers for.
+        f.synced(seq, |_| {});
+        assert!(f.done_seq.is_empty());
+        assert!(f.is_done(StreamId(0), 1) && f.is_done(StreamId(7), seq));
+        assert!(!f.is_done(StreamId(7), seq + 1));
     }
 }
