@@ -170,6 +170,15 @@ impl FrontCounts {
         self.returned[p] -= a;
     }
 
+    /// Nothing was ever handed out or taken back (since the last reset of the totals),
+    /// and nothing is held: folding these counts would change no statistic.
+    fn is_unused(&self) -> bool {
+        let zero = FrontMoved::default();
+        [self.current, self.handed, self.returned]
+            .iter()
+            .all(|pools| pools.iter().all(|m| *m == zero))
+    }
+
     pub fn reset_accumulated(&mut self) {
         self.handed = Default::default();
         self.returned = Default::default();
@@ -546,8 +555,20 @@ impl Fronts {
         Ok(())
     }
 
-    /// `cell`'s thread no longer uses it.
+    /// `cell`'s thread no longer uses it. A front that holds nothing and never counted a
+    /// block (its thread freed only blocks the shard kept: recorded on other streams,
+    /// large ones with per-stream shards) leaves the registry at once: there is nothing
+    /// to fold, and the shard's next drain, the only other way out, may never come in a
+    /// steady job, while threads that come and go would each leave one. Only its own
+    /// thread adds to a front, so an empty one stays empty. Lock order: registry, then
+    /// front.
     fn orphan(&self, cell: &FrontCell) {
+        if let Ok(mut cells) = self.cells() {
+            if cell.front.with(|f| f.is_empty() && f.counts().is_unused()) {
+                cells.retain(|c| c.id != cell.id);
+                return;
+            }
+        }
         if !cell.orphaned.swap(true, Ordering::AcqRel) {
             self.orphans.fetch_add(1, Ordering::AcqRel);
         }
