@@ -63,6 +63,13 @@ impl Shard {
         Ok((shards.raise_live_high_water(live), st.reserved_elsewhere()?))
     }
 
+    /// Shards the device has made so far (1 without `per_stream_shards`).
+    pub(super) fn shards_made(&self) -> u64 {
+        self.siblings
+            .upgrade()
+            .map_or(1, |shards| shards.iter().count() as u64)
+    }
+
     /// Takes up to about `pages` pages of idle memory from the device's other shards for a
     /// growth on `stream`, as unmapped chunks; chunks of at most `fit` pages first. Busy
     /// shards are passed over.
