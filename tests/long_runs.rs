@@ -9,47 +9,17 @@
 
 use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, DeviceStats, SimCounters, StreamId};
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 mod common;
 
 use common::figures::{rounded, PoolFigures};
-
-/// Bytes the process holds on the heap now (a test that reads it runs alone: `serial`).
-static HEAP: AtomicI64 = AtomicI64::new(0);
-
-struct Counting;
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        HEAP.fetch_add(layout.size() as i64, Relaxed);
-        // SAFETY: forwarded as given.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        HEAP.fetch_sub(layout.size() as i64, Relaxed);
-        // SAFETY: forwarded as given.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        HEAP.fetch_add(new_size as i64 - layout.size() as i64, Relaxed);
-        // SAFETY: forwarded as given.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use common::heap::{heap, serial};
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// The tests of this file run one at a time: heap figures are the process's.
-fn serial() -> MutexGuard<'static, ()> {
-    static ONE: Mutex<()> = Mutex::new(());
-    ONE.lock().unwrap_or_else(|e| e.into_inner())
-}
+static GLOBAL: common::heap::Counting = common::heap::Counting;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -426,7 +396,7 @@ fn thread_per_request(conf: &str, how: &str) {
     let size = if how == "large" { 4 * MIB } else { 64 * KIB };
     // Weights, live throughout.
     let weights: Vec<u64> = (0..4).map(|_| malloc(&a, &m, 256 * KIB, S0)).collect();
-    let mut heap = Vec::new();
+    let mut heaps = Vec::new();
     let mut reserved = Vec::new();
     const ROUNDS: usize = 3000;
     for round in 0..ROUNDS {
@@ -444,20 +414,20 @@ fn thread_per_request(conf: &str, how: &str) {
             if how != "recorded" {
                 m.lock().unwrap().check(&s, &format!("round {round}"));
             }
-            heap.push(HEAP.load(Relaxed));
+            heaps.push(heap());
             reserved.push(s.reserved_bytes.all().current);
         }
     }
-    let grew = heap.last().unwrap() - heap[0];
+    let grew = heaps.last().unwrap() - heaps[0];
     // A snapshot drains the fronts (and folds the exited threads'): what it gives back is
     // what the registry kept.
-    let before = HEAP.load(Relaxed);
+    let before = heap();
     drop(a.segments().unwrap());
-    let drained = before - HEAP.load(Relaxed);
+    let drained = before - heap();
     assert!(
         grew < 64 << 10,
         "{conf:?}, {how}: the heap grew by {grew} bytes over {} threads after the first 500 \
-         (heap at each 500: {heap:?}); a drain (segments()) then gave back {drained} bytes",
+         (heap at each 500: {heaps:?}); a drain (segments()) then gave back {drained} bytes",
         ROUNDS - 500
     );
     assert_eq!(reserved[0], *reserved.last().unwrap(), "{reserved:?}");
@@ -554,7 +524,7 @@ fn stream_per_request(conf: &str) {
             let c = sim.counters(0);
             marks.push((
                 round,
-                HEAP.load(Relaxed),
+                heap(),
                 st.reserved_bytes.all().current,
                 c.live_reservations,
             ));
@@ -610,7 +580,7 @@ fn a_thread_freeing_into_more_shards_than_it_keeps_fronts_for_leaves_nothing_beh
             a.free(p).unwrap();
         }
     };
-    let mut heap = Vec::new();
+    let mut heaps = Vec::new();
     for k in 0..1500 {
         round(k);
         if k % 500 == 499 {
@@ -624,13 +594,13 @@ fn a_thread_freeing_into_more_shards_than_it_keeps_fronts_for_leaves_nothing_beh
                 assert_eq!(stat.current, 0, "round {k}: {name}");
             }
             assert_eq!(s.allocation.all().allocated, 12 * (k as i64 + 1));
-            heap.push(HEAP.load(Relaxed));
+            heaps.push(heap());
         }
     }
-    let grew = heap.last().unwrap() - heap[0];
+    let grew = heaps.last().unwrap() - heaps[0];
     assert!(
         grew < 64 << 10,
-        "the heap grew by {grew} bytes over 1,000 rounds (at each 500: {heap:?})"
+        "the heap grew by {grew} bytes over 1,000 rounds (at each 500: {heaps:?})"
     );
     // Each shard keeps its page: once every stream has one, no growth moves another's.
     let paging = a.stats().unwrap().paging;

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod figures;
+pub mod heap;
 
 use ccalloc::SimDriver;
 use ccalloc::StreamId;
