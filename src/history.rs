@@ -141,15 +141,20 @@ pub(crate) fn set_recording(enabled: bool, max_entries: usize, clear: bool) -> R
     let mut guard = recorder()?;
     let r = guard.get_or_insert_with(Recorder::default);
     r.max_entries = max_entries.min(MAX_ENTRIES_LIMIT);
+    // Dropped, not cleared: a cleared container keeps its capacity, up to twice a million
+    // entries of 56 bytes (Python's default ring) held for the rest of the process.
     if clear {
-        r.entries.clear();
+        r.entries = Default::default();
     }
     if !enabled {
-        r.live.clear();
-        r.awaiting.clear();
+        r.live = Default::default();
+        r.awaiting = Default::default();
     }
     while r.entries.len() > r.max_entries {
         r.entries.pop_front();
+    }
+    if r.entries.capacity() > 2 * r.max_entries.max(r.entries.len()) {
+        r.entries.shrink_to_fit();
     }
     RECORDING.store(enabled, Ordering::Release);
     Ok(())
