@@ -23,11 +23,35 @@ const EVENTS: &str = "the host memory's table of events";
 /// The stream every host-side block is allocated on: no real stream has this handle.
 pub(crate) const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
 
+/// A tag names its (device, stream) by value when the stream's handle fits below the top
+/// byte and the device in it (plus one, under 0xFF: no tag is `ALLOCATION_STREAM`). Real
+/// CUDA stream handles do: user-space addresses (under 2^56 on x86-64 and AArch64) or the
+/// special handles 0-2. Such tags need no table, so a job that makes a stream per request
+/// keeps nothing per stream. Other pairs get a table entry, for the runtime's life.
+const HANDLE_BITS: u32 = 56;
+const HANDLE_MASK: u64 = (1 << HANDLE_BITS) - 1;
+const MAX_VALUE_DEVICE: usize = 0xFE - 1;
+
+fn tag_by_value(device: usize, stream: StreamId) -> Option<StreamId> {
+    (device <= MAX_VALUE_DEVICE && stream.0 <= HANDLE_MASK)
+        .then(|| StreamId(((device as u64 + 1) << HANDLE_BITS) | stream.0))
+}
+
+fn pair_of_value(tag: StreamId) -> Option<(usize, StreamId)> {
+    let top = (tag.0 >> HANDLE_BITS) as usize;
+    (1..=MAX_VALUE_DEVICE + 1)
+        .contains(&top)
+        .then(|| (top - 1, StreamId(tag.0 & HANDLE_MASK)))
+}
+
 #[derive(Default)]
 struct Tags {
-    /// (device, stream) → its tag; tags are indices into `pairs`, plus one.
+    /// (device, stream) → its tag, for pairs `tag_by_value` cannot name; these tags are
+    /// indices into `pairs`, plus one (under 2^56, so apart from tags by value).
     by_pair: HashMap<(usize, StreamId), StreamId>,
     pairs: Vec<(usize, StreamId)>,
+    /// Every device a tag has named.
+    devices: std::collections::BTreeSet<usize>,
 }
 
 pub(crate) struct HostDriver {
@@ -55,6 +79,10 @@ impl HostDriver {
     /// The stream id the allocator core uses for `stream` of `device`.
     pub(crate) fn tag(&self, device: usize, stream: StreamId) -> crate::error::Result<StreamId> {
         let mut tags = crate::sync::lock(&self.tags, TAGS)?;
+        tags.devices.insert(device);
+        if let Some(tag) = tag_by_value(device, stream) {
+            return Ok(tag);
+        }
         if let Some(&tag) = tags.by_pair.get(&(device, stream)) {
             return Ok(tag);
         }
@@ -66,6 +94,9 @@ impl HostDriver {
 
     /// The (device, stream) a tag stands for.
     fn untag(&self, call: &'static str, tag: StreamId) -> DriverResult<Option<(usize, StreamId)>> {
+        if let Some(pair) = pair_of_value(tag) {
+            return Ok(Some(pair));
+        }
         let tags = lock(&self.tags, call, TAGS)?;
         let index = usize::try_from(tag.0).ok().and_then(|i| i.checked_sub(1));
         Ok(index.and_then(|i| tags.pairs.get(i).copied()))
@@ -89,10 +120,7 @@ impl HostDriver {
     /// Devices with a recorded stream: the only ones whose work may use these blocks.
     fn used_devices(&self, call: &'static str) -> DriverResult<Vec<usize>> {
         let tags = lock(&self.tags, call, TAGS)?;
-        let mut devices: Vec<usize> = tags.pairs.iter().map(|&(d, _)| d).collect();
-        devices.sort_unstable();
-        devices.dedup();
-        Ok(devices)
+        Ok(tags.devices.iter().copied().collect())
     }
 }
 
