@@ -8,15 +8,13 @@ use ccalloc::{Advice, HostKind};
 use ccalloc::{Config, ErrorKind, Runtime, StreamId};
 use std::sync::Arc;
 
+mod common;
+
+use common::sim_runtime as runtime;
+
 const MIB: u64 = 1 << 20;
 const PINNED: HostKind = HostKind::Pinned;
 const MANAGED: HostKind = HostKind::Managed;
-
-fn runtime(devices: usize) -> (Arc<SimDriver>, Runtime) {
-    let sim = Arc::new(SimDriver::new(devices, 8 << 30));
-    let rt = Runtime::with_sim(sim.clone(), Config::default());
-    (sim, rt)
-}
 
 #[test]
 fn a_freed_pinned_block_is_reused_without_a_driver_call() {

@@ -7,14 +7,13 @@
 
 use ccalloc::capi::ccalloc_status::*;
 use ccalloc::capi::*;
-use ccalloc::SimDriver;
-use ccalloc::{Config, DeviceStats, HostKind, Runtime, StreamId};
+use ccalloc::{DeviceStats, HostKind, Runtime, StreamId};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
 mod common;
 
 use common::heap::{heap, serial};
+use common::sim_runtime as runtime;
 
 #[global_allocator]
 static GLOBAL: common::heap::Counting = common::heap::Counting;
@@ -23,12 +22,6 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const PINNED: HostKind = HostKind::Pinned;
 const MANAGED: HostKind = HostKind::Managed;
-
-fn runtime(devices: usize) -> (Arc<SimDriver>, Runtime) {
-    let sim = Arc::new(SimDriver::new(devices, 8 << 30));
-    let rt = Runtime::with_sim(sim.clone(), Config::default());
-    (sim, rt)
-}
 
 fn rounded(size: u64) -> u64 {
     size.max(1).div_ceil(512) * 512

@@ -6,35 +6,14 @@
 
 use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::sync::Arc;
 
-/// Bytes the process holds on the heap now.
-static HEAP: AtomicI64 = AtomicI64::new(0);
+mod common;
 
-struct Counting;
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        HEAP.fetch_add(layout.size() as i64, Relaxed);
-        // SAFETY: forwarded as given.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        HEAP.fetch_sub(layout.size() as i64, Relaxed);
-        // SAFETY: forwarded as given.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        HEAP.fetch_add(new_size as i64 - layout.size() as i64, Relaxed);
-        // SAFETY: forwarded as given.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
+use common::heap::heap;
 
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: common::heap::Counting = common::heap::Counting;
 
 const MIB: u64 = 1 << 20;
 const STREAMS: u64 = 2000;
@@ -49,11 +28,11 @@ fn work_and_memory_per_stream_do_not_grow_with_the_stream_count() {
     };
     let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
     let stream = |s: u64| StreamId(s + 1);
-    let heap_before = HEAP.load(Relaxed);
+    let heap_before = heap();
     let ptrs: Vec<_> = (0..STREAMS)
         .map(|s| a.malloc(1, stream(s)).unwrap())
         .collect();
-    let per_stream = (HEAP.load(Relaxed) - heap_before) / STREAMS as i64;
+    let per_stream = (heap() - heap_before) / STREAMS as i64;
     // The page tables are proportional to what is mapped (a bitmap of one bit a page
     // aside: 1 KiB here); a table entry per page would be hundreds of KiB per stream.
     assert!(per_stream < 16 << 10, "{per_stream} heap bytes per stream");

@@ -260,3 +260,11 @@ impl Driver for FaultDriver {
         self.sim.unmap(d, va, size)
     }
 }
+
+/// A runtime (every device's allocator, pinned and managed host memory) on a sim of
+/// `devices` devices of 8 GiB each.
+pub fn sim_runtime(devices: usize) -> (Arc<SimDriver>, ccalloc::Runtime) {
+    let sim = Arc::new(SimDriver::new(devices, 8 << 30));
+    let rt = ccalloc::Runtime::with_sim(sim.clone(), ccalloc::Config::default());
+    (sim, rt)
+}
