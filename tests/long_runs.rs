@@ -7,16 +7,14 @@
 //! Every test is sequential (threads take turns through `Worker`), so each run is the same.
 #![cfg(feature = "sim")]
 
-use ccalloc::SimDriver;
-use ccalloc::{Config, DeviceAllocator, DeviceStats, SimCounters, StreamId};
-use std::collections::BTreeMap;
-use std::sync::mpsc::{channel, Sender};
+use ccalloc::{DeviceAllocator, DeviceStats, SimCounters, StreamId};
 use std::sync::{Arc, Mutex};
 
 mod common;
 
-use common::figures::{rounded, PoolFigures};
 use common::heap::{heap, serial};
+use common::live::{sim_allocator as allocator, LiveModel};
+use common::worker::Worker;
 
 #[global_allocator]
 static GLOBAL: common::heap::Counting = common::heap::Counting;
@@ -25,89 +23,12 @@ const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
 const S0: StreamId = StreamId(0);
 
-fn allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, Arc<DeviceAllocator>) {
-    let sim = Arc::new(SimDriver::new(1, capacity));
-    let mut config = Config::default();
-    config.apply(conf).unwrap();
-    let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
-    (sim, Arc::new(a))
-}
-
-/// A long-lived thread that runs what it is given, one job at a time, while the caller
-/// waits: threads take turns, so a run is deterministic.
-struct Worker {
-    jobs: Option<Sender<Box<dyn FnOnce() + Send>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Worker {
-    fn new() -> Self {
-        let (tx, rx) = channel::<Box<dyn FnOnce() + Send>>();
-        let thread = std::thread::spawn(move || {
-            for job in rx {
-                job();
-            }
-        });
-        Self {
-            jobs: Some(tx),
-            thread: Some(thread),
-        }
-    }
-
-    fn run<R: Send + 'static>(&self, f: impl FnOnce() -> R + Send + 'static) -> R {
-        let (tx, rx) = channel();
-        let job = Box::new(move || {
-            let _ = tx.send(f());
-        });
-        self.jobs.as_ref().unwrap().send(job).unwrap();
-        rx.recv().expect("the worker's job panicked")
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        drop(self.jobs.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// What the caller holds live, and the statistics that must follow from it.
-#[derive(Default)]
-struct Model {
-    figures: PoolFigures,
-    allocations: i64,
-    live: BTreeMap<u64, u64>,
-}
+type Model = LiveModel;
 
 impl Model {
-    fn alloc(&mut self, p: u64, size: u64) {
-        assert!(
-            self.live.insert(p, size).is_none(),
-            "{p:#x} handed out twice"
-        );
-        // No overlap with its neighbours.
-        let end = p + rounded(size);
-        if let Some((&q, &s)) = self.live.range(..p).next_back() {
-            assert!(q + rounded(s) <= p, "{p:#x} overlaps {q:#x}");
-        }
-        if let Some((&q, _)) = self.live.range(p + 1..).next() {
-            assert!(end <= q, "{p:#x} overlaps {q:#x}");
-        }
-        self.figures.change(size, rounded(size), 1, &[0, 1, 2]);
-        self.allocations += 1;
-    }
-
-    fn free(&mut self, p: u64) {
-        let size = self.live.remove(&p).expect("freeing a live block");
-        self.figures.change(size, rounded(size), -1, &[0, 1, 2]);
-    }
-
-    fn check(&self, s: &DeviceStats, what: &str) {
-        self.figures.check(s, what);
-        assert_eq!(s.allocation.all().allocated, self.allocations, "{what}");
-        // No record_stream: every live block is active, and nothing else is.
+    /// `check`, and with no `record_stream`, every live block active and nothing else.
+    fn check_active(&self, s: &DeviceStats, what: &str) {
+        self.check(s, what);
         for (name, got, want) in [
             ("active", s.active.all(), s.allocation.all()),
             (
@@ -290,7 +211,7 @@ impl Training {
 
     fn check(&self, what: &str) {
         let s = self.a.stats().unwrap();
-        self.m.lock().unwrap().check(&s, what);
+        self.m.lock().unwrap().check_active(&s, what);
     }
 }
 
@@ -412,7 +333,9 @@ fn thread_per_request(conf: &str, how: &str) {
             let s = a.stats().unwrap();
             // Recorded blocks leave requested bytes when their events are seen done.
             if how != "recorded" {
-                m.lock().unwrap().check(&s, &format!("round {round}"));
+                m.lock()
+                    .unwrap()
+                    .check_active(&s, &format!("round {round}"));
             }
             heaps.push(heap());
             reserved.push(s.reserved_bytes.all().current);
@@ -518,7 +441,7 @@ fn stream_per_request(conf: &str) {
                     assert_eq!(got, want, "round {round}");
                 }
             } else {
-                model.check(&st, &format!("round {round}"));
+                model.check_active(&st, &format!("round {round}"));
             }
             drop(model);
             let c = sim.counters(0);

@@ -9,6 +9,8 @@ use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
 use std::sync::Arc;
 
+mod common;
+
 const POOL: (u64, u64) = (0, 7);
 const S: StreamId = StreamId(1);
 const MIB: u64 = 1 << 20;
@@ -20,19 +22,9 @@ fn allocator(conf: &str) -> DeviceAllocator {
     DeviceAllocator::new(0, sim, config).unwrap()
 }
 
-/// The pool's layout, as graph trees save it (`getCheckpointState`).
+/// The pool's layout, as graph trees save it.
 fn layout(a: &DeviceAllocator) -> Vec<SavedBlock> {
-    a.segments()
-        .unwrap()
-        .into_iter()
-        .filter(|s| s.private_pool == Some(POOL))
-        .flat_map(|s| s.blocks)
-        .map(|(addr, size, state)| SavedBlock {
-            addr,
-            size,
-            allocated: state == BlockState::Allocated,
-        })
-        .collect()
+    common::pool_layout(a, POOL)
 }
 
 fn in_pool(a: &DeviceAllocator, sizes: &[u64]) -> Vec<u64> {

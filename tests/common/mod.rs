@@ -3,6 +3,8 @@
 
 pub mod figures;
 pub mod heap;
+pub mod live;
+pub mod worker;
 
 use ccalloc::SimDriver;
 use ccalloc::StreamId;
@@ -267,4 +269,20 @@ pub fn sim_runtime(devices: usize) -> (Arc<SimDriver>, ccalloc::Runtime) {
     let sim = Arc::new(SimDriver::new(devices, 8 << 30));
     let rt = ccalloc::Runtime::with_sim(sim.clone(), ccalloc::Config::default());
     (sim, rt)
+}
+
+/// The layout of private pool `pool`'s blocks, as PyTorch's graph trees save it
+/// (`getCheckpointState`), for `DeviceAllocator::restore_pool`.
+pub fn pool_layout(a: &ccalloc::DeviceAllocator, pool: (u64, u64)) -> Vec<ccalloc::SavedBlock> {
+    a.segments()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.private_pool == Some(pool))
+        .flat_map(|s| s.blocks)
+        .map(|(addr, size, state)| ccalloc::SavedBlock {
+            addr,
+            size,
+            allocated: state == ccalloc::BlockState::Allocated,
+        })
+        .collect()
 }
