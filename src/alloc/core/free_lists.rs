@@ -204,10 +204,16 @@ impl Caches {
     }
 
     /// Closes the window opened for `pool`, returning it (dropping it runs the caller's
-    /// callback: the caller drops it outside its lock); `None` when none is open.
+    /// callback: the caller drops it outside its lock); `None` when none is open. A pool
+    /// released while its window was open (a capture that raised) and left without memory
+    /// is forgotten here: no later release or segment's return would come to forget it.
     pub fn close_window(&mut self, pool: PoolId) -> Option<Route> {
         let i = self.routes.iter().position(|r| r.pool == pool)?;
-        Some(self.routes.remove(i))
+        let route = self.routes.remove(i);
+        if self.pool_removable(pool) {
+            self.private.remove(&pool);
+        }
+        Some(route)
     }
 
     /// Holds `pool` exactly `users` times (created if unknown).
