@@ -14,7 +14,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-tests=(--test stress --test fronts_stress --test fuzz_api)
+# The tests need the simulated device (feature `sim`): without it they compile to nothing.
+tests=(--features sim --test stress --test fronts_stress --test fuzz_api)
 export CCALLOC_FUZZ_CASES="${CCALLOC_FUZZ_CASES:-100}"
 log_dir=target/sanitize-logs
 mkdir -p "$log_dir"
@@ -24,9 +25,12 @@ summary=()
 record() { # name status log
   local verdict=ok
   [ "$2" -ne 0 ] && verdict="FAILED (exit $2)" && failed=1
-  local reports
+  local reports passed
   reports=$(grep -c -E "^(WARNING: ThreadSanitizer|==[0-9]+==ERROR: AddressSanitizer|==[0-9]+== (Invalid|Conditional|Possible data race))" "$3" || true)
-  summary+=("$1: $verdict, $reports reports, $(grep -E '^test result' "$3" | awk '{s+=$4} END {print s+0}') tests passed; log $3")
+  passed=$(grep -E '^test result' "$3" | awk '{s+=$4} END {print s+0}')
+  # A run that tested nothing has checked nothing.
+  [ "$passed" -eq 0 ] && verdict="FAILED (no test ran)" && failed=1
+  summary+=("$1: $verdict, $reports reports, $passed tests passed; log $3")
 }
 
 if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
