@@ -1,12 +1,12 @@
 """Long runs through the Python package: what may degrade only after a job has run a while.
 
-Each test runs in a fresh interpreter (``run_python``) where it needs the process's memory
-to itself, and checks figures against a model of what the caller holds.
+Each test checks figures against a model of what the caller holds; one runs in a fresh
+interpreter (``run_python``), since it shuts the library down. What the allocator keeps on
+the heap over long runs is checked exactly in Rust (tests/long_runs*.rs), not through the
+resident set, which depends on the C library's allocator.
 """
 
 import ccalloc
-import ccalloc.memory
-import pytest
 
 from conftest import run_python
 
@@ -18,49 +18,6 @@ def _run(code):
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
-
-RSS = """
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-"""
-
-
-def test_stopping_the_history_gives_back_what_recording_held():
-    """Recording with ``max_entries=300_000`` until the ring is full, then
-    ``_record_memory_history(None)`` (which stops and clears it): the resident set goes back
-    to within a quarter of what recording added (the ring alone is over 16 MiB)."""
-    out = _run(
-        RSS
-        + """
-import ctypes
-import ccalloc, ccalloc.memory
-from ccalloc import _lib
-ccalloc.init()
-ptrs = [ccalloc.malloc(4096) for _ in range(8)]
-for p in ptrs:
-    ccalloc.free(p)
-malloc, free = ccalloc.malloc, ccalloc.free
-base = rss()
-ccalloc.memory._record_memory_history(max_entries=300_000)
-for _ in range(160_000):
-    free(malloc(4096))
-full = rss()
-oldest = ctypes.c_uint64()
-_lib.check(_lib.load().ccalloc_history_oldest_seq(ctypes.byref(oldest)))
-assert oldest.value > 0, "the ring is full: its oldest entries were dropped"
-ccalloc.memory._record_memory_history(None)
-after = rss()
-assert not ccalloc.memory.is_recording()
-print(base, full, after)
-assert full - base > 16 << 20, (base, full, after)
-assert after - base < (full - base) / 4, (
-    f"resident before recording {base}, with the ring full {full}, after stopping and "
-    f"clearing {after}: the ring's memory stays held")
-assert ccalloc.memory._snapshot()["device_traces"][0] == []
-"""
-    )
-    assert out
 
 
 def test_pinned_loader_statistics_stay_exact_over_a_long_run():
@@ -112,13 +69,12 @@ def test_pinned_loader_statistics_stay_exact_over_a_long_run():
     assert s["active_requests.freed"] - start["active_requests.freed"] == made
 
 
-def test_init_shutdown_cycles_with_pinned_memory_and_snapshots_stay_flat():
-    """600 cycles of init, pinned and managed buffers (recorded, prefetched), device blocks,
-    a snapshot with the history on, and shutdown: the resident set after the first 100
-    cycles grows by less than 1 MiB, and each cycle's statistics start from zero."""
+def test_init_shutdown_cycles_with_pinned_memory_and_snapshots_start_clean():
+    """300 cycles of init, pinned and managed buffers (recorded, prefetched), device blocks,
+    a snapshot with the history on, and shutdown: each cycle's statistics start from zero.
+    (What the cycles hold on the heap is checked exactly in Rust: tests/long_runs_host.rs.)"""
     out = _run(
-        RSS
-        + """
+        """
 import ccalloc, ccalloc.memory
 def cycle():
     ccalloc.init()
@@ -139,14 +95,9 @@ def cycle():
     m.close()
     ccalloc.memory._record_memory_history(None)
     ccalloc.shutdown()
-for _ in range(100):
+for _ in range(300):
     cycle()
-base = rss()
-for _ in range(500):
-    cycle()
-grew = rss() - base
-print(grew)
-assert grew < 1 << 20, f"resident set grew by {grew} bytes over 500 cycles"
+print("cycles done")
 """
     )
     assert out

@@ -30,7 +30,7 @@ pub(crate) const ALLOCATION_STREAM: StreamId = StreamId(u64::MAX);
 /// keeps nothing per stream. Other pairs get a table entry, for the runtime's life.
 const HANDLE_BITS: u32 = 56;
 const HANDLE_MASK: u64 = (1 << HANDLE_BITS) - 1;
-const MAX_VALUE_DEVICE: usize = 0xFE - 1;
+const MAX_VALUE_DEVICE: usize = 0xFD;
 
 fn tag_by_value(device: usize, stream: StreamId) -> Option<StreamId> {
     (device <= MAX_VALUE_DEVICE && stream.0 <= HANDLE_MASK)
