@@ -7,13 +7,13 @@
 //! Every test is sequential (threads take turns through `Worker`), so each run is the same.
 #![cfg(feature = "sim")]
 
-use ccalloc::{DeviceAllocator, DeviceStats, SimCounters, StreamId};
+use ccalloc::{DeviceAllocator, DeviceStats, StreamId};
 use std::sync::{Arc, Mutex};
 
 mod common;
 
 use common::heap::{heap, serial};
-use common::live::{sim_allocator as allocator, LiveModel};
+use common::live::{driver_calls, sim_allocator as allocator, LiveModel};
 use common::worker::Worker;
 
 #[global_allocator]
@@ -44,19 +44,6 @@ impl Model {
             );
         }
     }
-}
-
-/// Driver calls that cost on a GPU.
-fn driver_calls(c: &SimCounters) -> u64 {
-    c.allocate_calls
-        + c.release_calls
-        + c.maps
-        + c.unmaps
-        + c.physical_creates
-        + c.physical_releases
-        + c.reserve_calls
-        + c.synchronize_calls
-        + c.event_waits
 }
 
 /// A shared model (jobs on workers update it).

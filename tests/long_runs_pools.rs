@@ -8,14 +8,14 @@
 #![cfg(feature = "sim")]
 
 use ccalloc::SimDriver;
-use ccalloc::{Config, DeviceAllocator, DeviceStats, ErrorKind, Runtime, SimCounters, StreamId};
+use ccalloc::{Config, DeviceAllocator, DeviceStats, ErrorKind, Runtime, StreamId};
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 mod common;
 
 use common::heap::{heap, serial};
-use common::live::{sim_allocator as allocator, LiveModel};
+use common::live::{driver_calls, free, malloc, sim_allocator as allocator, LiveModel};
 use common::pool_layout;
 use common::worker::Worker;
 
@@ -76,30 +76,6 @@ impl Model {
         }
         assert_eq!(s.allocation.all().allocated, self.allocations, "{what}");
     }
-}
-
-/// Driver calls that cost on a GPU.
-fn driver_calls(c: &SimCounters) -> u64 {
-    c.allocate_calls
-        + c.release_calls
-        + c.maps
-        + c.unmaps
-        + c.physical_creates
-        + c.physical_releases
-        + c.reserve_calls
-        + c.synchronize_calls
-        + c.event_waits
-}
-
-fn malloc(a: &DeviceAllocator, m: &mut Model, size: u64, stream: StreamId) -> u64 {
-    let p = a.malloc(size, stream).unwrap();
-    m.alloc(p, size);
-    p
-}
-
-fn free(a: &DeviceAllocator, m: &mut Model, p: u64) {
-    m.free(p);
-    a.free(p).unwrap();
 }
 
 /// Everything freed and the cache emptied: nothing stays reserved, on the device either.

@@ -52,3 +52,29 @@ impl LiveModel {
         assert_eq!(s.allocation.all().allocated, self.allocations, "{what}");
     }
 }
+
+/// Allocates `size` bytes on `stream` and notes the block in `m`.
+pub fn malloc(a: &DeviceAllocator, m: &mut LiveModel, size: u64, stream: ccalloc::StreamId) -> u64 {
+    let p = a.malloc(size, stream).unwrap();
+    m.alloc(p, size);
+    p
+}
+
+/// Frees `p`, noted in `m` first.
+pub fn free(a: &DeviceAllocator, m: &mut LiveModel, p: u64) {
+    m.free(p);
+    a.free(p).unwrap();
+}
+
+/// Driver calls that cost on a GPU.
+pub fn driver_calls(c: &ccalloc::SimCounters) -> u64 {
+    c.allocate_calls
+        + c.release_calls
+        + c.maps
+        + c.unmaps
+        + c.physical_creates
+        + c.physical_releases
+        + c.reserve_calls
+        + c.synchronize_calls
+        + c.event_waits
+}

@@ -111,7 +111,18 @@ impl State {
         if self.parked.count == 0 {
             return None;
         }
-        let id = self.parked.by_size.get_mut(&(stream, rounded))?.pop()?;
+        // A size's entry goes with its last block: a job that parks each size once (new
+        // sizes every batch, a stream per request) would otherwise keep one per size ever
+        // parked whenever its parked blocks are all taken before a flush.
+        let std::collections::hash_map::Entry::Occupied(mut entry) =
+            self.parked.by_size.entry((stream, rounded))
+        else {
+            return None;
+        };
+        let id = entry.get_mut().pop()?;
+        if entry.get().is_empty() {
+            entry.remove();
+        }
         if rounded <= SMALL_PARKED_SIZE {
             self.parked.small_bytes -= rounded;
         }
