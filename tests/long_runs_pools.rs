@@ -358,7 +358,7 @@ fn restores_at_every_divergence(conf: &str) {
         for b in saved.iter().filter(|b| !b.allocated) {
             m.free(b.addr);
         }
-        let mut made = done.allocated.clone();
+        let mut made: Vec<u64> = done.allocated.iter().map(|b| b.ptr).collect();
         made.sort();
         let want: Vec<u64> = saved
             .iter()

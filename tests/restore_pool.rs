@@ -58,7 +58,11 @@ fn a_restored_pool_has_its_saved_blocks_at_their_addresses() {
             freed, expected_freed,
             "{conf}: every live block of the pool is freed"
         );
-        let mut made = done.allocated.clone();
+        for b in &done.allocated {
+            let saved_size = saved.iter().find(|s| s.addr == b.ptr).map(|s| s.size);
+            assert_eq!(Some(b.size), saved_size, "{conf}: made at its saved size");
+        }
+        let mut made: Vec<u64> = done.allocated.iter().map(|b| b.ptr).collect();
         made.sort();
         let mut expected: Vec<u64> = saved
             .iter()
@@ -82,8 +86,8 @@ fn a_restored_pool_has_its_saved_blocks_at_their_addresses() {
         assert!(allocated_before > 0);
 
         // The blocks made again are ordinary live blocks: they free, and the pool goes.
-        for p in done.allocated {
-            a.free(p).unwrap();
+        for b in done.allocated {
+            a.free(b.ptr).unwrap();
         }
         a.free(outside).unwrap();
         a.release_pool(POOL).unwrap(); // each window held the pool once

@@ -718,8 +718,8 @@ impl DeviceAllocator {
         }
         if let Some(e) = failed {
             // The blocks other shards made again are freed too: the caller learns of none.
-            for ptr in all.allocated {
-                self.free(ptr)?;
+            for made in all.allocated {
+                self.free(made.ptr)?;
             }
             return Err(e);
         }

@@ -22,7 +22,7 @@ use crate::driver::{DevicePtr, DriverError, StreamId};
 use crate::error::{Error, ErrorKind};
 use blocks::{BlockState, PoolId};
 pub use device::DeviceAllocator;
-pub use shard::restore::{Restored, SavedBlock};
+pub use shard::restore::{MadeBlock, Restored, SavedBlock};
 use shard::Shard;
 use sizing::PoolKind;
 

@@ -408,13 +408,17 @@ pub unsafe extern "C" fn ccalloc_restore_pool(
         let done = runtime::global()?
             .device(device as i64)?
             .restore_pool((pool.first, pool.second), &saved)?;
+        // The history records the restore's frees and allocations as those of any other
+        // path (PyTorch's setCheckpointPoolState frees and allocates through its own).
         for ptr in done.freed {
+            crate::history::freed(device, ptr);
             // SAFETY: a caller-supplied function with the documented signature.
             unsafe { report(ctx, ptr as *mut c_void, false) };
         }
-        for ptr in done.allocated {
+        for made in done.allocated {
+            crate::history::allocated(device, made.ptr, made.size, made.stream.0);
             // SAFETY: as above.
-            unsafe { report(ctx, ptr as *mut c_void, true) };
+            unsafe { report(ctx, made.ptr as *mut c_void, true) };
         }
         Ok(())
     })

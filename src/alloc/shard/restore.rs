@@ -13,7 +13,7 @@ use super::super::core::blocks::{BlockId, BlockState};
 use super::super::core::free_lists::PoolId;
 use super::super::state::State;
 use super::{FreedAt, Shard};
-use crate::driver::DevicePtr;
+use crate::driver::{DevicePtr, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 
 /// One saved block: its address, size, and whether it was handed out.
@@ -24,11 +24,20 @@ pub struct SavedBlock {
     pub allocated: bool,
 }
 
+/// A block a restore made again as handed out: where, its size, and its stream (the
+/// allocation history records it as an allocation there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MadeBlock {
+    pub ptr: DevicePtr,
+    pub size: u64,
+    pub stream: StreamId,
+}
+
 /// What a restore did: the blocks it freed, and those it made again as handed out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Restored {
     pub freed: Vec<DevicePtr>,
-    pub allocated: Vec<DevicePtr>,
+    pub allocated: Vec<MadeBlock>,
     /// Saved segments this shard holds (the device checks every saved one was found).
     pub segments_found: usize,
 }
@@ -74,7 +83,12 @@ impl Shard {
         }
         for (id, allocated) in made {
             if allocated {
-                done.allocated.push(st.block(id).addr());
+                let b = st.block(id);
+                done.allocated.push(MadeBlock {
+                    ptr: b.addr(),
+                    size: b.size(),
+                    stream: b.stream(),
+                });
             } else {
                 self.free_block(&mut st, id, CARVED_UNUSED)?;
             }
