@@ -47,6 +47,15 @@ fn sim_env() {
     std::env::remove_var("CCALLOC_CONF");
 }
 
+/// Each test's start: alone (the heap and the runtime are the process's), on a fresh sim
+/// runtime.
+fn start_alone() -> std::sync::MutexGuard<'static, ()> {
+    let one = serial();
+    sim_env();
+    ok(ccalloc_init(), "init");
+    one
+}
+
 fn stats(device: i32) -> ccalloc_stats {
     let mut s = std::mem::MaybeUninit::<ccalloc_stats>::zeroed();
     ok(
@@ -425,9 +434,7 @@ fn segments_by_pool() -> (usize, usize) {
 /// 16 KiB.
 #[test]
 fn graph_captures_through_the_pool_entry_points_give_everything_back() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     let other = Worker::new();
     let mut m = Model {
         loose_bytes: true,
@@ -595,9 +602,7 @@ fn graph_captures_through_the_pool_entry_points_give_everything_back() {
 /// failure (not an earlier one). After 300 warm-up rounds the heap stays within 8 KiB.
 #[test]
 fn failed_calls_change_nothing_and_their_messages_stay_short() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     let mut live = Vec::new();
     for i in 0..8u64 {
         let mut p = std::ptr::null_mut();
@@ -826,9 +831,7 @@ fn failed_calls_change_nothing_and_their_messages_stay_short() {
 /// threads the heap stays within 24 KiB (what a thread leaves must go with it).
 #[test]
 fn threads_that_come_and_go_leave_nothing_behind() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     let mut m = Model::default();
     let mut handed: Vec<(u64, u64)> = Vec::new();
     let mut base = 0;
@@ -921,9 +924,7 @@ fn threads_that_come_and_go_leave_nothing_behind() {
 /// heap stays within 16 KiB.
 #[test]
 fn memory_fractions_and_ooms_over_a_long_run_stay_exact() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     ok(ccalloc_record_history(true, 2_000, true), "record_history");
     let total = 4u64 << 30;
     let fractions = [0.05, 0.25, 0.1, 1.0, 0.5, 0.07];
@@ -1023,9 +1024,7 @@ fn memory_fractions_and_ooms_over_a_long_run_stay_exact() {
 /// 100 on, the heap stays within 16 KiB.
 #[test]
 fn frees_that_wait_for_another_stream_complete_once_in_the_history() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     let helper = Worker::new();
     ok(
         ccalloc_record_history(true, 1 << 20, true),
@@ -1184,9 +1183,7 @@ unsafe extern "C" fn note_restore(ctx: *mut c_void, ptr: *mut c_void, allocated:
 /// size allocated; the allocation count equals the model.
 #[test]
 fn pool_restores_keep_the_history_consistent() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     ok(
         ccalloc_record_history(true, 1 << 20, true),
         "record_history",
@@ -1285,9 +1282,7 @@ fn pool_restores_keep_the_history_consistent() {
 /// stays 1 on device 1 after the free until the stream resumes and empty_cache runs.
 #[test]
 fn record_stream_finds_the_device_of_the_block() {
-    let _one = serial();
-    sim_env();
-    ok(ccalloc_init(), "init");
+    let _one = start_alone();
     for round in 0..200u64 {
         let size = 4096 * (1 + round % 50);
         let a = torch_alloc(size, 0, MAIN);
