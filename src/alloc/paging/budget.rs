@@ -13,9 +13,12 @@ const MIN_SLACK_PAGES: u64 = 4;
 const ALLOWANCE_SPAN: Duration = Duration::from_secs(30);
 
 /// Bytes of cached pages growth may keep beyond the live high-water mark `high`, with
-/// `share` the slack (a fraction of `high`) and `page` the page size.
-pub fn slack_bytes(high: u64, share: f64, page: u64) -> u64 {
-    ((high as f64 * share) as u64).max(MIN_SLACK_PAGES * page)
+/// `share` the slack (a fraction of `high`) and `page` the page size, among `shards`
+/// allocators of the device. Never under a page per shard: a shard's blocks share pages,
+/// so with fewer pages of slack than shards every growth would take another shard's page
+/// and the pages would go round the shards, a move and a wait per allocation.
+pub fn slack_bytes(high: u64, share: f64, page: u64, shards: u64) -> u64 {
+    ((high as f64 * share) as u64).max(MIN_SLACK_PAGES.max(shards) * page)
 }
 
 // Why an allowance, and not more slack.

@@ -118,21 +118,17 @@ impl Fences {
     }
 
     /// Makes room in `done_seq` for one more stream (a job that makes streams as it goes
-    /// would otherwise keep one entry per stream it ever used): entries `synced_seq` answers
-    /// for go first, else the one done longest ago. Forgetting is safe: `is_done` then says
-    /// no, and the caller waits for a fence or synchronizes the device.
+    /// would otherwise keep one entry per stream it ever used): the one done longest ago
+    /// goes. Forgetting is safe: `is_done` then says no, and the caller waits for a fence or
+    /// synchronizes the device.
     fn forget_oldest_done(&mut self) {
-        let synced = self.synced_seq;
-        self.done_seq.retain(|_, done| *done > synced);
-        if self.done_seq.len() >= MAX_DONE_STREAMS {
-            if let Some(oldest) = self
-                .done_seq
-                .iter()
-                .min_by_key(|(_, d)| **d)
-                .map(|(s, _)| *s)
-            {
-                self.done_seq.remove(&oldest);
-            }
+        let oldest = self
+            .done_seq
+            .iter()
+            .min_by_key(|(_, d)| **d)
+            .map(|(s, _)| *s);
+        if let Some(oldest) = oldest {
+            self.done_seq.remove(&oldest);
         }
     }
 

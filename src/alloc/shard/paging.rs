@@ -123,10 +123,7 @@ impl Shard {
         }
         // Every page mapped here counts as reserved; parked chunks already do.
         let (high, elsewhere) = self.weighed_high_water(st, len)?;
-        // Each shard keeps a page of slack at least: a shard's blocks share pages, so with
-        // fewer pages of slack than shards, every growth would take another shard's page
-        // and the pages would go round the shards, a move and a wait per allocation.
-        let slack = slack_bytes(high, st.config().page_slack, page).max(self.shards_made() * page);
+        let slack = slack_bytes(high, st.config().page_slack, page, self.shards_made());
         let started = Instant::now();
         st.moves_mut().start_growth();
         // While moves have spent their allowance, growth maps new memory rather than move
