@@ -312,8 +312,8 @@ def summarize_hotpath(opts) -> int:
         rows.append(ratio)
     if "floor" in by:
         # The harness's own share of each figure is the floor's: what is left is the allocator's.
-        for label in [l for l in ("native", "ccalloc") if l in by]:
-            own = [f"{HOTPATH_NAMES[label]} minus floor"]
+        for label in [l for l in ("native", "ccalloc") if l in by] + [l for l in labels if l.startswith("lib@")]:
+            own = [f"{HOTPATH_NAMES.get(label, label)} minus floor"]
             for _, key in HOTPATH_MAIN:
                 a, f = best(label, key), best("floor", key)
                 own.append(cell(a - f) if a is not None and f is not None and a >= 0 and f >= 0 else "—")
