@@ -38,12 +38,14 @@ impl Shard {
     /// in their growth's budget (`weighed_high_water`), and the holder's next visit here,
     /// which would return it, may never come. Returns the front's census, or `None` when
     /// the block stays here.
+    #[inline]
     pub(in crate::alloc) fn adopt(
         &self,
         st: &mut State,
         id: BlockId,
         cell: &front::FrontCell,
     ) -> Option<front::Census> {
+        // Checked inlined: in a job whose blocks may not wait in fronts, most frees stop here.
         let b = st.block(id);
         let large = b.size() > front::FRONT_MAX_BLOCK;
         let eligible = b.paged()
@@ -56,6 +58,19 @@ impl Shard {
         if !eligible {
             return None;
         }
+        self.adopt_eligible(st, id, cell)
+    }
+
+    /// `adopt` for a block that may wait in a front.
+    #[inline(never)]
+    fn adopt_eligible(
+        &self,
+        st: &mut State,
+        id: BlockId,
+        cell: &front::FrontCell,
+    ) -> Option<front::Census> {
+        let b = st.block(id);
+        let large = b.size() > front::FRONT_MAX_BLOCK;
         let stream = b.stream();
         let mut entry = front::Entry::new(b.addr(), b.size(), b.requested(), stream, b.pool(), id);
         // A large block goes back to the shard later, when its stream may be gone: its
@@ -85,14 +100,23 @@ impl Shard {
     /// begins a visit (`malloc`, `free`) on stream `alive` (if known): before this visit
     /// could have used them, so the shard ends as if they had been freed here in the first
     /// place. Returns whether any came back (live bytes fell).
+    #[inline]
     pub(in crate::alloc) fn return_large_held(
         &self,
         st: &mut State,
         alive: Option<StreamId>,
     ) -> bool {
+        // Every visit asks; in most jobs no large block ever joins a front. Checked here,
+        // inlined, so that such a visit does not pay for the call below.
         if !st.front_large_joined() {
             return false;
         }
+        self.return_large_held_now(st, alive)
+    }
+
+    /// `return_large_held` once a large block has joined a front.
+    #[inline(never)]
+    fn return_large_held_now(&self, st: &mut State, alive: Option<StreamId>) -> bool {
         let (returned, reused) = front::take_large_held(&self.fronts);
         // Each reuse in the front stands for a park and its reuse here.
         st.note_parked_reuses(reused);

@@ -53,15 +53,24 @@ impl State {
     /// paged blocks park: they count no inactive splits, so the statistics read exactly as
     /// if the block had merged; plain segments keep PyTorch's figures for those. `frees`:
     /// as `cache_freed`.
+    #[inline]
     pub fn park(&mut self, id: BlockId, frees: u32) -> Option<bool> {
+        // Checked inlined: most frees of a pattern that parks nothing stop here.
         let block = self.book.blocks.get(id);
         if !block.paged() || block.owner().is_some() {
             return None;
         }
-        let (size, stream) = (block.size(), block.stream());
         if self.parked.gate.pausing() {
             return None;
         }
+        self.park_eligible(id, frees)
+    }
+
+    /// `park` for a paged block of the general cache while parking does not pause.
+    #[inline(never)]
+    fn park_eligible(&mut self, id: BlockId, frees: u32) -> Option<bool> {
+        let block = self.book.blocks.get(id);
+        let (size, stream) = (block.size(), block.stream());
         let small = size <= SMALL_PARKED_SIZE;
         if (small && self.parked.small_bytes + size > PARKED_MAX_SMALL_BYTES)
             || self.parked.count == PARKED_MAX_BLOCKS
