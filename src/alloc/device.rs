@@ -123,6 +123,10 @@ pub struct DeviceAllocator {
     /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
     /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
     pub(super) key: u64,
+    /// Whether a front of this device has ever adopted a block (`Fronts::adopted`). Until
+    /// one has, no thread has a block in a front of the device: the fast paths (`malloc`,
+    /// `free`) skip looking in the thread's fronts.
+    fronts_adopted: Arc<AtomicBool>,
 }
 
 impl DeviceAllocator {
@@ -141,6 +145,7 @@ impl DeviceAllocator {
         Ok(Self {
             sharded,
             key: front::new_key(),
+            fronts_adopted: Arc::default(),
             oom_retry: Mutex::new(()),
             device,
             total_memory,
@@ -235,7 +240,11 @@ impl DeviceAllocator {
                 siblings: Arc::downgrade(&self.shards),
             },
             // Open as every other shard's are now (`set_fronts_open`, also under `setup`).
-            Fronts::new(self.key, self.fronts_open_now(&setup)),
+            Fronts::new(
+                self.key,
+                self.fronts_open_now(&setup),
+                self.fronts_adopted.clone(),
+            ),
         );
         // The device's holds, not one per window (a pool may be released while its window
         // is open).
@@ -260,7 +269,10 @@ impl DeviceAllocator {
         // A block this thread freed, of exactly this size and stream, in its front for the
         // stream's shard (see `front`). Without shards, the thread's one front for the
         // device, found without looking at the shard.
-        let front = if self.sharded.load(Ordering::Relaxed) {
+        // Only the calling thread adopts into its fronts, so it sees its own adoption here.
+        let front = if !self.fronts_adopted.load(Ordering::Relaxed) {
+            None
+        } else if self.sharded.load(Ordering::Relaxed) {
             self.front_shard(stream)
                 .map(|shard| FrontOf::Shard(&shard.fronts))
         } else {
@@ -397,6 +409,10 @@ impl DeviceAllocator {
 
     /// The fast free: `ptr` was handed out by one of this thread's fronts for this device.
     fn free_in_front(&self, ptr: DevicePtr) -> Option<Result<()>> {
+        // Only the calling thread adopts into its fronts, so it sees its own adoption here.
+        if !self.fronts_adopted.load(Ordering::Relaxed) {
+            return None;
+        }
         match front::give_back(self.key, ptr) {
             GiveBack::Held => Some(Ok(())),
             GiveBack::AlreadyFree => Some(Err(super::already_freed(self.device, ptr))),

@@ -419,6 +419,9 @@ impl FrontCell {
             if !fronts.open.load(Ordering::Relaxed) {
                 return None;
             }
+            if !fronts.adopted.load(Ordering::Relaxed) {
+                fronts.adopted.store(true, Ordering::Relaxed);
+            }
             let evicted = f.adopt(entry);
             Some((evicted, f.census()))
         })
@@ -446,6 +449,10 @@ pub struct Fronts {
     pub open: AtomicBool,
     /// Fronts whose thread exited (or gave them up), not yet folded into the statistics.
     orphans: AtomicUsize,
+    /// Set by the first adoption into any front of the device (shared by its shards' fronts)
+    /// and never cleared: a front gets blocks only by adopting them, so until then every
+    /// front of the device is empty.
+    adopted: Arc<AtomicBool>,
 }
 
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
@@ -457,13 +464,15 @@ pub fn new_key() -> u64 {
 }
 
 impl Fronts {
-    /// The fronts of a new shard of the device whose key is `device`.
-    pub fn new(device: u64, open: bool) -> Self {
+    /// The fronts of a new shard of the device whose key is `device`; `adopted`: the device's
+    /// record of an adoption into any of its fronts.
+    pub fn new(device: u64, open: bool, adopted: Arc<AtomicBool>) -> Self {
         Self {
             device,
             cells: Mutex::default(),
             open: AtomicBool::new(open),
             orphans: AtomicUsize::new(0),
+            adopted,
         }
     }
 
@@ -948,7 +957,7 @@ mod tests {
     fn a_large_free_the_front_serves_counts_in_the_small_blocks_pause() {
         std::thread::spawn(|| {
             let key = new_key();
-            let fronts = Arc::new(Fronts::new(key, true));
+            let fronts = Arc::new(Fronts::new(key, true, Arc::default()));
             let s = StreamId(0);
             let large = 2 * FRONT_MAX_BLOCK;
             let adopt = |ptr: DevicePtr, size: u64| {
