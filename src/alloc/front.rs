@@ -439,6 +439,8 @@ pub enum Drained {
 
 /// A shard's fronts, and whether they may be used now.
 pub struct Fronts {
+    /// Unique for the process's life (never 0): `IDLE_ADOPTER` names them by it.
+    id: u64,
     /// The device's key (`new_key`): a thread's fronts for the device are found by it.
     device: u64,
     cells: Mutex<Vec<Arc<FrontCell>>>,
@@ -456,6 +458,7 @@ pub struct Fronts {
 }
 
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
+static NEXT_FRONTS: AtomicU64 = AtomicU64::new(1);
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
 /// A key unique for the process's life, for a device.
@@ -468,6 +471,7 @@ impl Fronts {
     /// record of an adoption into any of its fronts.
     pub fn new(device: u64, open: bool, adopted: Arc<AtomicBool>) -> Self {
         Self {
+            id: NEXT_FRONTS.fetch_add(1, Ordering::Relaxed),
             device,
             cells: Mutex::default(),
             open: AtomicBool::new(open),
@@ -615,6 +619,12 @@ const LOCALS: usize = 8;
 
 thread_local! {
     static LOCALS_OF_THREAD: std::cell::RefCell<Vec<Local>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The `Fronts::id` of the fronts where a slow free of a block that does not fit a
+    /// front changes nothing in this thread's `Local` (0: none): the thread has a front
+    /// there, and stepping either gate changes nothing (`ReuseGate::is_idle`). Set by each
+    /// `with_adopter` that looks at the `Local`s, the one place that adds or drops a `Local`
+    /// or moves a gate out of idle (`note_set_aside`).
+    static IDLE_ADOPTER: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Where the front an allocation looks in is.
@@ -732,25 +742,47 @@ pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
 /// Runs a slow free (`f`) with the calling thread's front among `fronts` (the block's
 /// shard's) as the adopter of its block, made on first use; `None` while the fronts are
 /// closed, while adoption is paused (blocks were rarely reused), or when the thread can
-/// have none (exiting, or a re-entrant call). `large`: the block is over `FRONT_MAX_BLOCK`
-/// (its adoptions are judged apart). `f` returns the front's census when it adopted. The
-/// shard calls it under its lock, once it has found the block there, so that a thread gets
-/// fronts only in shards it frees into (registering one takes the registry: lock order
-/// shard, then registry).
+/// have none (exiting, or a re-entrant call); also `None` when the block `fits` no front
+/// (`Shard::fits_front`), a free that still counts in the gates. `large`: the block is over
+/// `FRONT_MAX_BLOCK` (its adoptions are judged apart). `f` returns the front's census when
+/// it adopted. The shard calls it under its lock, once it has found the block there, so
+/// that a thread gets fronts only in shards it frees into (registering one takes the
+/// registry: lock order shard, then registry).
+#[inline]
 pub fn with_adopter<R>(
     fronts: &Arc<Fronts>,
     large: bool,
+    fits: bool,
     f: impl FnOnce(Option<&FrontCell>) -> (R, Option<Census>),
 ) -> R {
     if !fronts.open.load(Ordering::Relaxed) {
         return f(None).0;
     }
+    // The common slow free in a job whose blocks do not fit fronts: it would register no
+    // front and move no gate, so the list of `Local`s need not be looked at.
+    if !fits && IDLE_ADOPTER.get() == fronts.id {
+        return f(None).0;
+    }
+    with_local_adopter(fronts, large, fits, f)
+}
+
+/// `with_adopter` through the calling thread's `Local` for `fronts`.
+#[inline(never)]
+fn with_local_adopter<R>(
+    fronts: &Arc<Fronts>,
+    large: bool,
+    fits: bool,
+    f: impl FnOnce(Option<&FrontCell>) -> (R, Option<Census>),
+) -> R {
     let mut f = Some(f);
     let done = LOCALS_OF_THREAD.try_with(|locals| {
         let mut locals = locals.try_borrow_mut().ok()?;
         let i = match locals.iter().position(|l| Arc::ptr_eq(&l.fronts, fronts)) {
             Some(i) => i,
             None => {
+                // The one named idle may be dropped here, or none registered: named again
+                // below once this free is done.
+                IDLE_ADOPTER.set(0);
                 if locals.len() == LOCALS {
                     locals.remove(0);
                 }
@@ -786,13 +818,15 @@ pub fn with_adopter<R>(
                 gate_large.may_set_aside(ADOPTIONS_PER_REVIEW, ADOPTIONS_PER_REUSE, ADOPTION_PAUSE)
             }
         };
-        let gate = if large { gate_large } else { gate };
+        let gate_used = if large { &mut *gate_large } else { &mut *gate };
         let run = f.take()?;
-        let (result, census) = run(may_adopt.then_some(&**cell));
+        let (result, census) = run((may_adopt && fits).then_some(&**cell));
         if let Some(census) = census {
             *known = census;
-            gate.note_set_aside();
+            gate_used.note_set_aside();
         }
+        let idle = gate.is_idle(ADOPTIONS_PER_REVIEW) && gate_large.is_idle(ADOPTIONS_PER_REVIEW);
+        IDLE_ADOPTER.set(if idle { fronts.id } else { 0 });
         Some(result)
     });
     match (done, f) {
@@ -961,7 +995,7 @@ mod tests {
             let s = StreamId(0);
             let large = 2 * FRONT_MAX_BLOCK;
             let adopt = |ptr: DevicePtr, size: u64| {
-                with_adopter(&fronts, size > FRONT_MAX_BLOCK, |cell| {
+                with_adopter(&fronts, size > FRONT_MAX_BLOCK, true, |cell| {
                     let pool = match size > FRONT_MAX_BLOCK {
                         true => PoolKind::Large,
                         false => PoolKind::Small,

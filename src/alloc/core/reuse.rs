@@ -58,6 +58,13 @@ impl ReuseGate {
         }
     }
 
+    /// Whether `may_set_aside` with this `per_review` would change nothing now: no pause to
+    /// count down, no review due.
+    #[inline]
+    pub fn is_idle(&self, per_review: u64) -> bool {
+        self.paused == 0 && self.set_aside < per_review
+    }
+
     /// Frees left before setting aside resumes.
     pub fn paused_for(&self) -> u32 {
         self.paused

@@ -31,44 +31,35 @@ impl Shard {
         Ok(())
     }
 
-    /// Gives a freed block to `cell` (see `front`) when it may wait there: a paged block of
-    /// the general cache, used on its own stream only, not oversize, outside captures; one
-    /// over `front::FRONT_MAX_BLOCK` only while parking does not pause, and only without
+    /// Whether live block `id`, freed now, may wait in a front: a paged block of the general
+    /// cache, used on its own stream only, not oversize, outside captures; one over
+    /// `front::FRONT_MAX_BLOCK` only while parking does not pause, and only without
     /// per-stream shards: other shards weigh this one's live bytes, held blocks included,
     /// in their growth's budget (`weighed_high_water`), and the holder's next visit here,
-    /// which would return it, may never come. Returns the front's census, or `None` when
-    /// the block stays here.
+    /// which would return it, may never come.
     #[inline]
+    pub(in crate::alloc) fn fits_front(&self, st: &State, id: BlockId) -> bool {
+        let b = st.block(id);
+        let large = b.size() > front::FRONT_MAX_BLOCK;
+        b.paged()
+            && b.owner().is_none()
+            && b.stream_uses().is_empty()
+            && !b.counted_oversize()
+            && !st.capturing()
+            // A large block stands in for a parked one: not while parking pauses.
+            && (!large || (!st.parking_paused() && !st.config().per_stream_shards))
+    }
+
+    /// Gives a freed block that fits a front (`fits_front`) to `cell` (see `front`). Returns
+    /// the front's census, or `None` when the block stays here (the fronts are closed).
+    #[inline(never)]
     pub(in crate::alloc) fn adopt(
         &self,
         st: &mut State,
         id: BlockId,
         cell: &front::FrontCell,
     ) -> Option<front::Census> {
-        // Checked inlined: in a job whose blocks may not wait in fronts, most frees stop here.
-        let b = st.block(id);
-        let large = b.size() > front::FRONT_MAX_BLOCK;
-        let eligible = b.paged()
-            && b.owner().is_none()
-            && b.stream_uses().is_empty()
-            && !b.counted_oversize()
-            && !st.capturing()
-            // A large block stands in for a parked one: not while parking pauses.
-            && (!large || (!st.parking_paused() && !st.config().per_stream_shards));
-        if !eligible {
-            return None;
-        }
-        self.adopt_eligible(st, id, cell)
-    }
-
-    /// `adopt` for a block that may wait in a front.
-    #[inline(never)]
-    fn adopt_eligible(
-        &self,
-        st: &mut State,
-        id: BlockId,
-        cell: &front::FrontCell,
-    ) -> Option<front::Census> {
+        debug_assert!(self.fits_front(st, id));
         let b = st.block(id);
         let large = b.size() > front::FRONT_MAX_BLOCK;
         let stream = b.stream();

@@ -450,7 +450,8 @@ impl Shard {
         };
         self.detach_from_front(&mut st, id, ptr)?;
         let large = st.block(id).size() > front::FRONT_MAX_BLOCK;
-        let adopted = front::with_adopter(&self.fronts, large, |adopter| {
+        let fits = self.fits_front(&st, id);
+        let adopted = front::with_adopter(&self.fronts, large, fits, |adopter| {
             let census = adopter.and_then(|cell| self.adopt(&mut st, id, cell));
             (census.is_some(), census)
         });
