@@ -8,6 +8,7 @@ use crate::driver::StreamId;
 impl State {
     /// The caller gave the block back: it stops counting as allocated (it stays active until
     /// cached). Returns the streams it was recorded on.
+    #[inline]
     pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
         let block = self.book.blocks.get_mut(id);
         let (pool, size, oversize) = (block.pool(), block.size(), block.counted_oversize());
@@ -48,6 +49,7 @@ impl State {
     /// A freed block stops being active, and a paged one notes its free on its pages (the
     /// clock of fences), as `frees` frees (0: they carry it already). Returns whether a
     /// fence is due (see `PagedSegment::note_free`).
+    #[inline]
     pub(super) fn end_use(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
         let (size, pool) = (block.size(), block.pool());
