@@ -422,12 +422,19 @@ impl DeviceAllocator {
 
     /// Frees `ptr` in its shard, asking `first` first. The shard that has the block may
     /// give it to this thread's front for that shard (`Shard::free`).
+    #[inline]
     fn free_trying(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
         if let Some(shard) = first {
             if shard.free(ptr)?.freed() {
                 return Ok(());
             }
         }
+        self.free_in_other_shards(ptr, first)
+    }
+
+    /// `free_trying` past `first`.
+    #[inline(never)]
+    fn free_in_other_shards(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
         for shard in self.shards() {
             if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr)?.freed() {
                 return Ok(());
