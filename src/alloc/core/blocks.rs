@@ -64,6 +64,10 @@ pub struct Block {
     /// Counted in `oversize_allocations` when handed out (so the count comes off exactly
     /// even if `max_split_size` changes meanwhile).
     counted_oversize: bool,
+    /// Every byte lies in the ranges handed-out blocks have covered (`State::note_used`):
+    /// handing it out again needs no lookup there. Those ranges only grow while the segment
+    /// lives, so its pieces keep it, and a merge keeps it only if both parts had it.
+    in_used: bool,
 }
 
 #[inline]
@@ -105,6 +109,7 @@ impl Block {
             state: BlockState::Free,
             paged,
             counted_oversize: false,
+            in_used: false,
         }
     }
 
@@ -150,6 +155,18 @@ impl Block {
     #[inline]
     pub fn counted_oversize(&self) -> bool {
         self.counted_oversize
+    }
+
+    /// Every byte lies in ranges blocks handed out have covered (`State::note_used`).
+    #[inline]
+    pub fn in_used(&self) -> bool {
+        self.in_used
+    }
+
+    /// All its bytes were just noted as used.
+    #[inline]
+    pub fn set_in_used(&mut self) {
+        self.in_used = true;
     }
 
     #[inline]
@@ -286,6 +303,7 @@ impl Block {
             state: BlockState::Free,
             paged: self.paged,
             counted_oversize: false,
+            in_used: self.in_used,
         }
     }
 }
@@ -373,6 +391,7 @@ impl BlockArena {
         let other = self.remove(neighbour);
         let block = self.get_mut(id);
         block.size += other.size;
+        block.in_used &= other.in_used;
         let mut starts_segment = false;
         if other.addr < block.addr {
             block.addr = other.addr;

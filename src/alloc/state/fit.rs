@@ -217,8 +217,15 @@ impl State {
             self.stats.inactive_split.decrease(pool, 1);
             self.stats.inactive_split_bytes.decrease(pool, block.size());
         }
-        let addr = self.book.blocks.get(id).addr();
-        self.note_used(addr, addr + rounded);
+        let block = self.book.blocks.get(id);
+        if !block.in_used() {
+            let (addr, whole) = (block.addr(), block.size() == rounded);
+            self.note_used(addr, addr + rounded);
+            // Unsplit, a block may hold more than was noted: its tail is not covered.
+            if whole {
+                self.book.blocks.get_mut(id).set_in_used();
+            }
+        }
         self.mark_handed_out(id, requested)
     }
 
