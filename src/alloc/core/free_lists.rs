@@ -43,27 +43,45 @@ impl FreeList {
         if self.indexes.get(last).is_some_and(|(s, _)| *s == stream) {
             return Some(last);
         }
+        self.look_up_position(stream)
+    }
+
+    /// `position` for a stream other than the last one looked up.
+    #[cold]
+    #[inline(never)]
+    fn look_up_position(&self, stream: StreamId) -> Option<usize> {
         let at = *self.positions.get(&stream)?;
         self.last.set(at);
         Some(at)
     }
 
+    /// A fresh, empty index for `stream` (which has none); returns its position.
+    #[cold]
+    #[inline(never)]
+    fn add_index(&mut self, stream: StreamId) -> usize {
+        self.indexes.push((stream, SizeIndex::default()));
+        let at = self.indexes.len() - 1;
+        self.positions.insert(stream, at);
+        at
+    }
+
+    #[inline]
     fn index(&self, stream: StreamId) -> Option<&SizeIndex> {
         self.position(stream).map(|at| &self.indexes[at].1)
     }
 
+    #[inline]
     pub fn insert(&mut self, block: &Block, id: BlockId) {
         let stream = block.stream();
-        let at = self.position(stream).unwrap_or_else(|| {
-            self.indexes.push((stream, SizeIndex::default()));
-            let at = self.indexes.len() - 1;
-            self.positions.insert(stream, at);
-            at
-        });
+        let at = match self.position(stream) {
+            Some(at) => at,
+            None => self.add_index(stream),
+        };
         let fresh = self.indexes[at].1.insert(block.size(), block.addr(), id);
         debug_assert!(fresh, "block cached twice");
     }
 
+    #[inline]
     pub fn remove(&mut self, block: &Block) {
         let removed = self
             .position(block.stream())
@@ -72,6 +90,7 @@ impl FreeList {
     }
 
     /// The smallest cached block on `stream` of at least `size` bytes.
+    #[inline]
     pub fn best_fit(&self, stream: StreamId, size: u64) -> Option<(u64, BlockId)> {
         self.index(stream)?.best_fit(size)
     }
