@@ -40,17 +40,16 @@ impl State {
         let mut carve_at = None;
         let mut pages_ready = true;
         if self.book.blocks.get(id).paged() {
+            // The place chosen is in a paged block too.
             let (chosen, at, missing) = self.fewest_new_pages(owner, pool, stream, rounded, id);
             id = chosen;
             carve_at = (at != self.book.blocks.get(id).addr()).then_some(at);
             pages_ready = missing == 0;
-        }
-        // Oversize blocks serve only oversize requests, and only ones close to their size
-        // (paged blocks are exempt: their unused pages are not held).
-        let refused = !self.book.blocks.get(id).paged()
-            && ((rounded < max_split && found >= max_split)
-                || (rounded >= max_split && found >= rounded.saturating_add(max_rounding)));
-        if refused {
+        } else if (rounded < max_split && found >= max_split)
+            || (rounded >= max_split && found >= rounded.saturating_add(max_rounding))
+        {
+            // Oversize blocks serve only oversize requests, and only ones close to their
+            // size (paged blocks are exempt: their unused pages are not held).
             if !self.config.expandable_segments {
                 return None;
             }
