@@ -63,20 +63,36 @@ impl Class {
     }
 }
 
-#[derive(Default)]
 pub struct SizeIndex {
     /// Per class, up to `CLASS_CAP` of its blocks; grown to the highest class used.
     classes: Vec<Class>,
-    /// Bit c: class c is non-empty.
-    words: Vec<u64>,
+    /// Bit c: class c is non-empty. Inline, as `spilled`: every fit, insert and remove reads
+    /// them, and a stream's index is made once.
+    words: [u64; WORDS],
     /// Bit w: `words[w]` is non-zero.
     summary: u64,
     /// Blocks of 2 MiB or more, and those that found their class full.
     big: BTreeMap<(u64, DevicePtr), BlockId>,
     /// Bit c: some blocks of class c are in `big` (so a duplicate check must look there).
-    spilled: Vec<u64>,
+    spilled: [u64; WORDS],
+    /// Bit w: `spilled[w]` is non-zero.
+    spilled_summary: u64,
     /// `big`'s first key: a best fit below it never opens the B-tree.
     big_first: Option<(u64, DevicePtr)>,
+}
+
+impl Default for SizeIndex {
+    fn default() -> Self {
+        SizeIndex {
+            classes: Vec::new(),
+            words: [0; WORDS],
+            summary: 0,
+            big: BTreeMap::new(),
+            spilled: [0; WORDS],
+            spilled_summary: 0,
+            big_first: None,
+        }
+    }
 }
 
 fn class_of(size: u64) -> Option<usize> {
@@ -96,7 +112,6 @@ impl SizeIndex {
         };
         if self.classes.len() <= class {
             self.classes.resize_with(class + 1, Class::default);
-            self.words.resize(WORDS, 0);
         }
         let spilled = self.is_spilled(class);
         let key = (size, addr);
@@ -125,8 +140,8 @@ impl SizeIndex {
             return false;
         }
         if blocks.len() >= CLASS_CAP {
-            self.spilled.resize(WORDS, 0);
             self.spilled[class / 64] |= 1 << (class % 64);
+            self.spilled_summary |= 1 << (class / 64);
             return self.insert_big(size, addr, id);
         }
         if spilled && self.big.contains_key(&key) {
@@ -167,32 +182,22 @@ impl SizeIndex {
     /// `big`. When none has, every block in `big` of at least `lo` bytes is larger than any
     /// of those classes' (a block under 2 MiB is in `big` only as its class's spill).
     fn spilled_between(&self, lo: u64, hi: u64) -> bool {
-        if self.spilled.is_empty() {
+        if self.spilled_summary == 0 {
             return false;
         }
         let (lo, hi) = ((lo / CLASS_BYTES) as usize, (hi / CLASS_BYTES) as usize);
         let (first, last) = (lo / 64, hi / 64);
-        let mut word = first;
-        while word <= last {
-            let mut bits = self.spilled[word];
-            if word == first {
-                bits &= u64::MAX << (lo % 64);
-            }
-            if word == last {
-                bits &= u64::MAX >> (63 - hi % 64);
-            }
-            if bits != 0 {
-                return true;
-            }
-            word += 1;
+        let from_lo = self.spilled[first] & (u64::MAX << (lo % 64));
+        let upto_hi = self.spilled[last] & (u64::MAX >> (63 - hi % 64));
+        if first == last {
+            return from_lo & upto_hi != 0;
         }
-        false
+        let between = self.spilled_summary & (u64::MAX << (first + 1)) & ((1 << last) - 1);
+        from_lo != 0 || upto_hi != 0 || between != 0
     }
 
     fn is_spilled(&self, class: usize) -> bool {
-        self.spilled
-            .get(class / 64)
-            .is_some_and(|w| w & (1 << (class % 64)) != 0)
+        self.spilled[class / 64] & (1 << (class % 64)) != 0
     }
 
     /// Removes a block of `class` from `big`; the class stops counting as spilled once none
@@ -209,7 +214,11 @@ impl SizeIndex {
             .next()
             .is_none()
         {
-            self.spilled[class / 64] &= !(1 << (class % 64));
+            let word = &mut self.spilled[class / 64];
+            *word &= !(1 << (class % 64));
+            if *word == 0 {
+                self.spilled_summary &= !(1 << (class / 64));
+            }
         }
         Some(id)
     }
@@ -218,10 +227,7 @@ impl SizeIndex {
         let Some(class) = class_of(size) else {
             return self.remove_big(size, addr);
         };
-        let listed = self
-            .words
-            .get(class / 64)
-            .is_some_and(|w| w & (1 << (class % 64)) != 0);
+        let listed = self.words[class / 64] & (1 << (class % 64)) != 0;
         if !listed {
             return self.remove_spilled(class, size, addr);
         }
@@ -521,6 +527,29 @@ mod tests {
         assert!(index.insert(2 << 20, 0, 9));
         assert_eq!(index.fits(top + 1).next(), Some((2 << 20, 9)));
         assert_eq!(index.largest_fit(0), Some(9));
+    }
+
+    /// `spilled_between` reads whole words through the summary: it agrees with asking each
+    /// class, for ranges within a word, across one boundary and across several.
+    #[test]
+    fn spilled_between_asks_every_class_in_range() {
+        let mut rand = super::super::test_rng();
+        for _ in 0..200 {
+            let mut index = SizeIndex::default();
+            for _ in 0..rand(24) {
+                let class = rand(EXACT_CLASSES as u64) as usize;
+                index.spilled[class / 64] |= 1 << (class % 64);
+                index.spilled_summary |= 1 << (class / 64);
+            }
+            for _ in 0..50 {
+                let lo = rand(2 << 20);
+                let span = [1024, 64 << 10, 2 << 20][rand(3) as usize];
+                let hi = lo + rand(span.min((2 << 20) - lo));
+                let classes = (lo / CLASS_BYTES) as usize..=(hi / CLASS_BYTES) as usize;
+                let want = classes.into_iter().any(|c| index.is_spilled(c));
+                assert_eq!(index.spilled_between(lo, hi), want, "{lo}..={hi}");
+            }
+        }
     }
 
     #[test]
