@@ -257,6 +257,7 @@ impl State {
     }
 
     /// Accounts a block leaving the cache for a caller, as it is.
+    #[inline(always)]
     pub(super) fn mark_handed_out(&mut self, id: BlockId, requested: u64) -> DevicePtr {
         let pool = self.book.blocks.get(id).pool();
         let oversize = self.book.blocks.get(id).size() >= self.config.max_split_size;
