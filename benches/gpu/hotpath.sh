@@ -62,7 +62,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 start_all=$SECONDS
 for rep in $(seq 1 "$REPEATS"); do
     for k in $KINDS; do
-        log="$LOG_DIR/$k.rep$rep.log"
+        log="$LOG_DIR/${k//[^A-Za-z0-9._-]/_}.rep$rep.log"
         case "$k" in
             ccalloc) cmd=("$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
             floor)
