@@ -13,8 +13,11 @@ use std::collections::HashMap;
 /// for best fit.
 #[derive(Default)]
 pub struct FreeList {
-    /// The streams' indexes, each at the position `positions` names.
-    indexes: Vec<(StreamId, SizeIndex)>,
+    /// The streams' indexes, each at the position `positions` names. Boxed: an index holds
+    /// its class bitmaps inline (about 1 KiB), and `prune` keeps this vector's capacity, so
+    /// a job that made a stream per request would otherwise keep that much per slot ever
+    /// used.
+    indexes: Vec<(StreamId, Box<SizeIndex>)>,
     positions: rustc_hash::FxHashMap<StreamId, usize>,
     /// The position last looked up: a shard's frees and fits mostly name one stream, which
     /// then costs a compare instead of a hash lookup (several per alloc and free).
@@ -59,7 +62,7 @@ impl FreeList {
     #[cold]
     #[inline(never)]
     fn add_index(&mut self, stream: StreamId) -> usize {
-        self.indexes.push((stream, SizeIndex::default()));
+        self.indexes.push((stream, Box::default()));
         let at = self.indexes.len() - 1;
         self.positions.insert(stream, at);
         at
@@ -67,7 +70,7 @@ impl FreeList {
 
     #[inline]
     fn index(&self, stream: StreamId) -> Option<&SizeIndex> {
-        self.position(stream).map(|at| &self.indexes[at].1)
+        self.position(stream).map(|at| &*self.indexes[at].1)
     }
 
     #[inline]
