@@ -924,12 +924,17 @@ impl Lifecycle {
     /// `Ok` until shutdown; then the `ShutDown` error every call of `device` gets.
     pub(in crate::alloc) fn check_open(&self, device: usize) -> Result<()> {
         if self.is_shut_down() {
-            return Err(Error::new(
-                ErrorKind::ShutDown,
-                format!("device {device}: the allocator has been shut down"),
-            ));
+            return Err(Self::shut_down_error(device));
         }
         Ok(())
+    }
+
+    /// The error of a call on `device` after its shutdown (see `check_open`).
+    pub(in crate::alloc) fn shut_down_error(device: usize) -> Error {
+        Error::new(
+            ErrorKind::ShutDown,
+            format!("device {device}: the allocator has been shut down"),
+        )
     }
 }
 

@@ -145,14 +145,28 @@ impl Shard {
         self.live.load(Ordering::Relaxed)
     }
 
+    /// Locks the shard: every visit's first step, so only the check that the lock is sound
+    /// and the device open is inlined; building either error is left to `lock_refused`.
+    #[inline]
     pub(in crate::alloc) fn lock(&self) -> Result<Guard<'_, State>> {
-        // A panic while holding the lock leaves bookkeeping that can no longer be trusted.
-        let state = self
-            .state
-            .lock()
-            .map_err(|_| poisoned(&format!("device {}'s allocator state", self.device)))?;
-        self.lifecycle.check_open(self.device)?;
-        Ok(state)
+        match self.state.lock() {
+            Ok(state) if !self.lifecycle.is_shut_down() => Ok(state),
+            locked => Err(self.lock_refused(locked)),
+        }
+    }
+
+    /// Why `lock` failed: a panic while holding the lock left bookkeeping that can no longer
+    /// be trusted (`Err`), or the device was shut down (`Ok`, the guard, released here).
+    #[cold]
+    #[inline(never)]
+    fn lock_refused(
+        &self,
+        locked: std::result::Result<Guard<'_, State>, crate::sync::Poisoned<'_, State>>,
+    ) -> Error {
+        match locked {
+            Err(_) => poisoned(&format!("device {}'s allocator state", self.device)),
+            Ok(_) => Lifecycle::shut_down_error(self.device),
+        }
     }
 
     /// Allocates at least `size` bytes for use on `stream`. With `oom_final` `None`, an OOM
