@@ -1,9 +1,12 @@
 //! Taking blocks back from callers and caching them: merged with free neighbours, listed,
 //! and marked for the reclaim search.
 
-use super::State;
-use crate::alloc::core::blocks::{BlockId, BlockState};
-use crate::driver::StreamId;
+use super::{Book, Segment, State};
+use crate::alloc::core::blocks::{Block, BlockArena, BlockId, BlockState};
+use crate::alloc::core::free_lists::FreeList;
+use crate::alloc::stats::DeviceStats;
+use crate::driver::{DevicePtr, StreamId};
+use std::collections::BTreeMap;
 
 impl State {
     /// The caller gave the block back: it stops counting as allocated (it stays active until
@@ -33,11 +36,10 @@ impl State {
     /// `cache` for a block that stands for `frees` frees not yet stamped on its pages: 0
     /// when they carry its free already (`stamp_free`; no fence is due then either).
     pub fn cache_freed(&mut self, id: BlockId, frees: u32) -> bool {
-        let (pool, paged) = (
-            self.book.blocks.get(id).pool(),
-            self.book.blocks.get(id).paged(),
-        );
-        let fence_due = self.end_use(id, frees);
+        let block = self.book.blocks.get(id);
+        let (pool, paged) = (block.pool(), block.paged());
+        count_end_of_use(&mut self.stats, block);
+        let fence_due = paged && frees > 0 && self.stamp_frees(id, frees);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
         if !paged {
             self.stats.inactive_split.adjust(pool, net_blocks);
@@ -52,16 +54,9 @@ impl State {
     #[inline]
     pub(super) fn end_use(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
-        let (size, pool) = (block.size(), block.pool());
-        let (paged, requested) = (block.paged(), block.requested());
-        let s = &mut self.stats;
-        s.active.decrease(pool, 1);
-        s.active_bytes.decrease(pool, size);
-        s.requested_bytes.decrease(pool, requested);
-        if !paged || frees == 0 {
-            return false;
-        }
-        self.stamp_frees(id, frees)
+        let paged = block.paged();
+        count_end_of_use(&mut self.stats, block);
+        paged && frees > 0 && self.stamp_frees(id, frees)
     }
 
     /// Notes on paged block `id`'s pages that it is freed now: the device's last use of
@@ -100,26 +95,42 @@ impl State {
     /// Merges free neighbours into `id`, marks it free and lists it in its cache. Returns the
     /// net change in free split pieces (count, bytes).
     pub(super) fn merge_and_list(&mut self, id: BlockId) -> (i64, i64) {
-        let block = self.book.blocks.get(id);
-        let (pool, owner) = (block.pool(), block.owner());
+        let Book {
+            blocks,
+            caches,
+            segments,
+            ..
+        } = &mut self.book;
+        let block = blocks.get(id);
+        let (pool, owner, stream, paged) =
+            (block.pool(), block.owner(), block.stream(), block.paged());
+        let (prev, next) = (block.prev(), block.next());
+        // A segment's blocks share its pool and owner: one list holds the block and its
+        // free neighbours.
+        let list = caches.list(owner, pool);
         let (mut net_blocks, mut net_bytes) = (0i64, 0i64);
-        for neighbour in [block.prev(), block.next()].into_iter().flatten() {
-            if self.book.blocks.get(neighbour).state() != BlockState::Free {
-                continue;
+        let mut merge = |neighbour: Option<BlockId>| {
+            let Some(neighbour) = neighbour else { return };
+            if blocks.get(neighbour).state() != BlockState::Free {
+                return;
             }
-            let absorbed = self.absorb(id, neighbour);
+            let absorbed = absorb_listed(blocks, list, segments, id, neighbour);
             net_blocks -= 1;
             net_bytes -= absorbed as i64;
-        }
-        let list = self.book.caches.list(owner, pool);
-        let block = self.book.blocks.get_mut(id);
+        };
+        merge(prev);
+        merge(next);
+        let block = blocks.get_mut(id);
         block.mark_free(list.lookups());
         list.insert(block, id);
         if block.is_split() {
             net_blocks += 1;
             net_bytes += block.size() as i64;
         }
-        self.mark_reclaim_dirty(id);
+        // As `mark_reclaim_dirty`: merging keeps the block's stream, pool and kind.
+        if paged && owner.is_none() {
+            self.paging.reclaim_dirty.insert((stream, pool));
+        }
         (net_blocks, net_bytes)
     }
 
@@ -137,17 +148,43 @@ impl State {
     /// Merges the free `neighbour` into `id`; returns the bytes taken over. The caller marks
     /// `id` for the reclaim search (`mark_reclaim_dirty`) once it is done merging.
     pub(super) fn absorb(&mut self, id: BlockId, neighbour: BlockId) -> u64 {
-        let (other, starts_segment) = self.book.blocks.absorb(id, neighbour);
-        self.book
-            .caches
-            .list(other.owner(), other.pool())
-            .remove(&other);
-        if starts_segment {
-            let segment = self.book.segments.get_mut(&other.addr());
-            segment
-                .expect("a chain's first block starts a segment")
-                .first = id;
-        }
-        other.size()
+        let Book {
+            blocks,
+            caches,
+            segments,
+            ..
+        } = &mut self.book;
+        let other = blocks.get(neighbour);
+        let list = caches.list(other.owner(), other.pool());
+        absorb_listed(blocks, list, segments, id, neighbour)
     }
+}
+
+/// A block that stops being active (freed, cached or parked) leaves the active figures.
+#[inline]
+fn count_end_of_use(s: &mut DeviceStats, block: &Block) {
+    let (size, pool, requested) = (block.size(), block.pool(), block.requested());
+    s.active.decrease(pool, 1);
+    s.active_bytes.decrease(pool, size);
+    s.requested_bytes.decrease(pool, requested);
+}
+
+/// `State::absorb` on the book's parts, `list` being the free neighbour's free list.
+#[inline]
+fn absorb_listed(
+    blocks: &mut BlockArena,
+    list: &mut FreeList,
+    segments: &mut BTreeMap<DevicePtr, Segment>,
+    id: BlockId,
+    neighbour: BlockId,
+) -> u64 {
+    let (other, starts_segment) = blocks.absorb(id, neighbour);
+    list.remove(&other);
+    if starts_segment {
+        let segment = segments.get_mut(&other.addr());
+        segment
+            .expect("a chain's first block starts a segment")
+            .first = id;
+    }
+    other.size()
 }
