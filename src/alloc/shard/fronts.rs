@@ -1,7 +1,7 @@
 //! The shard's side of the thread fronts (`front`): detaching a block a front holds,
 //! adopting a freed block into the caller's front, and draining held blocks back.
 
-use super::super::blocks::BlockId;
+use super::super::blocks::{Block, BlockId};
 use super::super::state::State;
 use super::super::{already_freed, front};
 use super::{FreedAt, Shard};
@@ -38,8 +38,7 @@ impl Shard {
     /// in their growth's budget (`weighed_high_water`), and the holder's next visit here,
     /// which would return it, may never come.
     #[inline]
-    pub(in crate::alloc) fn fits_front(&self, st: &State, id: BlockId) -> bool {
-        let b = st.block(id);
+    pub(in crate::alloc) fn fits_front(&self, st: &State, b: &Block) -> bool {
         let large = b.size() > front::FRONT_MAX_BLOCK;
         b.paged()
             && b.owner().is_none()
@@ -59,7 +58,7 @@ impl Shard {
         id: BlockId,
         cell: &front::FrontCell,
     ) -> Option<front::Census> {
-        debug_assert!(self.fits_front(st, id));
+        debug_assert!(self.fits_front(st, st.block(id)));
         let b = st.block(id);
         let large = b.size() > front::FRONT_MAX_BLOCK;
         let stream = b.stream();
@@ -88,20 +87,21 @@ impl Shard {
     }
 
     /// The calling thread's held blocks over `front::FRONT_MAX_BLOCK` are freed here, as it
-    /// begins a visit (`malloc`, `free`) on stream `alive` (if known): before this visit
+    /// begins a visit (`malloc`, `free`) on stream `alive(st)` (if known): before this visit
     /// could have used them, so the shard ends as if they had been freed here in the first
     /// place. Returns whether any came back (live bytes fell).
     #[inline]
     pub(in crate::alloc) fn return_large_held(
         &self,
         st: &mut State,
-        alive: Option<StreamId>,
+        alive: impl FnOnce(&State) -> Option<StreamId>,
     ) -> bool {
         // Every visit asks; in most jobs no large block ever joins a front. Checked here,
-        // inlined, so that such a visit does not pay for the call below.
+        // inlined, so that such a visit does not pay for the call below (nor for `alive`).
         if !st.front_large_joined() {
             return false;
         }
+        let alive = alive(st);
         self.return_large_held_now(st, alive)
     }
 

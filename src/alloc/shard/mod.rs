@@ -16,7 +16,7 @@ use super::blocks::{BlockId, PoolId};
 use super::device::{Lifecycle, Shards};
 use super::paging::budget::Allowance;
 use super::sizing::{self, PoolKind};
-use super::state::{Elsewhere, State};
+use super::state::{Elsewhere, State, TakenBack};
 use super::stats::{self, DeviceStats};
 use super::{driver_error, front, limit_for, SegmentView};
 use crate::config::Config;
@@ -186,7 +186,7 @@ impl Shard {
         }
         let mut st = self.lock()?;
         // Published below, with the allocation.
-        self.return_large_held(&mut st, Some(stream));
+        self.return_large_held(&mut st, |_| Some(stream));
         st.set_oom_final(oom_final);
         if size > self.total_memory {
             // Larger than the device: fail at once, without flushing the cache for nothing.
@@ -453,7 +453,7 @@ impl Shard {
         let mut st = self.lock()?;
         let mut found = st.live_block(ptr);
         // The caller frees a block of this stream now: it is alive.
-        let alive = found.map(|id| st.block(id).stream());
+        let alive = |st: &State| found.map(|id| st.block(id).stream());
         if self.return_large_held(&mut st, alive) {
             self.publish_live(&st);
             // `ptr` may have been one of them (a double free).
@@ -462,9 +462,13 @@ impl Shard {
         let Some(id) = found else {
             return Ok(Freed::NotLive);
         };
-        self.detach_from_front(&mut st, id, ptr)?;
-        let large = st.block(id).size() > front::FRONT_MAX_BLOCK;
-        let fits = self.fits_front(&st, id);
+        let block = st.block(id);
+        let (held, large) = (block.front() != 0, block.size() > front::FRONT_MAX_BLOCK);
+        // Leaving its front changes nothing `fits_front` reads.
+        let fits = self.fits_front(&st, block);
+        if held {
+            self.detach_from_front(&mut st, id, ptr)?;
+        }
         let adopted = front::with_adopter(&self.fronts, large, fits, |adopter| {
             let census = adopter.and_then(|cell| self.adopt(&mut st, id, cell));
             (census.is_some(), census)
@@ -487,19 +491,22 @@ impl Shard {
         id: BlockId,
         at: FreedAt,
     ) -> Result<()> {
-        let uses = st.take_back(id);
+        let TakenBack {
+            uses,
+            stream,
+            parkable,
+        } = st.take_back(id);
         if !uses.is_empty() {
             // The history's free completes when these streams' work does (`reusable`).
             crate::history::free_delayed(self.device as i32, st.block(id).addr());
         }
         if uses.is_empty() {
-            let stream = st.block(id).stream();
             let (frees, alive) = match at {
                 FreedAt::CallersFree => (1, true),
                 FreedAt::Later { alive, frees } => (frees, alive == Some(stream)),
                 FreedAt::Stamped => (0, false),
             };
-            let fence_due = match st.park(id, frees) {
+            let fence_due = match st.park(id, parkable, frees) {
                 Some(due) => due,
                 None => st.cache_freed(id, frees),
             };

@@ -8,13 +8,24 @@ use crate::alloc::stats::DeviceStats;
 use crate::driver::{DevicePtr, StreamId};
 use std::collections::BTreeMap;
 
+/// A block just taken back (`State::take_back`), as the rest of its free needs it.
+pub struct TakenBack {
+    /// The other streams it was recorded on.
+    pub uses: Vec<StreamId>,
+    /// The stream it was allocated for.
+    pub stream: StreamId,
+    /// A paged block of the general cache: `State::park` may set it aside.
+    pub parkable: bool,
+}
+
 impl State {
     /// The caller gave the block back: it stops counting as allocated (it stays active until
-    /// cached). Returns the streams it was recorded on.
+    /// cached). Returns what the rest of its free needs to know of it.
     #[inline]
-    pub fn take_back(&mut self, id: BlockId) -> Vec<StreamId> {
+    pub fn take_back(&mut self, id: BlockId) -> TakenBack {
         let block = self.book.blocks.get_mut(id);
         let (pool, size, oversize) = (block.pool(), block.size(), block.counted_oversize());
+        let (stream, parkable) = (block.stream(), block.paged() && block.owner().is_none());
         let uses = block.mark_awaiting();
         let listed = self.book.live.remove(block.addr(), id);
         debug_assert!(listed, "a block taken back was live");
@@ -24,7 +35,11 @@ impl State {
         if oversize {
             s.oversize_allocations.decrease(1);
         }
-        uses
+        TakenBack {
+            uses,
+            stream,
+            parkable,
+        }
     }
 
     /// Returns a no-longer-used block to its free list, merging free neighbours.

@@ -21,6 +21,7 @@ use super::stats::{DeviceReserved, DeviceStats};
 use super::SegmentView;
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
+pub use free::TakenBack;
 use parked::Parked;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};

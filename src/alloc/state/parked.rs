@@ -52,17 +52,18 @@ impl State {
     /// would map pages flushes them all first (`malloc`), as does every slow path. Only
     /// paged blocks park: they count no inactive splits, so the statistics read exactly as
     /// if the block had merged; plain segments keep PyTorch's figures for those. `frees`:
-    /// as `cache_freed`.
+    /// as `cache_freed`. `parkable`: the block is paged and of the general cache
+    /// (`TakenBack::parkable`).
     #[inline]
-    pub fn park(&mut self, id: BlockId, frees: u32) -> Option<bool> {
+    pub fn park(&mut self, id: BlockId, parkable: bool, frees: u32) -> Option<bool> {
         // Checked inlined: most frees of a pattern that parks nothing stop here.
-        let block = self.book.blocks.get(id);
-        if !block.paged() || block.owner().is_some() {
+        if !parkable || self.parked.gate.pausing() {
             return None;
         }
-        if self.parked.gate.pausing() {
-            return None;
-        }
+        debug_assert!({
+            let block = self.book.blocks.get(id);
+            block.paged() && block.owner().is_none()
+        });
         self.park_eligible(id, frees)
     }
 
