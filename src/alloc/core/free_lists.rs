@@ -98,6 +98,21 @@ impl FreeList {
         self.index(stream)?.best_fit(size)
     }
 
+    /// The smallest cached block on `stream` of at least `size` bytes, taken off the list
+    /// if `keep(size, id)` says so (`Ok`), else left listed (`Err`; `None`: nothing fits).
+    #[inline]
+    pub fn take_best_fit(
+        &mut self,
+        stream: StreamId,
+        size: u64,
+        keep: impl FnOnce(u64, BlockId) -> bool,
+    ) -> Result<(u64, BlockId), Option<(u64, BlockId)>> {
+        match self.position(stream) {
+            Some(at) => self.indexes[at].1.take_best_fit(size, keep),
+            None => Err(None),
+        }
+    }
+
     /// Cached blocks on `stream` of at least `size` bytes, smallest first.
     pub fn fits(&self, stream: StreamId, size: u64) -> impl Iterator<Item = (u64, BlockId)> + '_ {
         self.index(stream)
@@ -293,9 +308,14 @@ impl Caches {
         }
     }
 
+    #[inline]
     pub fn list_ref(&self, owner: Option<PoolId>, pool: PoolKind) -> &FreeList {
-        self.try_list(owner, pool)
-            .expect("a block's private pool exists while it has segments")
+        match owner {
+            None => &self.general[pool as usize],
+            Some(_) => self
+                .try_list(owner, pool)
+                .expect("a block's private pool exists while it has segments"),
+        }
     }
 
     /// Like `list_ref`, for a private pool that may have gone away meanwhile.

@@ -237,16 +237,7 @@ impl SizeIndex {
         if (blocks.head.0, blocks.head.1) == (size, addr) {
             // The best fit, usually: taken without a search or a shift.
             let id = blocks.head.2;
-            match blocks.rest.pop() {
-                Some(next) => blocks.head = next,
-                None => {
-                    let word = &mut self.words[class / 64];
-                    *word &= !(1 << (class % 64));
-                    if *word == 0 {
-                        self.summary &= !(1 << (class / 64));
-                    }
-                }
-            }
+            self.pop_head(class);
             return Some(id);
         }
         match blocks
@@ -309,6 +300,39 @@ impl SizeIndex {
     /// The smallest block of at least `size` bytes (lowest address among equals): as
     /// `fits(size).next()`, without the iterator's state (every alloc asks this).
     pub fn best_fit(&self, size: u64) -> Option<(u64, BlockId)> {
+        self.locate_best_fit(size).map(|(e, _)| (e.0, e.2))
+    }
+
+    /// The best fit for `size`, removed if `keep(size, id)` says so: `Ok` with it removed,
+    /// else `Err` with it still listed (`None`: nothing fits). Every alloc takes its best
+    /// fit: found as a class's head, it comes off without a second search.
+    #[inline]
+    pub fn take_best_fit(
+        &mut self,
+        size: u64,
+        keep: impl FnOnce(u64, BlockId) -> bool,
+    ) -> Result<(u64, BlockId), Option<(u64, BlockId)>> {
+        let Some((entry, head_of)) = self.locate_best_fit(size) else {
+            return Err(None);
+        };
+        let fit = (entry.0, entry.2);
+        if !keep(fit.0, fit.1) {
+            return Err(Some(fit));
+        }
+        match head_of {
+            Some(class) => self.pop_head(class),
+            None => {
+                let removed = self.remove(entry.0, entry.1);
+                debug_assert_eq!(removed, Some(entry.2));
+            }
+        }
+        Ok(fit)
+    }
+
+    /// The best fit for `size`, with the class it heads (`None`: it is in `big`, or not its
+    /// class's head).
+    #[inline]
+    fn locate_best_fit(&self, size: u64) -> Option<(Entry, Option<usize>)> {
         let mut class = class_of(size).and_then(|c| self.next_class(c));
         let mut head = None;
         'classes: while let Some(c) = class {
@@ -316,30 +340,48 @@ impl SizeIndex {
             let mut pos = 0;
             while let Some(&entry) = blocks.nth_lowest(pos) {
                 if entry.0 >= size {
-                    head = Some(entry);
+                    head = Some((entry, (pos == 0).then_some(c)));
                     break 'classes;
                 }
                 pos += 1;
             }
             class = self.next_class(c + 1);
         }
-        if let Some(c) = head {
+        if let Some((c, _)) = head {
             if self.big_first.is_none_or(|first| (c.0, c.1) < first)
                 || !self.spilled_between(size, c.0)
             {
-                return Some((c.0, c.2));
+                return head;
             }
         }
-        let big = self.big.range((size, 0)..).next();
+        let big = self
+            .big
+            .range((size, 0)..)
+            .next()
+            .map(|(&(s, a), &id)| ((s, a, id), None));
         match (head, big) {
-            (Some(c), Some((&(s, a), &id))) => Some(if (s, a) < (c.0, c.1) {
-                (s, id)
+            (Some(c), Some(b)) => Some(if (b.0 .0, b.0 .1) < (c.0 .0, c.0 .1) {
+                b
             } else {
-                (c.0, c.2)
+                c
             }),
-            (Some(c), None) => Some((c.0, c.2)),
-            (None, Some((&(s, _), &id))) => Some((s, id)),
-            (None, None) => None,
+            (c, b) => c.or(b),
+        }
+    }
+
+    /// Removes the head of non-empty `class`: the next lowest takes its place.
+    #[inline]
+    fn pop_head(&mut self, class: usize) {
+        let blocks = &mut self.classes[class];
+        match blocks.rest.pop() {
+            Some(next) => blocks.head = next,
+            None => {
+                let word = &mut self.words[class / 64];
+                *word &= !(1 << (class % 64));
+                if *word == 0 {
+                    self.summary &= !(1 << (class / 64));
+                }
+            }
         }
     }
 

@@ -25,10 +25,23 @@ impl State {
     ) -> Option<(BlockId, bool)> {
         let max_split = self.config.max_split_size;
         let max_rounding = self.config.max_non_split_rounding;
+        // Oversize blocks serve only oversize requests, and only ones close to their size
+        // (paged blocks are exempt: their unused pages are not held).
+        let refused_oversize = |found: u64| {
+            (rounded < max_split && found >= max_split)
+                || (rounded >= max_split && found >= rounded.saturating_add(max_rounding))
+        };
         let list = self.book.caches.list(owner, pool);
         list.count_lookup();
         let (found, mut id) = if self.config.expandable_segments {
-            list.best_fit(stream, rounded)?
+            // A plain block that is not refused as oversize serves as it is: taken off the
+            // list as it is found. Otherwise it stays listed for the choices below.
+            let blocks = &self.book.blocks;
+            let serves_as_is = |found, id| !blocks.get(id).paged() && !refused_oversize(found);
+            match list.take_best_fit(stream, rounded, serves_as_is) {
+                Ok((_, id)) => return Some((id, true)),
+                Err(fit) => fit?,
+            }
         } else {
             // Turned off at run time: paged blocks (a stream's paged segment is one free
             // block as large as the device) serve no new request, as PyTorch's expandable
@@ -45,11 +58,7 @@ impl State {
             id = chosen;
             carve_at = (at != self.book.blocks.get(id).addr()).then_some(at);
             pages_ready = missing == 0;
-        } else if (rounded < max_split && found >= max_split)
-            || (rounded >= max_split && found >= rounded.saturating_add(max_rounding))
-        {
-            // Oversize blocks serve only oversize requests, and only ones close to their
-            // size (paged blocks are exempt: their unused pages are not held).
+        } else if refused_oversize(found) {
             if !self.config.expandable_segments {
                 return None;
             }
