@@ -201,11 +201,12 @@ impl State {
         if split {
             let cached_at = self.book.caches.list_ref(owner, pool).lookups();
             let rest_id = self.book.blocks.split_off_back(id, rounded, cached_at);
-            let rest_size = self.book.blocks.get(rest_id).size();
+            let rest = self.book.blocks.get(rest_id);
+            let rest_size = rest.size();
             // A paged block waits unlisted while its pages are mapped; a neighbour freed in
             // that time could not merge with it, so the rest merges with it now.
-            if let Some(next) = self.book.blocks.get(rest_id).next() {
-                if paged && self.book.blocks.get(next).state() == BlockState::Free {
+            if let Some(next) = rest.next().filter(|_| paged) {
+                if self.book.blocks.get(next).state() == BlockState::Free {
                     self.absorb(rest_id, next);
                     self.mark_reclaim_dirty(rest_id);
                 }
@@ -225,16 +226,24 @@ impl State {
             self.stats.inactive_split.decrease(pool, 1);
             self.stats.inactive_split_bytes.decrease(pool, block.size());
         }
-        let block = self.book.blocks.get(id);
-        if !block.in_used() {
-            let (addr, whole) = (block.addr(), block.size() == rounded);
-            self.note_used(addr, addr + rounded);
-            // Unsplit, a block may hold more than was noted: its tail is not covered.
-            if whole {
-                self.book.blocks.get_mut(id).set_in_used();
-            }
+        if !self.book.blocks.get(id).in_used() {
+            self.note_block_used(id, rounded);
         }
         self.mark_handed_out(id, requested)
+    }
+
+    /// Notes the first `rounded` bytes of block `id` as used (`note_used`), and the block
+    /// as lying in used ranges if that covers it.
+    #[cold]
+    #[inline(never)]
+    fn note_block_used(&mut self, id: BlockId, rounded: u64) {
+        let block = self.book.blocks.get(id);
+        let (addr, whole) = (block.addr(), block.size() == rounded);
+        self.note_used(addr, addr + rounded);
+        // Unsplit, a block may hold more than was noted: its tail is not covered.
+        if whole {
+            self.book.blocks.get_mut(id).set_in_used();
+        }
     }
 
     /// `[start, end)` is handed out: joined to the ranges in `used`. Usually no lookup: a
@@ -268,11 +277,11 @@ impl State {
     /// Accounts a block leaving the cache for a caller, as it is.
     #[inline(always)]
     pub(super) fn mark_handed_out(&mut self, id: BlockId, requested: u64) -> DevicePtr {
-        let pool = self.book.blocks.get(id).pool();
-        let oversize = self.book.blocks.get(id).size() >= self.config.max_split_size;
+        let max_split = self.config.max_split_size;
         let block = self.book.blocks.get_mut(id);
+        let (pool, addr, size) = (block.pool(), block.addr(), block.size());
+        let oversize = size >= max_split;
         block.mark_handed_out(requested, oversize);
-        let (addr, size) = (block.addr(), block.size());
         self.book.live.insert(addr, id);
         let s = &mut self.stats;
         s.allocation.increase(pool, 1);
