@@ -618,6 +618,9 @@ impl Drop for Local {
 const LOCALS: usize = 8;
 
 thread_local! {
+    /// The thread's fronts, one `Local` per shard it freed into. Only `with_local_adopter`
+    /// adds or drops one, and it resets `IDLE_ADOPTER` when it does: any other code that
+    /// drops a `Local` must reset it too, or a free could skip registering a front.
     static LOCALS_OF_THREAD: std::cell::RefCell<Vec<Local>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The `Fronts::id` of the fronts where a slow free of a block that does not fit a
     /// front changes nothing in this thread's `Local` (0: none): the thread has a front
