@@ -310,15 +310,12 @@ impl Caches {
 
     #[inline]
     pub fn list_ref(&self, owner: Option<PoolId>, pool: PoolKind) -> &FreeList {
-        match owner {
-            None => &self.general[pool as usize],
-            Some(_) => self
-                .try_list(owner, pool)
-                .expect("a block's private pool exists while it has segments"),
-        }
+        self.try_list(owner, pool)
+            .expect("a block's private pool exists while it has segments")
     }
 
     /// Like `list_ref`, for a private pool that may have gone away meanwhile.
+    #[inline]
     pub fn try_list(&self, owner: Option<PoolId>, pool: PoolKind) -> Option<&FreeList> {
         match owner {
             None => Some(&self.general[pool as usize]),

@@ -2,9 +2,8 @@
 //! and marked for the reclaim search.
 
 use super::{Book, Segment, State};
-use crate::alloc::core::blocks::{Block, BlockArena, BlockId, BlockState};
+use crate::alloc::core::blocks::{BlockArena, BlockId, BlockState};
 use crate::alloc::core::free_lists::FreeList;
-use crate::alloc::stats::DeviceStats;
 use crate::driver::{DevicePtr, StreamId};
 use std::collections::BTreeMap;
 
@@ -53,8 +52,7 @@ impl State {
     pub fn cache_freed(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
         let (pool, paged) = (block.pool(), block.paged());
-        count_end_of_use(&mut self.stats, block);
-        let fence_due = paged && frees > 0 && self.stamp_frees(id, frees);
+        let fence_due = self.end_use(id, frees);
         let (net_blocks, net_bytes) = self.merge_and_list(id);
         if !paged {
             self.stats.inactive_split.adjust(pool, net_blocks);
@@ -69,8 +67,12 @@ impl State {
     #[inline]
     pub(super) fn end_use(&mut self, id: BlockId, frees: u32) -> bool {
         let block = self.book.blocks.get(id);
-        let paged = block.paged();
-        count_end_of_use(&mut self.stats, block);
+        let (size, pool) = (block.size(), block.pool());
+        let (paged, requested) = (block.paged(), block.requested());
+        let s = &mut self.stats;
+        s.active.decrease(pool, 1);
+        s.active_bytes.decrease(pool, size);
+        s.requested_bytes.decrease(pool, requested);
         paged && frees > 0 && self.stamp_frees(id, frees)
     }
 
@@ -117,8 +119,7 @@ impl State {
             ..
         } = &mut self.book;
         let block = blocks.get(id);
-        let (pool, owner, stream, paged) =
-            (block.pool(), block.owner(), block.stream(), block.paged());
+        let (pool, owner) = (block.pool(), block.owner());
         let (prev, next) = (block.prev(), block.next());
         // A segment's blocks share its pool and owner: one list holds the block and its
         // free neighbours.
@@ -142,10 +143,7 @@ impl State {
             net_blocks += 1;
             net_bytes += block.size() as i64;
         }
-        // As `mark_reclaim_dirty`: merging keeps the block's stream, pool and kind.
-        if paged && owner.is_none() {
-            self.paging.reclaim_dirty.insert((stream, pool));
-        }
+        self.mark_reclaim_dirty(id);
         (net_blocks, net_bytes)
     }
 
@@ -173,15 +171,6 @@ impl State {
         let list = caches.list(other.owner(), other.pool());
         absorb_listed(blocks, list, segments, id, neighbour)
     }
-}
-
-/// A block that stops being active (freed, cached or parked) leaves the active figures.
-#[inline]
-fn count_end_of_use(s: &mut DeviceStats, block: &Block) {
-    let (size, pool, requested) = (block.size(), block.pool(), block.requested());
-    s.active.decrease(pool, 1);
-    s.active_bytes.decrease(pool, size);
-    s.requested_bytes.decrease(pool, requested);
 }
 
 /// `State::absorb` on the book's parts, `list` being the free neighbour's free list.
