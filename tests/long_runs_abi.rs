@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 mod common;
 
-use common::heap::{heap, serial};
+use common::heap::{serial, HeapGrowth};
 use common::worker::Worker;
 
 #[global_allocator]
@@ -247,8 +247,7 @@ fn forward_and_backward_threads_through_the_torch_hooks_keep_exact_stats() {
             p
         })
         .collect();
-    let mut marks = Vec::new();
-    let mut base = 0;
+    let mut growth = HeapGrowth::default();
     for step in 0..700u64 {
         // Forward: activations.
         let m = model.clone();
@@ -339,13 +338,13 @@ fn forward_and_backward_threads_through_the_torch_hooks_keep_exact_stats() {
             }
         }
         if step == 100 {
-            base = heap();
+            growth.start();
         }
         if step > 100 && step % 100 == 0 {
-            marks.push(heap() - base);
+            growth.mark();
         }
     }
-    let grew = *marks.last().unwrap();
+    let (grew, marks) = (growth.grew(), &growth.marks);
     assert!(grew < 16 << 10, "the heap grew by {grew} bytes: {marks:?}");
     let mut m = model.lock().unwrap();
     for p in weights {
@@ -446,8 +445,7 @@ fn graph_captures_through_the_pool_entry_points_give_everything_back() {
     let reserved_weights = stats(0).reserved_bytes.all.current;
     let (begun0, released0) = (BEGUN.load(SeqCst), RELEASED.load(SeqCst));
     let mut rng = Lcg(7);
-    let mut base = 0;
-    let mut marks = Vec::new();
+    let mut growth = HeapGrowth::default();
     // A pool shared by the next capture: (pool, its outputs).
     let mut held: Option<(ccalloc_pool_id, Vec<(u64, u64)>)> = None;
     for k in 0..400u64 {
@@ -567,10 +565,10 @@ fn graph_captures_through_the_pool_entry_points_give_everything_back() {
             );
             // Measured at the same point of the cycle: nothing private, the cache empty.
             if k == 99 {
-                base = heap();
+                growth.start();
             }
             if k > 99 {
-                marks.push(heap() - base);
+                growth.mark();
             }
         }
     }
@@ -581,7 +579,7 @@ fn graph_captures_through_the_pool_entry_points_give_everything_back() {
         }
         ccalloc_torch_release_pool(0, p);
     }
-    let grew = *marks.last().unwrap();
+    let (grew, marks) = (growth.grew(), &growth.marks);
     assert!(grew < 16 << 10, "the heap grew by {grew} bytes: {marks:?}");
     m.free(weight);
     torch_free(weight, 3 * MIB, 0, MAIN);
@@ -625,8 +623,7 @@ fn failed_calls_change_nothing_and_their_messages_stay_short() {
     let mut snap = std::ptr::null_mut();
     ok(ccalloc_snapshot_take(-1, false, &mut snap), "snapshot");
     let bad_conf = c"max_split_size_mb:banana";
-    let mut base = 0;
-    let mut marks = Vec::new();
+    let mut growth = HeapGrowth::default();
     let mut longest = 0;
     for round in 0..1500usize {
         let before = (format!("{:?}", stats(0)), format!("{:?}", stats(1)));
@@ -796,13 +793,13 @@ fn failed_calls_change_nothing_and_their_messages_stay_short() {
             "round {round}: failed fraction calls changed the fraction"
         );
         if round == 300 {
-            base = heap();
+            growth.start();
         }
         if round > 300 && round % 200 == 0 {
-            marks.push(heap() - base);
+            growth.mark();
         }
     }
-    let grew = *marks.last().unwrap();
+    let (grew, marks) = (growth.grew(), &growth.marks);
     assert!(
         grew < 8 << 10,
         "the heap grew by {grew} bytes (longest message {longest}): {marks:?}"
@@ -834,8 +831,7 @@ fn threads_that_come_and_go_leave_nothing_behind() {
     let _one = start_alone();
     let mut m = Model::default();
     let mut handed: Vec<(u64, u64)> = Vec::new();
-    let mut base = 0;
-    let mut marks = Vec::new();
+    let mut growth = HeapGrowth::default();
     let mut reserved_marks = Vec::new();
     for t in 0..400u64 {
         let prev = std::mem::take(&mut handed);
@@ -881,13 +877,13 @@ fn threads_that_come_and_go_leave_nothing_behind() {
             reserved_marks.push(stats(0).reserved_bytes.all.current);
         }
         if t == 100 {
-            base = heap();
+            growth.start();
         }
         if t > 100 && t % 50 == 0 {
-            marks.push(heap() - base);
+            growth.mark();
         }
     }
-    let grew = *marks.last().unwrap();
+    let (grew, marks) = (growth.grew(), &growth.marks);
     assert!(
         grew < 24 << 10,
         "the heap grew by {grew} bytes over 300 threads: {marks:?}"
@@ -930,8 +926,7 @@ fn memory_fractions_and_ooms_over_a_long_run_stay_exact() {
     let fractions = [0.05, 0.25, 0.1, 1.0, 0.5, 0.07];
     let mut m = Model::default();
     let mut ooms = stats(0).num_ooms;
-    let mut base = 0;
-    let mut marks = Vec::new();
+    let mut growth = HeapGrowth::default();
     for round in 0..240usize {
         let f = fractions[round % fractions.len()];
         let big = f == 1.0;
@@ -996,13 +991,13 @@ fn memory_fractions_and_ooms_over_a_long_run_stay_exact() {
             m.reset_peaks();
         }
         if round == 60 {
-            base = heap();
+            growth.start();
         }
         if round > 60 && round % 30 == 0 {
-            marks.push(heap() - base);
+            growth.mark();
         }
     }
-    let grew = *marks.last().unwrap();
+    let (grew, marks) = (growth.grew(), &growth.marks);
     assert!(grew < 16 << 10, "the heap grew by {grew} bytes: {marks:?}");
     ok(ccalloc_record_history(false, 0, true), "stop recording");
     ccalloc_torch_set_memory_fraction(1.0, 0);
@@ -1030,8 +1025,7 @@ fn frees_that_wait_for_another_stream_complete_once_in_the_history() {
         ccalloc_record_history(true, 1 << 20, true),
         "record_history",
     );
-    let mut base = 0;
-    let mut marks = Vec::new();
+    let mut growth = HeapGrowth::default();
     let mut pending: Vec<(u64, u64)> = Vec::new();
     for step in 0..600u64 {
         ok(ccalloc_sim_pause_stream(0, s(SIDE), true), "pause");
@@ -1078,14 +1072,14 @@ fn frees_that_wait_for_another_stream_complete_once_in_the_history() {
             ok(ccalloc_record_history(true, 1 << 20, true), "clear");
             pending.clear();
             if step == 99 {
-                base = heap();
+                growth.start();
             }
             if step > 99 {
-                marks.push(heap() - base);
+                growth.mark();
             }
         }
     }
-    let grew = *marks.last().unwrap();
+    let (grew, marks) = (growth.grew(), &growth.marks);
     assert!(grew < 16 << 10, "the heap grew by {grew} bytes: {marks:?}");
     ok(ccalloc_record_history(false, 0, true), "stop");
     drop(helper);

@@ -40,3 +40,25 @@ pub fn serial() -> MutexGuard<'static, ()> {
     static ONE: Mutex<()> = Mutex::new(());
     ONE.lock().unwrap_or_else(|e| e.into_inner())
 }
+
+/// The heap's growth over a long run: `start` takes the baseline once warm, each `mark`
+/// notes what the heap holds beyond it, and `grew` is the last mark.
+#[derive(Default)]
+pub struct HeapGrowth {
+    base: i64,
+    pub marks: Vec<i64>,
+}
+
+impl HeapGrowth {
+    pub fn start(&mut self) {
+        self.base = heap();
+    }
+
+    pub fn mark(&mut self) {
+        self.marks.push(heap() - self.base);
+    }
+
+    pub fn grew(&self) -> i64 {
+        *self.marks.last().expect("marked at least once")
+    }
+}
