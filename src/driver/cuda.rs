@@ -11,6 +11,7 @@ use super::{
 use cudarc::driver::sys;
 use std::ffi::CStr;
 use std::io::Write;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// Every driver entry point this backend calls, by the names cudarc loads.
@@ -165,7 +166,7 @@ struct CudaDevice {
     vmm_granularity: Option<u64>,
     context: OnceLock<Result<Handle<sys::CUcontext>, DriverError>>,
     /// Events are reused: creating one costs a driver call.
-    spare_events: Mutex<Vec<Handle<sys::CUevent>>>,
+    spare_events: SpareEvents,
     /// Devices that can reach this one's memory (peer access): virtual-memory mappings are
     /// granted to them too, since such memory ignores `cudaDeviceEnablePeerAccess`.
     peers: Vec<i32>,
@@ -175,13 +176,76 @@ struct CudaDevice {
     rdma_capable: bool,
 }
 
-impl CudaDevice {
-    /// Pools an event for the next `record_event`; with the pool's lock poisoned it is
-    /// left alone (leaked): destroy_event has no way to report.
-    fn give_back_event(&self, event: sys::CUevent) {
-        if let Ok(mut spare) = self.spare_events.lock() {
-            spare.push(Handle(event));
+/// Spare events of a device, in buckets: each thread takes and gives back events in a
+/// bucket of its own (threads beyond the buckets share them). Fences are recorded and
+/// retired on every shard's hot path, so that one shared pool made each shard's thread
+/// take a lock other threads were writing (four times per fence with the foreign table).
+struct SpareEvents {
+    buckets: [SpareBucket; SPARE_BUCKETS],
+}
+
+/// A bucket on lines of its own (128 bytes: adjacent-line prefetch pairs lines).
+#[repr(align(128))]
+#[derive(Default)]
+struct SpareBucket(Mutex<Vec<Handle<sys::CUevent>>>);
+
+const SPARE_BUCKETS: usize = 16;
+/// Events a bucket keeps; more are destroyed. A thread that only retires events another
+/// thread records would otherwise pool them without bound.
+const SPARES_PER_BUCKET: usize = 64;
+
+impl SpareEvents {
+    fn new() -> Self {
+        Self {
+            buckets: std::array::from_fn(|_| SpareBucket::default()),
         }
+    }
+
+    /// The calling thread's bucket.
+    fn bucket(&self) -> &Mutex<Vec<Handle<sys::CUevent>>> {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        thread_local! {
+            static BUCKET: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SPARE_BUCKETS;
+        }
+        // A thread-local destructor that records a fence shares bucket 0.
+        let i = BUCKET.try_with(|b| *b).unwrap_or(0);
+        &self.buckets[i].0
+    }
+
+    /// A spare event, if the bucket has one.
+    fn take(&self) -> DriverResult<Option<sys::CUevent>> {
+        Ok(lock(self.bucket(), "cuEventCreate", SPARE_EVENTS)?
+            .pop()
+            .map(|e| e.0))
+    }
+
+    /// Pools `event` for a later `record_event`; returns it when the bucket is full (the
+    /// caller destroys it). With the bucket's lock poisoned it is left alone (leaked):
+    /// `destroy_event` has no way to report.
+    fn give_back(&self, event: sys::CUevent) -> Option<sys::CUevent> {
+        let mut spare = self.bucket().lock().ok()?;
+        if spare.len() >= SPARES_PER_BUCKET {
+            return Some(event);
+        }
+        spare.push(Handle(event));
+        None
+    }
+}
+
+/// Events recorded on another context's stream, with that context. Most processes make
+/// none: `count` lets every event query and destroy skip the table's lock until one is.
+#[derive(Default)]
+struct ForeignEvents {
+    /// Entries ever inserted; raised under the table's lock after the insert.
+    count: AtomicUsize,
+    table: Mutex<std::collections::HashMap<u64, Handle<sys::CUcontext>>>,
+}
+
+impl ForeignEvents {
+    /// Whether `event` may be in the table. An event's id reaches its users after
+    /// `record_event` returned, so an entry for it is counted by then.
+    fn may_hold(&self) -> bool {
+        self.count.load(Ordering::Acquire) > 0
     }
 }
 
@@ -194,7 +258,7 @@ pub(crate) struct CudaDriver {
     /// Events recorded on another context's stream (a block of one device recorded on
     /// another device's stream), with that context: CUDA requires an event and the stream it
     /// is recorded on to share a context. Not pooled: destroyed when done.
-    foreign_events: Mutex<std::collections::HashMap<u64, Handle<sys::CUcontext>>>,
+    foreign_events: ForeignEvents,
     /// Whether the `CUmemLocation` forms of prefetch and advice are present, and the older ones.
     location_calls: bool,
     device_calls: bool,
@@ -282,7 +346,7 @@ impl CudaDriver {
                 ordinal,
                 vmm_granularity,
                 context: OnceLock::new(),
-                spare_events: Mutex::new(Vec::new()),
+                spare_events: SpareEvents::new(),
                 peers: Vec::new(),
                 rdma_capable,
             });
@@ -308,7 +372,7 @@ impl CudaDriver {
         }
         Ok(Self {
             devices,
-            foreign_events: Mutex::new(std::collections::HashMap::new()),
+            foreign_events: ForeignEvents::default(),
             location_calls: symbols.location,
             device_calls: symbols.device,
         })
@@ -340,10 +404,24 @@ impl CudaDriver {
 
     /// Enters the context of `event` when it was recorded on another context's stream.
     fn enter_event_context(&self, event: EventId) -> DriverResult<Option<ContextGuard>> {
-        let context = lock(&self.foreign_events, "cuEventQuery", FOREIGN_EVENTS)?
+        if !self.foreign_events.may_hold() {
+            return Ok(None);
+        }
+        let context = lock(&self.foreign_events.table, "cuEventQuery", FOREIGN_EVENTS)?
             .get(&event.0)
             .copied();
         context.map(|c| ContextGuard::enter(c.0)).transpose()
+    }
+
+    /// Pools one of `d`'s events (`d` is device `device`) for the next `record_event`, or
+    /// destroys it when the pool is full.
+    fn give_back_event(&self, device: usize, d: &CudaDevice, event: sys::CUevent) {
+        if let Some(extra) = d.spare_events.give_back(event) {
+            if let Ok(_ctx) = self.enter(device) {
+                // SAFETY: made by `record_event`, and retired: nothing waits on it now.
+                unsafe { sys::cuEventDestroy_v2(extra) };
+            }
+        }
     }
 
     fn dev(&self, device: usize) -> DriverResult<&CudaDevice> {
@@ -527,8 +605,11 @@ impl Driver for CudaDriver {
                 unsafe { sys::cuEventDestroy_v2(event) };
                 return Err(e);
             }
-            match lock(&self.foreign_events, "cuEventRecord", FOREIGN_EVENTS) {
-                Ok(mut foreign) => foreign.insert(event as u64, Handle(context)),
+            match lock(&self.foreign_events.table, "cuEventRecord", FOREIGN_EVENTS) {
+                Ok(mut foreign) => {
+                    foreign.insert(event as u64, Handle(context));
+                    self.foreign_events.count.fetch_add(1, Ordering::Release);
+                }
                 Err(e) => {
                     // SAFETY: the event was created above and is used nowhere.
                     unsafe { sys::cuEventDestroy_v2(event) };
@@ -537,13 +618,12 @@ impl Driver for CudaDriver {
             };
             return Ok(EventId(event as u64));
         }
-        let spare = lock(&d.spare_events, "cuEventCreate", SPARE_EVENTS)?.pop();
-        let event = match spare {
-            Some(e) => e.0,
+        let event = match d.spare_events.take()? {
+            Some(e) => e,
             None => create_event()?,
         };
         if let Err(e) = record(event, stream) {
-            d.give_back_event(event);
+            self.give_back_event(device, d, event);
             return Err(e);
         }
         Ok(EventId(event as u64))
@@ -568,11 +648,15 @@ impl Driver for CudaDriver {
     }
 
     fn destroy_event(&self, device: usize, event: EventId) {
-        // Poisoned, whether the event is foreign is unknown: it is left alone (leaked).
-        let Ok(mut foreign) = self.foreign_events.lock() else {
-            return;
+        let foreign = if self.foreign_events.may_hold() {
+            // Poisoned, whether the event is foreign is unknown: it is left alone (leaked).
+            let Ok(mut foreign) = self.foreign_events.table.lock() else {
+                return;
+            };
+            foreign.remove(&event.0)
+        } else {
+            None
         };
-        let foreign = foreign.remove(&event.0);
         if let Some(context) = foreign {
             if let Ok(_there) = ContextGuard::enter(context.0) {
                 // SAFETY: made by `record_event` in that context; nothing waits on it now.
@@ -581,7 +665,7 @@ impl Driver for CudaDriver {
             return;
         }
         if let Ok(d) = self.dev(device) {
-            d.give_back_event(event.0 as sys::CUevent);
+            self.give_back_event(device, d, event.0 as sys::CUevent);
         }
     }
 
