@@ -7,6 +7,9 @@
 //! (default 5,000,000 over all threads) sets the run's length; `CCALLOC_SIM_COSTS=h100`
 //! makes each driver call take as long as on an H100 (`CallCosts::h100`), as the GPU
 //! harness's churn mixed sees it: `churn_loop 268435456 500 1 50000`.
+//! `CHURN_PROFILE=FILE` samples the program counter every 200 µs of CPU time (all threads,
+//! `SIGPROF`) and writes one offset into the executable per line, for hosts without `perf`:
+//! `sort FILE | uniq -c | sort -rn | head -50` then `addr2line -f -C -e churn_loop OFFSET`.
 use ccalloc::{CallCosts, SimDriver};
 use ccalloc::{Config, DeviceAllocator, PagingCounters, StreamId};
 use std::sync::{Arc, Barrier};
@@ -51,7 +54,85 @@ fn churn(
     (took, before)
 }
 
+/// A sampling profiler on `SIGPROF`: the handler stores the interrupted program counter.
+mod sampler {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+    const CAPACITY: usize = 1 << 20;
+    static SAMPLES: [AtomicU64; CAPACITY] = [const { AtomicU64::new(0) }; CAPACITY];
+    static TAKEN: AtomicUsize = AtomicUsize::new(0);
+
+    extern "C" fn on_prof(_: libc::c_int, _: *mut libc::siginfo_t, context: *mut libc::c_void) {
+        // SAFETY: the kernel passes a ucontext_t to an SA_SIGINFO handler.
+        let pc = unsafe {
+            (*(context as *const libc::ucontext_t)).uc_mcontext.gregs[libc::REG_RIP as usize]
+        };
+        let i = TAKEN.fetch_add(1, Ordering::Relaxed);
+        if i < CAPACITY {
+            SAMPLES[i].store(pc as u64, Ordering::Relaxed);
+        }
+    }
+
+    pub fn start() {
+        // SAFETY: installs a handler that only stores into statics, then arms the timer.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_prof as *const () as usize;
+            action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigaction(libc::SIGPROF, &action, std::ptr::null_mut());
+            let every = libc::timeval {
+                tv_sec: 0,
+                tv_usec: 200,
+            };
+            let timer = libc::itimerval {
+                it_interval: every,
+                it_value: every,
+            };
+            libc::setitimer(libc::ITIMER_PROF, &timer, std::ptr::null_mut());
+        }
+    }
+
+    /// Stops sampling and writes the samples as offsets into the executable's mapping.
+    pub fn finish(path: &str) {
+        // SAFETY: disarms the timer.
+        unsafe {
+            let off = libc::itimerval {
+                it_interval: libc::timeval {
+                    tv_sec: 0,
+                    tv_usec: 0,
+                },
+                it_value: libc::timeval {
+                    tv_sec: 0,
+                    tv_usec: 0,
+                },
+            };
+            libc::setitimer(libc::ITIMER_PROF, &off, std::ptr::null_mut());
+        }
+        let exe = std::fs::read_link("/proc/self/exe").unwrap_or_default();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        let base = maps
+            .lines()
+            .find(|l| l.ends_with(&*exe.to_string_lossy()))
+            .and_then(|l| u64::from_str_radix(l.split('-').next()?, 16).ok())
+            .unwrap_or(0);
+        let n = TAKEN.load(Ordering::Relaxed).min(CAPACITY);
+        let lines: String = SAMPLES[..n]
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .map(|pc| {
+                if pc >= base {
+                    format!("{:#x}\n", pc - base)
+                } else {
+                    "outside\n".into()
+                }
+            })
+            .collect();
+        std::fs::write(path, lines).expect("profile written");
+    }
+}
+
 fn main() {
+    let profile = std::env::var("CHURN_PROFILE").ok();
     let mut args = std::env::args().skip(1).map(|s| s.parse::<f64>().ok());
     let hi = args.next().flatten().unwrap_or((1u64 << 20) as f64);
     let live = args.next().flatten().unwrap_or(2000.0) as usize;
@@ -62,9 +143,12 @@ fn main() {
         sim = sim.with_call_costs(CallCosts::h100());
     }
     let sim = Arc::new(sim);
-    let a = Arc::new(DeviceAllocator::new(0, sim, Config::from_env().unwrap()).unwrap());
+    let a = Arc::new(DeviceAllocator::new(0, sim.clone(), Config::from_env().unwrap()).unwrap());
     // Every thread fills its blocks, then all start the timed steps together.
     let barrier = Arc::new(Barrier::new(threads));
+    if profile.is_some() {
+        sampler::start();
+    }
     let workers: Vec<_> = (0..threads)
         .map(|t| {
             let (a, barrier) = (a.clone(), barrier.clone());
@@ -74,13 +158,17 @@ fn main() {
         })
         .collect();
     let runs: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    if let Some(path) = &profile {
+        sampler::finish(path);
+    }
     let slowest = runs.iter().map(|r| r.0).max().unwrap_or_default();
     // Counted from the first thread's start: with one thread, exactly the timed steps.
     let (after, before) = (a.stats().unwrap().paging, runs[0].1);
     let paging = after.since(&before);
     let stats = a.stats().unwrap();
+    let events = sim.events_recorded();
     println!(
-        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; {} growths past it; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits",
+        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; {} growths past it; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits, {:.2} events recorded per 1,000 steps",
         slowest.as_nanos() as f64 / (steps * threads) as f64,
         stats.reserved_bytes.all().peak as f64 / stats.active_bytes.all().peak as f64,
         a.page_slack().unwrap(),
@@ -92,5 +180,6 @@ fn main() {
         paging.chunks_mapped,
         paging.chunks_unmapped,
         paging.host_waits,
+        events as f64 * 1000.0 / (steps * threads) as f64,
     );
 }

@@ -17,7 +17,8 @@
 #                         native_expandable, cudamalloc (slow), ccalloc@CONF: ccalloc
 #                         with CCALLOC_CONF=CONF (e.g. ccalloc@per_stream_shards:True),
 #                         lib@FOLDER: ccalloc from FOLDER/libccalloc.so (another build, timed
-#                         in the same call: KINDS="floor lib@gpu/base ccalloc"), and
+#                         in the same call: KINDS="floor lib@gpu/base ccalloc"),
+#                         lib@FOLDER@CONF: that build with CCALLOC_CONF=CONF, and
 #                         floor: the harness's own cost per step (floor_alloc.c, built with
 #                         cc; an allocator's share is its figure minus the floor's)
 #   REPEATS               runs per kind, default 3
@@ -69,6 +70,8 @@ for rep in $(seq 1 "$REPEATS"); do
                 floor_so="$OUT_DIR/floor_alloc.so"
                 [ -f "$floor_so" ] || cc -O2 -shared -fPIC -o "$floor_so" "$ROOT/benches/gpu/floor_alloc.c"
                 cmd=("$PYTHON" "$BENCH/hotpath.py" so "$floor_so" floor_alloc floor_free) ;;
+            lib@*@*) lib_dir="${k#lib@}"; lib_dir="${lib_dir%%@*}"
+                cmd=(env CCALLOC_CONF="${k#lib@*@}" "$PYTHON" "$BENCH/hotpath.py" so "$(cd "$lib_dir" && pwd)/libccalloc.so" ccalloc_torch_alloc ccalloc_torch_free) ;;
             lib@*) cmd=("$PYTHON" "$BENCH/hotpath.py" so "$(cd "${k#lib@}" && pwd)/libccalloc.so" ccalloc_torch_alloc ccalloc_torch_free) ;;
             ccalloc@*) cmd=(env CCALLOC_CONF="${k#ccalloc@}" "$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
             *) cmd=("$PYTHON" "$BENCH/hotpath.py" "$k") ;;

@@ -399,6 +399,11 @@ impl SimDriver {
         self.events.len()
     }
 
+    /// Events recorded so far, on every device (`record_event` calls that succeeded).
+    pub fn events_recorded(&self) -> u64 {
+        self.next_event.load(Ordering::Relaxed)
+    }
+
     pub fn counters(&self, device: usize) -> SimCounters {
         self.devices
             .get(device)
