@@ -167,8 +167,14 @@ fn main() {
     let paging = after.since(&before);
     let stats = a.stats().unwrap();
     let events = sim.events_recorded();
+    // SAFETY: getrusage writes the process's usage into the struct given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
     println!(
-        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; {} growths past it; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits, {:.2} events recorded per 1,000 steps",
+        "{:.1} ns per step ({threads} threads); peak reserved / peak active {:.3}; page slack {:.3}; {} growths past it; growth {:.1} ms ({} growths, {} moving, {:.1} ms), {} chunks mapped, {} unmapped, {} waits, {:.2} events recorded per 1,000 steps; {} voluntary context switches",
         slowest.as_nanos() as f64 / (steps * threads) as f64,
         stats.reserved_bytes.all().peak as f64 / stats.active_bytes.all().peak as f64,
         a.page_slack().unwrap(),
@@ -181,5 +187,6 @@ fn main() {
         paging.chunks_unmapped,
         paging.host_waits,
         events as f64 * 1000.0 / (steps * threads) as f64,
+        usage.ru_nvcsw,
     );
 }
