@@ -131,6 +131,43 @@ impl<T> SpinThenBlock<T> {
         }
     }
 
+    /// Locks if the lock comes free within the spin `lock` does before it blocks; `Ok(None)`
+    /// when it does not: for callers that hold other locks of the kind, which must not
+    /// keep them while a holder of this one waits on the driver.
+    pub fn lock_soon(&self) -> Result<Option<MutexGuard<'_, T>>, Poisoned<'_, T>> {
+        let mut tries = 0u32;
+        #[cfg(not(loom))]
+        let mut deadline = None;
+        loop {
+            match self.inner.try_lock() {
+                Ok(guard) => return Ok(Some(guard)),
+                Err(TryLockError::Poisoned(poisoned)) => return Err(poisoned),
+                Err(TryLockError::WouldBlock) => {}
+            }
+            tries += 1;
+            #[cfg(loom)]
+            {
+                if tries > 1 {
+                    return Ok(None);
+                }
+                loom::thread::yield_now();
+            }
+            #[cfg(not(loom))]
+            {
+                if tries >= TRIES_BEFORE_CLOCK {
+                    let now = std::time::Instant::now();
+                    let until = *deadline.get_or_insert(now + SPIN_BUDGET);
+                    if now >= until {
+                        return Ok(None);
+                    }
+                }
+                for _ in 0..(1u32 << tries.min(MAX_BACKOFF.trailing_zeros())) {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+
     /// Locks only if no one holds the lock now (`None` when someone does, or when a panic
     /// poisoned it): for callers that hold another lock of the same kind, which may not
     /// wait for this one.

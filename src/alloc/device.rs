@@ -25,14 +25,14 @@ use super::core::free_lists::{PoolId, RouteFilter};
 use super::front::{self, FrontOf, Fronts, GiveBack};
 use super::paging::budget::Allowance;
 use super::shard::DeviceWide;
-use super::state::Elsewhere;
-use super::stats::DeviceReserved;
+use super::state::{Elsewhere, State};
+use super::stats::{self, DeviceReserved, Peaks, PEAKED};
 use super::{limit_for, SegmentView, Shard};
 use crate::config::Config;
 use crate::driver::layers::limit::Limit;
 use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
-use crate::sync::{lock, poisoned};
+use crate::sync::{lock, poisoned, Guard};
 use crate::DeviceStats;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
@@ -134,6 +134,53 @@ impl Shards {
     }
 }
 
+// Exact peaks with several shards.
+//
+// A device's peak is the high-water mark of the sum of its shards' counts. Updating one
+// device-wide count on every call would make every stream's thread write the same line,
+// which is what shards avoid. Instead, once a device has several shards, a shard's peak
+// fields are its *ceilings*: the device's peak P (kept in `PeakBook`) is split so that the
+// ceilings sum to P, and a shard whose counts stay under its ceilings cannot have lifted
+// the device past P. A call that lifts a ceiling (`stats::take_lifted`) settles once its
+// shard's lock is released (`settle`): the other shards give up unused headroom to cover
+// the lift, one locked at a time, and the lifter keeps half of what the last giver had
+// left, so that its next increase does not lift again. A lift that no headroom covers may
+// be a new high: then every shard is locked at once (`balance_peaks`), their counts are
+// summed, P rises to the sum if it is higher, and the headroom left is shared equally.
+// Blocks held in thread fronts count as live in their shard, so before P rises the fronts
+// are drained and the sum taken again: P is then the true high-water mark. Lock order:
+// the book, then shards; no path takes the book while holding a shard.
+//
+// The cost falls on calls that lift a ceiling: in a steady job, those that take the device
+// to a new high, and those of a shard whose headroom ran out (threads churning on their
+// own streams each settle when their counts wander past their share).
+
+/// The device's peaks with several shards (see above). Inactive with one shard, whose
+/// peaks are the device's.
+#[derive(Default)]
+struct PeakBook {
+    /// Set when the second shard is made; never cleared.
+    active: AtomicBool,
+    inner: Mutex<Book>,
+}
+
+/// The device's peaks and the ceilings they are split into, per slot: the ceilings sum to
+/// the peaks. A shard's own peak fields equal its ceilings here, or stand above them after
+/// a lift not yet settled.
+struct Book {
+    peaks: Peaks,
+    assigned: [Peaks; MAX_SHARDS],
+}
+
+impl Default for Book {
+    fn default() -> Self {
+        Self {
+            peaks: [0; PEAKED],
+            assigned: [[0; PEAKED]; MAX_SHARDS],
+        }
+    }
+}
+
 /// What a shard made later must start with. Held while a shard is made and while either
 /// changes, so that no shard misses a change.
 struct Setup {
@@ -172,6 +219,8 @@ pub struct DeviceAllocator {
     oom_retry: Mutex<()>,
     /// `Config::per_stream_shards`; may change only while no shard exists.
     sharded: AtomicBool,
+    /// The device's peaks once it has several shards.
+    peak_book: PeakBook,
     /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
     /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
     pub(super) key: u64,
@@ -196,6 +245,7 @@ impl DeviceAllocator {
         let sharded = AtomicBool::new(config.per_stream_shards);
         Ok(Self {
             sharded,
+            peak_book: PeakBook::default(),
             key: front::new_key(),
             fronts_adopted: Arc::default(),
             oom_retry: Mutex::new(()),
@@ -308,6 +358,16 @@ impl DeviceAllocator {
             shard.set_pool_users(pool, users)?;
         }
         debug_assert_eq!(i, self.shards.filled());
+        if i == 1 {
+            // The first shard's peaks are the device's so far; from now on they are its
+            // ceilings (see `PeakBook`). Taken before the slot fills: a rise on the first
+            // shard meanwhile is settled into the book.
+            let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
+            let first = self.shards.filled_shard(0).lock()?;
+            book.peaks = first.stats().peaked_peaks();
+            book.assigned[0] = book.peaks;
+            self.peak_book.active.store(true, Ordering::Release);
+        }
         let i = self.shards.fill(stream, shard);
         Ok((i, self.shards.filled_shard(i)))
     }
@@ -382,9 +442,11 @@ impl DeviceAllocator {
         let (slot, shard) = self.shard(stream)?;
         if !self.several_shards() || size > self.total_memory {
             // One shard, or a size no emptying could make room for: nothing to retry.
-            return shard.malloc(size, stream, Some(Elsewhere::default()));
+            let result = shard.malloc(size, stream, Some(Elsewhere::default()));
+            self.settle_lifts(Some(shard));
+            return result;
         }
-        match shard.malloc(size, stream, None) {
+        let result = match shard.malloc(size, stream, None) {
             Err(e) if e.kind == ErrorKind::OutOfMemory && size > self.limit()? => {
                 // Past the memory limit: emptying caches could not help. Counted now.
                 let elsewhere = self.held_elsewhere(shard, false)?;
@@ -402,7 +464,168 @@ impl DeviceAllocator {
             }
             other => other,
         }
-        .inspect(|_| LAST_SLOT.set((self as *const Self as usize, slot)))
+        .inspect(|_| LAST_SLOT.set((self as *const Self as usize, slot)));
+        self.settle_lifts(Some(shard));
+        result
+    }
+
+    /// Settles the device's peaks if this thread's last calls into a shard lifted one of
+    /// its ceilings (see `PeakBook`); `lifted`: the shard that did, if known (else every
+    /// shard is looked at). Called with no shard locked. A failure (a lock poisoned, the
+    /// device shut down) leaves the peaks to the next settling: the call that lifted them
+    /// succeeded.
+    #[inline]
+    fn settle_lifts(&self, lifted: Option<&Shard>) {
+        // With one shard its peaks are the device's: the flag is left as it is (a stale one
+        // costs one settling when a second shard comes).
+        if self.peak_book.active.load(Ordering::Acquire) && stats::take_lifted() {
+            if let Err(e) = self.settle(lifted) {
+                tracing::debug!(device = self.device, "peaks not settled: {e}");
+            }
+        }
+    }
+
+    /// `settle_lifts`' work: the lifts are covered by other shards' unused headroom where
+    /// they have it (one shard locked at a time), and only what is left needs every shard
+    /// at once (`balance_peaks`).
+    #[cold]
+    #[inline(never)]
+    fn settle(&self, lifted: Option<&Shard>) -> Result<()> {
+        let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
+        let shards: Vec<&Shard> = self.shards().collect();
+        // What the lifts took past the ceilings the book gave: each lifted shard keeps its
+        // new ceiling, so the others must give up as much.
+        let mut need = [0; PEAKED];
+        for (i, shard) in shards.iter().enumerate() {
+            if lifted.is_some_and(|l| !std::ptr::eq(l, *shard)) {
+                continue;
+            }
+            let ceilings = shard.lock()?.stats().peaked_peaks();
+            for ((n, c), a) in need.iter_mut().zip(&ceilings).zip(&mut book.assigned[i]) {
+                *n += (c - *a).max(0);
+                *a = (*a).max(*c);
+            }
+        }
+        // The shard that lifted also gets half of the headroom left where its need was
+        // met: at its new ceiling exactly, its next increase would lift again.
+        let mut bonus = [0; PEAKED];
+        for (j, shard) in shards.iter().enumerate() {
+            if need.iter().all(|&n| n == 0) {
+                break;
+            }
+            if lifted.is_some_and(|l| std::ptr::eq(l, *shard)) {
+                continue;
+            }
+            let mut st = shard.lock()?;
+            let ceilings = st.stats().peaked_peaks();
+            let mut currents = [0; PEAKED];
+            st.stats().add_peaked_currents(&mut currents);
+            let assigned = &mut book.assigned[j];
+            let mut headroom = [0; PEAKED];
+            for q in 0..PEAKED {
+                // A shard whose own lift is not settled yet keeps its ceiling there.
+                if ceilings[q] <= assigned[q] && need[q] > 0 {
+                    let spare = (assigned[q] - currents[q]).max(0);
+                    let mut take = spare.min(need[q]);
+                    need[q] -= take;
+                    if need[q] == 0 && lifted.is_some() {
+                        bonus[q] = (spare - take) / 2;
+                        take += bonus[q];
+                    }
+                    assigned[q] -= take;
+                }
+                headroom[q] = ceilings[q].max(assigned[q]) - currents[q];
+            }
+            st.stats_mut().set_ceilings(&headroom);
+        }
+        if let Some((i, shard)) = shards
+            .iter()
+            .enumerate()
+            .find(|(_, s)| lifted.is_some_and(|l| std::ptr::eq(l, **s)))
+            .filter(|_| bonus.iter().any(|&b| b > 0))
+        {
+            let mut st = shard.lock()?;
+            let ceilings = st.stats().peaked_peaks();
+            let mut currents = [0; PEAKED];
+            st.stats().add_peaked_currents(&mut currents);
+            let assigned = &mut book.assigned[i];
+            let mut headroom = [0; PEAKED];
+            for q in 0..PEAKED {
+                assigned[q] += bonus[q];
+                headroom[q] = ceilings[q].max(assigned[q]) - currents[q];
+            }
+            st.stats_mut().set_ceilings(&headroom);
+        }
+        if need.iter().all(|&n| n == 0) {
+            return Ok(());
+        }
+        drop(book);
+        self.balance_peaks().map(drop)
+    }
+
+    /// Every shard locked at once, in slot order, so that their counts are one moment's.
+    /// A shard whose lock does not come free within a short spin (its thread may be in a
+    /// driver call for milliseconds) is waited for alone, with the others released, and
+    /// then all are taken again: holding them meanwhile would stall every stream behind
+    /// that one call. No other path holds a shard's lock while waiting for another's.
+    fn lock_every_shard(&self) -> Result<(Vec<&Shard>, Vec<Guard<'_, State>>)> {
+        let shards: Vec<&Shard> = self.shards().collect();
+        'again: loop {
+            let mut held = Vec::with_capacity(shards.len());
+            for shard in &shards {
+                match shard.lock_soon()? {
+                    Some(st) => held.push(st),
+                    None => {
+                        drop(held);
+                        drop(shard.lock()?);
+                        continue 'again;
+                    }
+                }
+            }
+            return Ok((shards, held));
+        }
+    }
+
+    /// Settles the device's peaks (see `PeakBook`) with every shard locked at once, and
+    /// returns them: the peaks rise to the sum of the shards' counts if it is higher (the
+    /// fronts drained first), and the headroom left below them is shared equally.
+    #[cold]
+    #[inline(never)]
+    fn balance_peaks(&self) -> Result<Peaks> {
+        let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
+        let (shards, mut held) = self.lock_every_shard()?;
+        let sum_of = |held: &[Guard<'_, State>]| {
+            let mut sum = [0; PEAKED];
+            held.iter()
+                .for_each(|st| st.stats().add_peaked_currents(&mut sum));
+            sum
+        };
+        let mut sum = sum_of(&held);
+        let rises = sum.iter().zip(book.peaks.iter()).any(|(s, p)| s > p);
+        if rises && held.iter().any(|st| st.front_blocks() > 0) {
+            // Held blocks count as live in their shard: the rise must not include them.
+            for (shard, st) in shards.iter().zip(held.iter_mut()) {
+                shard.drain_fronts(st);
+            }
+            sum = sum_of(&held);
+        }
+        for (p, s) in book.peaks.iter_mut().zip(&sum) {
+            *p = (*p).max(*s);
+        }
+        let n = held.len() as i64;
+        let peaks = book.peaks;
+        for (j, st) in held.iter_mut().enumerate() {
+            let mut currents = [0; PEAKED];
+            st.stats().add_peaked_currents(&mut currents);
+            let mut headroom = [0; PEAKED];
+            for q in 0..PEAKED {
+                let spare = peaks[q] - sum[q];
+                headroom[q] = spare / n + if j == 0 { spare % n } else { 0 };
+                book.assigned[j][q] = currents[q] + headroom[q];
+            }
+            st.stats_mut().set_ceilings(&headroom);
+        }
+        Ok(peaks)
     }
 
     /// What the shards other than `shard` hold, for its OOM message; with `empty`, after
@@ -435,13 +658,18 @@ impl DeviceAllocator {
             return done;
         }
         if !self.several_shards() {
-            return self.free_trying(ptr, self.shards.slots[0].get().map(|s| &s.shard));
+            return self
+                .free_trying(ptr, self.shards.slots[0].get().map(|s| &s.shard))
+                .map(drop);
         }
         let (device, slot) = LAST_SLOT.get();
         let first = (device == self as *const Self as usize)
             .then(|| self.shards.slots[slot].get())
             .flatten();
-        self.free_trying(ptr, first.map(|s| &s.shard))
+        // A free can lift a count too (inactive splits).
+        let freed_in = self.free_trying(ptr, first.map(|s| &s.shard))?;
+        self.settle_lifts(Some(freed_in));
+        Ok(())
     }
 
     /// `free` for a block allocated on `stream` (as PyTorch's free says): its shard is
@@ -454,7 +682,9 @@ impl DeviceAllocator {
             .shards
             .slot_of(stream)
             .map(|i| self.shards.filled_shard(i));
-        self.free_trying(ptr, first)
+        let freed_in = self.free_trying(ptr, first)?;
+        self.settle_lifts(Some(freed_in));
+        Ok(())
     }
 
     /// The fast free: `ptr` was handed out by one of this thread's fronts for this device.
@@ -473,10 +703,10 @@ impl DeviceAllocator {
     /// Frees `ptr` in its shard, asking `first` first. The shard that has the block may
     /// give it to this thread's front for that shard (`Shard::free`).
     #[inline]
-    fn free_trying(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
+    fn free_trying<'a>(&'a self, ptr: DevicePtr, first: Option<&'a Shard>) -> Result<&'a Shard> {
         if let Some(shard) = first {
             if shard.free(ptr)?.freed() {
-                return Ok(());
+                return Ok(shard);
             }
         }
         self.free_in_other_shards(ptr, first)
@@ -484,10 +714,14 @@ impl DeviceAllocator {
 
     /// `free_trying` past `first`.
     #[inline(never)]
-    fn free_in_other_shards(&self, ptr: DevicePtr, first: Option<&Shard>) -> Result<()> {
+    fn free_in_other_shards<'a>(
+        &'a self,
+        ptr: DevicePtr,
+        first: Option<&'a Shard>,
+    ) -> Result<&'a Shard> {
         for shard in self.shards() {
             if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr)?.freed() {
-                return Ok(());
+                return Ok(shard);
             }
         }
         Err(self.not_live(ptr))
@@ -518,6 +752,8 @@ impl DeviceAllocator {
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
         for shard in self.shards() {
             if shard.record_stream(ptr, stream)? {
+                // Taking a block back from a front can lift a count.
+                self.settle_lifts(Some(shard));
                 return Ok(());
             }
         }
@@ -685,12 +921,15 @@ impl DeviceAllocator {
     /// moment so that memory moving between shards is never counted twice; a read that
     /// races a segment's release can then show more allocated than reserved (holding every
     /// shard's lock would stall all streams behind one shard's driver call). Currents and
-    /// totals are exact, and so is the reserved peak. The other peaks are exact while the
-    /// device has one shard; with several, each is the sum of the shards' peaks, which
-    /// bounds the device's from above: an exact one would need a counter that every stream
-    /// writes on every allocation, which is what shards avoid.
+    /// totals are exact, and so are the peaks: the reserved peak from the device-wide
+    /// count, the others from the device's `PeakBook`, settled first.
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
+        let peaks = if self.peak_book.active.load(Ordering::Acquire) {
+            Some(self.balance_peaks()?)
+        } else {
+            None
+        };
         let mut sum = DeviceStats::default();
         // Reserved bytes change only under a shard's lock, so the device-wide count is read
         // with the last shard still held: with one shard, the same moment as its allocated
@@ -704,6 +943,9 @@ impl DeviceAllocator {
             last = Some(st);
         }
         sum.reserved_bytes = self.device_reserved.read()?;
+        if let Some(peaks) = peaks {
+            sum.set_device_peaks(&peaks);
+        }
         Ok(sum)
     }
 
@@ -716,7 +958,25 @@ impl DeviceAllocator {
     pub fn reset_peak_stats(&self) -> Result<()> {
         self.check_open()?;
         self.device_reserved.reset_peaks()?;
-        self.each_shard(Shard::reset_peak_stats)
+        if !self.peak_book.active.load(Ordering::Acquire) {
+            return self.each_shard(Shard::reset_peak_stats);
+        }
+        // Every shard at once, as `balance_peaks`: the new peaks are one moment's sum, taken
+        // with the fronts drained (held blocks are not live).
+        let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
+        let (shards, mut held) = self.lock_every_shard()?;
+        let mut sum = [0; PEAKED];
+        for (j, (shard, st)) in shards.iter().zip(held.iter_mut()).enumerate() {
+            shard.reset_peaks_locked(st);
+            let mut currents = [0; PEAKED];
+            st.stats().add_peaked_currents(&mut currents);
+            book.assigned[j] = currents;
+            for (s, c) in sum.iter_mut().zip(&currents) {
+                *s += c;
+            }
+        }
+        book.peaks = sum;
+        Ok(())
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
@@ -789,6 +1049,8 @@ impl DeviceAllocator {
                 ),
             ));
         }
+        // Blocks made live again count as allocations (in any shard).
+        self.settle_lifts(None);
         if let Some(e) = failed {
             // The blocks other shards made again are freed too: the caller learns of none.
             for made in all.allocated {

@@ -13,12 +13,34 @@ pub struct Stat {
     pub freed: i64,
 }
 
+std::thread_local! {
+    /// Whether a counter's peak rose on this thread since `take_lifted` last looked. With
+    /// several shards a shard's peaks are its ceilings (`PeakBook`), and a rise means the
+    /// device's peaks must be settled (`DeviceAllocator::settle_lifts`).
+    static LIFTED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Notes that a peak rose on this thread.
+#[inline]
+fn note_lift() {
+    let _ = LIFTED.try_with(|l| l.set(true));
+}
+
+/// Whether a peak rose on this thread since the last call (and forgets it).
+#[inline]
+pub(crate) fn take_lifted() -> bool {
+    LIFTED.try_with(|l| l.replace(false)).unwrap_or(false)
+}
+
 impl Stat {
     pub fn increase(&mut self, amount: u64) {
         let amount = amount as i64;
         self.current += amount;
         self.allocated += amount;
-        self.peak = self.peak.max(self.current);
+        if self.current > self.peak {
+            self.peak = self.current;
+            note_lift();
+        }
     }
 
     pub fn decrease(&mut self, amount: u64) {
@@ -45,8 +67,9 @@ impl Stat {
         self.peak = self.current;
     }
 
-    /// Another shard's counter added in. Peaks add too: their sum bounds the device's peak
-    /// from above, and equals it while one shard is in use (see `DeviceAllocator::stats`).
+    /// Another shard's counter added in. Peaks add too: with one shard in use that is its
+    /// peak; with several, the sum of their ceilings, which `DeviceAllocator::stats`
+    /// replaces with the device's peaks.
     fn add(&mut self, other: &Stat) {
         self.current += other.current;
         self.peak += other.peak;
@@ -153,6 +176,16 @@ impl DeviceReserved {
         f();
     }
 }
+
+/// `reserved_bytes`' place in `ARRAY_NAMES`.
+const RESERVED_BYTES: usize = 5;
+
+/// How many counters have a peak the device keeps with several shards: every per-pool
+/// counter but reserved bytes (8 x 3), and the two oversize counters.
+pub const PEAKED: usize = 8 * 3 + 2;
+
+/// One value per peaked counter (`DeviceStats::peaked`'s order).
+pub type Peaks = [i64; PEAKED];
 
 /// The PyTorch names of the per-pool counters (`DeviceStats` and the C `ccalloc_stats` list
 /// them in this order).
@@ -343,6 +376,61 @@ impl DeviceStats {
         std::array::from_fn(|i| (ARRAY_NAMES[i], arrays[i]))
     }
 
+    /// The counters whose peaks the device keeps with several shards (`PeakBook`): every
+    /// one with a peak but reserved bytes, which are counted device-wide already.
+    fn peaked(&self) -> impl Iterator<Item = &Stat> {
+        let arrays = per_pool_arrays!(self, &);
+        arrays
+            .into_iter()
+            .enumerate()
+            .filter(|&(i, _)| i != RESERVED_BYTES)
+            .flat_map(|(_, array)| array.0.iter())
+            .chain([&self.oversize_allocations, &self.oversize_segments])
+    }
+
+    fn peaked_mut(&mut self) -> impl Iterator<Item = &mut Stat> {
+        let arrays = per_pool_arrays!(self, &mut);
+        arrays
+            .into_iter()
+            .enumerate()
+            .filter(|&(i, _)| i != RESERVED_BYTES)
+            .flat_map(|(_, array)| array.0.iter_mut())
+            .chain([&mut self.oversize_allocations, &mut self.oversize_segments])
+    }
+
+    /// Adds this shard's current values of the peaked counters to `sum`.
+    pub fn add_peaked_currents(&self, sum: &mut Peaks) {
+        sum.iter_mut()
+            .zip(self.peaked())
+            .for_each(|(s, stat)| *s += stat.current);
+    }
+
+    /// The peaks of the peaked counters.
+    pub fn peaked_peaks(&self) -> Peaks {
+        let mut peaks = [0; PEAKED];
+        peaks
+            .iter_mut()
+            .zip(self.peaked())
+            .for_each(|(p, stat)| *p = stat.peak);
+        peaks
+    }
+
+    /// Sets the peaked counters' peaks to each current value plus `headroom` (a shard's
+    /// ceilings: it may rise that far without the device settling its peaks).
+    pub fn set_ceilings(&mut self, headroom: &Peaks) {
+        self.peaked_mut()
+            .zip(headroom)
+            .for_each(|(stat, &h)| stat.peak = stat.current + h);
+    }
+
+    /// Takes the device's peaks (`peaks`) for the peaked counters, each at least its current
+    /// value (a rise not yet settled).
+    pub fn set_device_peaks(&mut self, peaks: &Peaks) {
+        self.peaked_mut()
+            .zip(peaks)
+            .for_each(|(stat, &p)| stat.peak = p.max(stat.current));
+    }
+
     /// The statistics a thread front moves, in the order of `FrontPeaks`.
     fn front_moved(&self) -> [&StatArray; 5] {
         [
@@ -439,6 +527,9 @@ impl DeviceStats {
     pub fn settle_front_peaks(&mut self, before: &FrontPeaks) {
         for (array, peaks) in self.front_moved_mut().into_iter().zip(&before.0) {
             for (stat, &peak) in array.0.iter_mut().zip(peaks) {
+                if stat.current > peak {
+                    note_lift();
+                }
                 stat.peak = peak.max(stat.current);
             }
         }

@@ -155,6 +155,17 @@ impl Shard {
         }
     }
 
+    /// `lock`, if the lock comes free within a short spin (`SpinThenBlock::lock_soon`);
+    /// `Ok(None)` if it does not.
+    pub(in crate::alloc) fn lock_soon(&self) -> Result<Option<Guard<'_, State>>> {
+        match self.state.lock_soon() {
+            Ok(Some(state)) if !self.lifecycle.is_shut_down() => Ok(Some(state)),
+            Ok(Some(state)) => Err(self.lock_refused(Ok(state))),
+            Ok(None) => Ok(None),
+            Err(poisoned) => Err(self.lock_refused(Err(poisoned))),
+        }
+    }
+
     /// Why `lock` failed: a panic while holding the lock left bookkeeping that can no longer
     /// be trusted (`Err`), or the device was shut down (`Ok`, the guard, released here).
     #[cold]
@@ -622,10 +633,15 @@ impl Shard {
 
     pub fn reset_peak_stats(&self) -> Result<()> {
         let mut st = self.lock()?;
-        // Held blocks count as allocated here: the new peaks must not include them.
-        self.drain_fronts(&mut st);
-        st.stats_mut().reset_peak();
+        self.reset_peaks_locked(&mut st);
         Ok(())
+    }
+
+    /// `reset_peak_stats` with the lock held (`st`).
+    pub(in crate::alloc) fn reset_peaks_locked(&self, st: &mut State) {
+        // Held blocks count as allocated here: the new peaks must not include them.
+        self.drain_fronts(st);
+        st.stats_mut().reset_peak();
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {
