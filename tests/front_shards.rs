@@ -527,3 +527,37 @@ fn a_large_block_freed_on_one_stream_is_idle_memory_for_the_next() {
         a.free(q).unwrap();
     }
 }
+
+/// While the device has one shard, a large block waits in the thread's front as it does
+/// without shards; the second shard's making takes it back (other shards would weigh it as
+/// live), and from then on large blocks skip the fronts.
+#[test]
+fn large_blocks_use_the_front_until_a_second_shard_is_made() {
+    let (driver, a) = sharded(1 << 30, "");
+    make_shard_visible(&driver, &a, S0);
+    let p = a.malloc(32 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    let q = in_fronts(&driver, "a large pair on the only shard", || {
+        a.malloc(32 * MIB, S0).unwrap()
+    });
+    assert_eq!(q, p);
+    a.free(q).unwrap();
+    let r = a.malloc(4096, S1).unwrap();
+    a.free(r).unwrap();
+    // Freed with two shards made, the block does not stay in the front: the other stream's
+    // growth borrows its pages.
+    let x = a.malloc(32 * MIB, S0).unwrap();
+    a.free(x).unwrap();
+    let borrowed = a.stats().unwrap().paging.chunks_borrowed;
+    let y = a.malloc(32 * MIB, S1).unwrap();
+    let s = a.stats().unwrap();
+    assert!(
+        s.paging.chunks_borrowed > borrowed,
+        "the large block stayed in a front: {:?}",
+        s.paging
+    );
+    a.free(y).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(s.allocated_bytes.all().peak as u64, 32 * MIB);
+}

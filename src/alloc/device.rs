@@ -221,6 +221,8 @@ pub struct DeviceAllocator {
     sharded: AtomicBool,
     /// The device's peaks once it has several shards.
     peak_book: PeakBook,
+    /// Whether a second shard has been made (`Shard::fits_front` reads it).
+    several_shards: Arc<AtomicBool>,
     /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
     /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
     pub(super) key: u64,
@@ -246,6 +248,7 @@ impl DeviceAllocator {
         Ok(Self {
             sharded,
             peak_book: PeakBook::default(),
+            several_shards: Arc::default(),
             key: front::new_key(),
             fronts_adopted: Arc::default(),
             oom_retry: Mutex::new(()),
@@ -340,6 +343,7 @@ impl DeviceAllocator {
                 moves: self.moves.clone(),
                 lifecycle: self.lifecycle.clone(),
                 siblings: Arc::downgrade(&self.shards),
+                several_shards: self.several_shards.clone(),
             },
             // Open as every other shard's are now (`set_fronts_open`, also under `setup`).
             Fronts::new(
@@ -362,8 +366,16 @@ impl DeviceAllocator {
             // The first shard's peaks are the device's so far; from now on they are its
             // ceilings (see `PeakBook`). Taken before the slot fills: a rise on the first
             // shard meanwhile is settled into the book.
+            // No large block may join the first shard's fronts from now on, and those held
+            // there go back (`Shard::fits_front`): set before that shard is locked, so a
+            // free under its lock either sees the flag or is drained below.
+            self.several_shards.store(true, Ordering::Release);
             let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
-            let first = self.shards.filled_shard(0).lock()?;
+            let first_shard = self.shards.filled_shard(0);
+            let mut first = first_shard.lock()?;
+            first_shard.drain_fronts(&mut first);
+            // Other shards' growths read its live bytes: the drained blocks are not.
+            first_shard.publish_live(&first);
             book.peaks = first.stats().peaked_peaks();
             book.assigned[0] = book.peaks;
             self.peak_book.active.store(true, Ordering::Release);

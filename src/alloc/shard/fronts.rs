@@ -33,10 +33,11 @@ impl Shard {
 
     /// Whether live block `id`, freed now, may wait in a front: a paged block of the general
     /// cache, used on its own stream only, not oversize, outside captures; one over
-    /// `front::FRONT_MAX_BLOCK` only while parking does not pause, and only without
-    /// per-stream shards: other shards weigh this one's live bytes, held blocks included,
-    /// in their growth's budget (`weighed_high_water`), and the holder's next visit here,
-    /// which would return it, may never come.
+    /// `front::FRONT_MAX_BLOCK` only while parking does not pause, and only while the
+    /// device has one shard: other shards weigh this one's live bytes, held blocks
+    /// included, in their growth's budget (`weighed_high_water`), and the holder's next
+    /// visit here, which would return it, may never come. (The second shard's making
+    /// drains the first one's fronts.)
     #[inline]
     pub(in crate::alloc) fn fits_front(&self, st: &State, b: &Block) -> bool {
         let large = b.size() > front::FRONT_MAX_BLOCK;
@@ -46,7 +47,8 @@ impl Shard {
             && !b.counted_oversize()
             && !st.capturing()
             // A large block stands in for a parked one: not while parking pauses.
-            && (!large || (!st.parking_paused() && !st.config().per_stream_shards))
+            && (!large
+                || (!st.parking_paused() && !self.several_shards.load(std::sync::atomic::Ordering::Acquire)))
     }
 
     /// Gives a freed block that fits a front (`fits_front`) to `cell` (see `front`). Returns
