@@ -350,6 +350,7 @@ impl DeviceAllocator {
                 self.key,
                 self.fronts_open_now(&setup),
                 self.fronts_adopted.clone(),
+                self.several_shards.clone(),
             ),
         );
         // The device's holds, not one per window (a pool may be released while its window
@@ -462,6 +463,7 @@ impl DeviceAllocator {
             Err(e) if e.kind == ErrorKind::OutOfMemory && size > self.limit()? => {
                 // Past the memory limit: emptying caches could not help. Counted now.
                 let elsewhere = self.held_elsewhere(shard, false)?;
+                self.settle_lifts(None);
                 shard.malloc(size, stream, Some(elsewhere))
             }
             Err(e) if e.kind == ErrorKind::OutOfMemory => {
@@ -471,8 +473,10 @@ impl DeviceAllocator {
                 // it grew, would otherwise empty each other's caches and fail together
                 // again, where one of them fits.
                 let _one_at_a_time = lock(&self.oom_retry, "the device's OOM retry")?;
-                let elsewhere = self.held_elsewhere(shard, true)?;
-                shard.malloc(size, stream, Some(elsewhere))
+                let elsewhere = self.held_elsewhere(shard, true);
+                // Emptying the other shards' caches can lift their counts.
+                self.settle_lifts(None);
+                shard.malloc(size, stream, Some(elsewhere?))
             }
             other => other,
         }
@@ -508,15 +512,26 @@ impl DeviceAllocator {
         // What the lifts took past the ceilings the book gave: each lifted shard keeps its
         // new ceiling, so the others must give up as much.
         let mut need = [0; PEAKED];
-        for (i, shard) in shards.iter().enumerate() {
-            if lifted.is_some_and(|l| !std::ptr::eq(l, *shard)) {
-                continue;
+        let gather = |only: Option<&Shard>, book: &mut Book, need: &mut Peaks| -> Result<()> {
+            for (i, shard) in shards.iter().enumerate() {
+                if only.is_some_and(|l| !std::ptr::eq(l, *shard)) {
+                    continue;
+                }
+                let ceilings = shard.lock()?.stats().peaked_peaks();
+                for ((n, c), a) in need.iter_mut().zip(&ceilings).zip(&mut book.assigned[i]) {
+                    *n += (c - *a).max(0);
+                    *a = (*a).max(*c);
+                }
             }
-            let ceilings = shard.lock()?.stats().peaked_peaks();
-            for ((n, c), a) in need.iter_mut().zip(&ceilings).zip(&mut book.assigned[i]) {
-                *n += (c - *a).max(0);
-                *a = (*a).max(*c);
-            }
+            Ok(())
+        };
+        gather(lifted, &mut book, &mut need)?;
+        // The flag may name another shard's lift (a path that settled no shard in
+        // particular): then every shard is looked at.
+        let mut lifted = lifted;
+        if lifted.is_some() && need.iter().all(|&n| n == 0) {
+            lifted = None;
+            gather(None, &mut book, &mut need)?;
         }
         // The shard that lifted also gets half of the headroom left where its need was
         // met: at its new ceiling exactly, its next increase would lift again.
@@ -670,18 +685,19 @@ impl DeviceAllocator {
             return done;
         }
         if !self.several_shards() {
-            return self
-                .free_trying(ptr, self.shards.slots[0].get().map(|s| &s.shard))
-                .map(drop);
+            let freed = self.free_trying(ptr, self.shards.slots[0].get().map(|s| &s.shard));
+            // (A second shard may be in the making: its peaks book is active already.)
+            self.settle_lifts(freed.as_ref().ok().copied());
+            return freed.map(drop);
         }
         let (device, slot) = LAST_SLOT.get();
         let first = (device == self as *const Self as usize)
             .then(|| self.shards.slots[slot].get())
             .flatten();
         // A free can lift a count too (inactive splits).
-        let freed_in = self.free_trying(ptr, first.map(|s| &s.shard))?;
-        self.settle_lifts(Some(freed_in));
-        Ok(())
+        let freed = self.free_trying(ptr, first.map(|s| &s.shard));
+        self.settle_lifts(freed.as_ref().ok().copied());
+        freed.map(drop)
     }
 
     /// `free` for a block allocated on `stream` (as PyTorch's free says): its shard is
@@ -694,9 +710,9 @@ impl DeviceAllocator {
             .shards
             .slot_of(stream)
             .map(|i| self.shards.filled_shard(i));
-        let freed_in = self.free_trying(ptr, first)?;
-        self.settle_lifts(Some(freed_in));
-        Ok(())
+        let freed = self.free_trying(ptr, first);
+        self.settle_lifts(freed.as_ref().ok().copied());
+        freed.map(drop)
     }
 
     /// The fast free: `ptr` was handed out by one of this thread's fronts for this device.
@@ -763,9 +779,10 @@ impl DeviceAllocator {
     /// queued there has completed.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
         for shard in self.shards() {
-            if shard.record_stream(ptr, stream)? {
-                // Taking a block back from a front can lift a count.
-                self.settle_lifts(Some(shard));
+            let recorded = shard.record_stream(ptr, stream);
+            // Taking a block back from a front can lift a count.
+            self.settle_lifts(Some(shard));
+            if recorded? {
                 return Ok(());
             }
         }
@@ -793,6 +810,8 @@ impl DeviceAllocator {
                 first = result;
             }
         }
+        // Caching blocks whose events completed can lift a count (inactive splits).
+        self.settle_lifts(None);
         first
     }
 
@@ -970,12 +989,14 @@ impl DeviceAllocator {
     pub fn reset_peak_stats(&self) -> Result<()> {
         self.check_open()?;
         self.device_reserved.reset_peaks()?;
+        // The book first, even with one shard: a second shard made meanwhile takes the
+        // first one's peaks into the book under it, before or after this reset.
+        let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         if !self.peak_book.active.load(Ordering::Acquire) {
             return self.each_shard(Shard::reset_peak_stats);
         }
         // Every shard at once, as `balance_peaks`: the new peaks are one moment's sum, taken
         // with the fronts drained (held blocks are not live).
-        let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let (shards, mut held) = self.lock_every_shard()?;
         let mut sum = [0; PEAKED];
         for (j, (shard, st)) in shards.iter().zip(held.iter_mut()).enumerate() {
@@ -1001,10 +1022,19 @@ impl DeviceAllocator {
     pub fn largest_free_block(&self) -> Result<u64> {
         self.check_open()?;
         let mut largest = 0;
+        let mut failed = None;
         for shard in self.shards() {
-            largest = largest.max(shard.largest_free_block()?);
+            match shard.largest_free_block() {
+                Ok(l) => largest = largest.max(l),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
-        Ok(largest)
+        // Blocks set aside go back to the cache here, which can lift a count.
+        self.settle_lifts(None);
+        failed.map_or(Ok(largest), Err)
     }
 
     /// Takes one hold on private pool `pool`, creating it if new (PyTorch's `MemPool`): its
@@ -1084,9 +1114,13 @@ impl DeviceAllocator {
     pub fn segments(&self) -> Result<Vec<SegmentView>> {
         self.check_open()?;
         let mut all = Vec::new();
-        for shard in self.shards() {
+        let listed = self.shards().try_for_each(|shard| {
             all.extend(shard.segments()?);
-        }
+            Ok(())
+        });
+        // Held blocks go back to the cache here, which can lift a count.
+        self.settle_lifts(None);
+        listed?;
         all.sort_by_key(|s| s.addr);
         Ok(all)
     }

@@ -278,7 +278,7 @@ impl Front {
     }
 
     /// A free of `ptr`, and whether its block is over `FRONT_MAX_BLOCK`.
-    pub fn give_back(&mut self, ptr: DevicePtr) -> (GiveBack, bool) {
+    pub fn give_back(&mut self, ptr: DevicePtr, large_ok: bool) -> (GiveBack, bool) {
         self.clock += 1;
         let stamp = self.clock;
         let Some(entry) = self.slots.iter_mut().flatten().find(|e| e.ptr == ptr) else {
@@ -286,6 +286,10 @@ impl Front {
         };
         if entry.held {
             return (GiveBack::AlreadyFree, entry.is_large());
+        }
+        if entry.is_large() && !large_ok {
+            // Its shard takes it from here (`Fronts::detach`).
+            return (GiveBack::NotHere, true);
         }
         entry.held = true;
         entry.stamp = stamp;
@@ -455,6 +459,9 @@ pub struct Fronts {
     /// and never cleared: a front gets blocks only by adopting them, so until then every
     /// front of the device is empty.
     adopted: Arc<AtomicBool>,
+    /// The device's record that it has several shards (set when the second is made):
+    /// large blocks then stay out of fronts.
+    several_shards: Arc<AtomicBool>,
 }
 
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
@@ -469,7 +476,12 @@ pub fn new_key() -> u64 {
 impl Fronts {
     /// The fronts of a new shard of the device whose key is `device`; `adopted`: the device's
     /// record of an adoption into any of its fronts.
-    pub fn new(device: u64, open: bool, adopted: Arc<AtomicBool>) -> Self {
+    pub fn new(
+        device: u64,
+        open: bool,
+        adopted: Arc<AtomicBool>,
+        several_shards: Arc<AtomicBool>,
+    ) -> Self {
         Self {
             id: NEXT_FRONTS.fetch_add(1, Ordering::Relaxed),
             device,
@@ -477,6 +489,7 @@ impl Fronts {
             open: AtomicBool::new(open),
             orphans: AtomicUsize::new(0),
             adopted,
+            several_shards,
         }
     }
 
@@ -721,7 +734,10 @@ pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
                     if !fronts.open.load(Ordering::Relaxed) {
                         return ((GiveBack::NotHere, false), f.census());
                     }
-                    (f.give_back(ptr), f.census())
+                    // Large blocks stay out of fronts once the device has several
+                    // shards (`Shard::fits_front`): one out now goes back through its shard.
+                    let large_ok = !fronts.several_shards.load(Ordering::Acquire);
+                    (f.give_back(ptr, large_ok), f.census())
                 });
                 local.census = census;
                 if found == GiveBack::Held && large {
@@ -886,7 +902,7 @@ mod tests {
                     let _ = f.take(requested, stream);
                 }
                 2 => {
-                    let _ = f.give_back(ptr);
+                    let _ = f.give_back(ptr, true);
                 }
                 3 => {
                     let _ = f.detach(ptr);
@@ -979,7 +995,7 @@ mod tests {
             let mut after = counts;
             after.take_back(&entry(99));
             assert_eq!(format!("{:?}", f.counts()), format!("{after:?}"));
-            assert_eq!(f.give_back(0), (GiveBack::NotHere, false));
+            assert_eq!(f.give_back(0, true), (GiveBack::NotHere, false));
             assert_eq!(
                 f.take(size + 99 * 512, s),
                 Some((99 << 30, pool == PoolKind::Large))
@@ -994,7 +1010,7 @@ mod tests {
     fn a_large_free_the_front_serves_counts_in_the_small_blocks_pause() {
         std::thread::spawn(|| {
             let key = new_key();
-            let fronts = Arc::new(Fronts::new(key, true, Arc::default()));
+            let fronts = Arc::new(Fronts::new(key, true, Arc::default(), Arc::default()));
             let s = StreamId(0);
             let large = 2 * FRONT_MAX_BLOCK;
             let adopt = |ptr: DevicePtr, size: u64| {
