@@ -543,7 +543,11 @@ impl DeviceAllocator {
             if lifted.is_some_and(|l| std::ptr::eq(l, *shard)) {
                 continue;
             }
-            let mut st = shard.lock()?;
+            // A giver busy for long (a driver call) is passed over: the book is held, and
+            // every other lift would wait behind it.
+            let Some(mut st) = shard.lock_soon()? else {
+                continue;
+            };
             let ceilings = st.stats().peaked_peaks();
             let mut currents = [0; PEAKED];
             st.stats().add_peaked_currents(&mut currents);
