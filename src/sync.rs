@@ -97,37 +97,9 @@ impl<T> SpinThenBlock<T> {
     #[cold]
     #[inline(never)]
     fn lock_contended(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
-        let mut tries = 0u32;
-        #[cfg(not(loom))]
-        let mut deadline = None;
-        loop {
-            match self.inner.try_lock() {
-                Ok(guard) => return Ok(guard),
-                Err(TryLockError::Poisoned(poisoned)) => return Err(poisoned),
-                Err(TryLockError::WouldBlock) => {}
-            }
-            tries += 1;
-            #[cfg(loom)]
-            {
-                // The model explores the spin once, then the blocking path.
-                if tries > 1 {
-                    return self.inner.lock();
-                }
-                loom::thread::yield_now();
-            }
-            #[cfg(not(loom))]
-            {
-                if tries >= TRIES_BEFORE_CLOCK {
-                    let now = std::time::Instant::now();
-                    let until = *deadline.get_or_insert(now + SPIN_BUDGET);
-                    if now >= until {
-                        return self.inner.lock();
-                    }
-                }
-                for _ in 0..(1u32 << tries.min(MAX_BACKOFF.trailing_zeros())) {
-                    std::hint::spin_loop();
-                }
-            }
+        match self.lock_soon()? {
+            Some(guard) => Ok(guard),
+            None => self.inner.lock(),
         }
     }
 
@@ -147,6 +119,7 @@ impl<T> SpinThenBlock<T> {
             tries += 1;
             #[cfg(loom)]
             {
+                // The model explores the spin once, then the caller's next step.
                 if tries > 1 {
                     return Ok(None);
                 }
