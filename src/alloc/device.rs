@@ -547,10 +547,9 @@ impl DeviceAllocator {
                 continue;
             };
             let ceilings = st.stats().peaked_peaks();
-            let mut currents = [0; PEAKED];
-            st.stats().add_peaked_currents(&mut currents);
+            let currents = st.stats().peaked_currents();
+            let before = book.assigned[j];
             let assigned = &mut book.assigned[j];
-            let mut headroom = [0; PEAKED];
             for q in 0..PEAKED {
                 // A shard whose own lift is not settled yet keeps its ceiling there.
                 if ceilings[q] <= assigned[q] && need[q] > 0 {
@@ -563,9 +562,8 @@ impl DeviceAllocator {
                     }
                     assigned[q] -= take;
                 }
-                headroom[q] = ceilings[q].max(assigned[q]) - currents[q];
             }
-            st.stats_mut().set_ceilings(&headroom);
+            st.stats_mut().assign_ceilings(&before, assigned);
         }
         if let Some((i, shard)) = shards
             .iter()
@@ -573,17 +571,12 @@ impl DeviceAllocator {
             .find(|(_, s)| lifted.is_some_and(|l| std::ptr::eq(l, **s)))
             .filter(|_| bonus.iter().any(|&b| b > 0))
         {
-            let mut st = shard.lock()?;
-            let ceilings = st.stats().peaked_peaks();
-            let mut currents = [0; PEAKED];
-            st.stats().add_peaked_currents(&mut currents);
+            let before = book.assigned[i];
             let assigned = &mut book.assigned[i];
-            let mut headroom = [0; PEAKED];
-            for q in 0..PEAKED {
-                assigned[q] += bonus[q];
-                headroom[q] = ceilings[q].max(assigned[q]) - currents[q];
+            for (a, b) in assigned.iter_mut().zip(&bonus) {
+                *a += b;
             }
-            st.stats_mut().set_ceilings(&headroom);
+            shard.lock()?.stats_mut().assign_ceilings(&before, assigned);
         }
         if need.iter().all(|&n| n == 0) {
             return Ok(());
@@ -644,8 +637,7 @@ impl DeviceAllocator {
         let n = held.len() as i64;
         let peaks = book.peaks;
         for (j, st) in held.iter_mut().enumerate() {
-            let mut currents = [0; PEAKED];
-            st.stats().add_peaked_currents(&mut currents);
+            let currents = st.stats().peaked_currents();
             let mut headroom = [0; PEAKED];
             for q in 0..PEAKED {
                 let spare = peaks[q] - sum[q];
@@ -1003,8 +995,7 @@ impl DeviceAllocator {
         let mut sum = [0; PEAKED];
         for (j, (shard, st)) in shards.iter().zip(held.iter_mut()).enumerate() {
             shard.reset_peaks_locked(st);
-            let mut currents = [0; PEAKED];
-            st.stats().add_peaked_currents(&mut currents);
+            let currents = st.stats().peaked_currents();
             book.assigned[j] = currents;
             for (s, c) in sum.iter_mut().zip(&currents) {
                 *s += c;

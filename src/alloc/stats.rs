@@ -415,6 +415,23 @@ impl DeviceStats {
         peaks
     }
 
+    /// The current values of the peaked counters.
+    pub fn peaked_currents(&self) -> Peaks {
+        let mut currents = [0; PEAKED];
+        self.add_peaked_currents(&mut currents);
+        currents
+    }
+
+    /// Sets the peaked counters' peaks (a shard's ceilings) to `assigned`, except where a
+    /// peak stands above `before`, the assignment it was given: a lift not settled yet,
+    /// which keeps its ceiling until it is.
+    pub fn assign_ceilings(&mut self, before: &Peaks, assigned: &Peaks) {
+        self.peaked_mut()
+            .zip(before.iter().zip(assigned))
+            .filter(|(stat, (&b, _))| stat.peak <= b)
+            .for_each(|(stat, (_, &a))| stat.peak = a);
+    }
+
     /// Sets the peaked counters' peaks to each current value plus `headroom` (a shard's
     /// ceilings: it may rise that far without the device settling its peaks).
     pub fn set_ceilings(&mut self, headroom: &Peaks) {
