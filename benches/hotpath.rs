@@ -32,6 +32,9 @@ impl Sizes {
 
 /// An allocator per stream (`per_stream_shards`), with thread fronts.
 const SHARDS: (&str, &str) = ("shards", "per_stream_shards:True");
+/// One allocator for every stream and thread (`thread_shards:False`; the default gives a
+/// thread that starts on a stream of its own a shard).
+const ONE_SHARD: (&str, &str) = ("one_shard", "thread_shards:False");
 
 /// The default (paged segments, thread fronts), without the fronts, and plain segments.
 fn modes() -> [(&'static str, &'static str); 3] {
@@ -164,12 +167,13 @@ fn pair_steps(a: &DeviceAllocator, stream: StreamId, steps: u64) -> Duration {
 
 /// Wall time per step over all threads, each churning small blocks on its own stream, and
 /// two threads sharing one stream (PyTorch's forward on the Python thread and backward on
-/// the autograd thread); also with an allocator per stream (`per_stream_shards`). `pair_2`:
+/// the autograd thread); also with an allocator per stream (`per_stream_shards`) and with
+/// one for all (`thread_shards:False`; by default each thread here gets one). `pair_2`:
 /// two threads, each on its own stream, alloc+free 4 KiB pairs (the thread fronts' case).
 fn threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("threads");
     group.throughput(Throughput::Elements(1));
-    for (mode, conf) in modes().into_iter().chain([SHARDS]) {
+    for (mode, conf) in modes().into_iter().chain([SHARDS, ONE_SHARD]) {
         for (label, n, one_stream, pairs) in [
             ("1", 1usize, false, false),
             ("4", 4, false, false),

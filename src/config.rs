@@ -30,16 +30,22 @@ pub struct Config {
     /// Paged segments cache more (up to twice the live bytes) while moving pages takes more
     /// than this share of the time; 0 = never (only `page_slack`).
     pub page_move_budget: f64,
-    /// A separate allocator (lock, cache, statistics) per stream, so that threads on
-    /// different streams never contend. The cost: paged segments no longer move free pages
-    /// from one stream to another (other streams' caches are emptied before an OOM instead),
-    /// and with several streams the peak statistics are each stream's peak summed, an upper
-    /// bound (see `DeviceAllocator::stats`). Off by default; may change only before the
-    /// device's first allocation.
+    /// A separate allocator (shard: lock, cache, statistics) per stream, so that threads on
+    /// different streams never contend. The cost: pages lent between streams wait for the
+    /// lender's work, and large blocks skip the thread fronts once there are several
+    /// shards (`design.md`, Shards). Off by default; may change only before the device's
+    /// first allocation.
     pub per_stream_shards: bool,
+    /// A shard of its own for a stream first used by a thread that has not allocated on
+    /// the device before, when no shard holds memory of that stream: threads each on their
+    /// own stream never contend, while one thread's several streams, and a stream that
+    /// several threads use (PyTorch's forward and autograd threads), stay in one shard. On
+    /// by default; `per_stream_shards` overrides it; may change only before the device's
+    /// first allocation.
+    pub thread_shards: bool,
     /// Each thread keeps up to 8 blocks it freed, for its next request of exactly their
     /// size and stream, and frees them without the device lock (`alloc::front`). Only with
-    /// paged segments and without `per_stream_shards`. On by default.
+    /// paged segments; with several shards, per shard. On by default.
     pub thread_cache: bool,
 }
 
@@ -55,6 +61,7 @@ impl Default for Config {
             page_slack: DEFAULT_PAGE_SLACK,
             page_move_budget: DEFAULT_PAGE_MOVE_BUDGET,
             per_stream_shards: false,
+            thread_shards: true,
             thread_cache: true,
         }
     }
@@ -70,7 +77,7 @@ pub const DEFAULT_PAGE_SLACK: f64 = 1.0 / 32.0;
 pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.02;
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 10] = [
+pub const KEYS: [&str; 11] = [
     "expandable_segments",
     "page_slack",
     "page_move_budget",
@@ -80,6 +87,7 @@ pub const KEYS: [&str; 10] = [
     "garbage_collection_threshold",
     "per_process_memory_fraction",
     "per_stream_shards",
+    "thread_shards",
     "thread_cache",
 ];
 
@@ -176,6 +184,7 @@ impl Config {
             }
             "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
             "per_stream_shards" => self.per_stream_shards = parse_bool(key, value)?,
+            "thread_shards" => self.thread_shards = parse_bool(key, value)?,
             "thread_cache" => self.thread_cache = parse_bool(key, value)?,
             _ => {
                 return Err(config_error(format!(
@@ -266,11 +275,12 @@ impl std::fmt::Display for Config {
         let yes_no = |b: bool| if b { "True" } else { "False" };
         write!(
             f,
-            "expandable_segments:{},page_slack:{},page_move_budget:{},per_stream_shards:{},thread_cache:{}",
+            "expandable_segments:{},page_slack:{},page_move_budget:{},per_stream_shards:{},thread_shards:{},thread_cache:{}",
             yes_no(self.expandable_segments),
             self.page_slack,
             self.page_move_budget,
             yes_no(self.per_stream_shards),
+            yes_no(self.thread_shards),
             yes_no(self.thread_cache),
         )?;
         if self.max_split_size != u64::MAX {

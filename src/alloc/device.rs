@@ -36,7 +36,7 @@ use crate::sync::{lock, poisoned, Guard};
 use crate::DeviceStats;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Streams with a shard of their own; more share.
@@ -100,6 +100,12 @@ impl Shards {
         self.directory.streams[..filled]
             .iter()
             .position(|s| s.load(Ordering::Relaxed) == stream.0)
+    }
+
+    /// The stream of the first slot (filled).
+    #[inline]
+    fn first_stream(&self) -> StreamId {
+        StreamId(self.directory.streams[0].load(Ordering::Relaxed))
     }
 
     /// The shard in filled slot `i`.
@@ -217,8 +223,9 @@ pub struct DeviceAllocator {
     /// Held by a shard's second try after an OOM (`malloc_in_shard`), so that one such try
     /// runs at a time.
     oom_retry: Mutex<()>,
-    /// `Config::per_stream_shards`; may change only while no shard exists.
-    sharded: AtomicBool,
+    /// How streams map to shards (`Sharding`, from the settings); may change only while
+    /// no shard exists.
+    sharding: AtomicU8,
     /// The device's peaks once it has several shards.
     peak_book: PeakBook,
     /// Whether a second shard has been made (`Shard::fits_front` reads it).
@@ -244,9 +251,9 @@ impl DeviceAllocator {
             limit_for(&config, total_memory),
             total_memory,
         ));
-        let sharded = AtomicBool::new(config.per_stream_shards);
+        let sharding = AtomicU8::new(Sharding::of(&config) as u8);
         Ok(Self {
-            sharded,
+            sharding,
             peak_book: PeakBook::default(),
             several_shards: Arc::default(),
             key: front::new_key(),
@@ -299,25 +306,48 @@ impl DeviceAllocator {
         }
     }
 
-    /// `stream`'s shard and slot (with shards off, the one shard; past `MAX_SHARDS` streams,
-    /// a shared one), or the first empty slot when it has none yet.
+    fn sharding(&self) -> Sharding {
+        Sharding::from_u8(self.sharding.load(Ordering::Relaxed))
+    }
+
+    /// `stream`'s shard and slot, or the first empty slot when `make_shard` must decide.
+    /// A stream with a slot in the directory has that shard. Otherwise: with one shard, the
+    /// first; with a shard per stream, a new one; with thread shards, the first shard if
+    /// this thread has allocated on the device before (its new streams stay with its
+    /// others), else `make_shard` decides. Past `MAX_SHARDS` slots, a shared one.
+    #[inline]
     fn find_slot(&self, stream: StreamId) -> std::result::Result<(usize, &Shard), usize> {
         let shards = &self.shards;
         let filled = shards.filled();
+        // The first slot's stream, or one shard: the first shard, whatever the setting.
+        if filled > 0 && (shards.first_stream() == stream || self.sharding() == Sharding::One) {
+            return Ok((0, shards.filled_shard(0)));
+        }
+        self.find_other_slot(stream, filled)
+    }
+
+    /// `find_slot` past the first slot's stream, `filled` slots being filled.
+    #[inline(never)]
+    fn find_other_slot(
+        &self,
+        stream: StreamId,
+        filled: usize,
+    ) -> std::result::Result<(usize, &Shard), usize> {
+        let shards = &self.shards;
         if filled == 0 {
             return Err(0);
-        }
-        if !self.sharded.load(Ordering::Relaxed) {
-            return Ok((0, shards.filled_shard(0)));
         }
         if let Some(i) = shards.slot_of(stream) {
             return Ok((i, shards.filled_shard(i)));
         }
-        if filled < MAX_SHARDS {
-            return Err(filled);
+        if filled == MAX_SHARDS {
+            let i = shared_slot(stream);
+            return Ok((i, shards.filled_shard(i)));
         }
-        let i = shared_slot(stream);
-        Ok((i, shards.filled_shard(i)))
+        if self.sharding() == Sharding::NewThreads && homes::has_home(self.key) {
+            return Ok((0, shards.filled_shard(0)));
+        }
+        Err(filled)
     }
 
     /// `stream`'s shard if it has one (`find_slot`), for the fast path.
@@ -333,6 +363,19 @@ impl DeviceAllocator {
             Ok(found) => return Ok(found),
             Err(empty) => empty,
         };
+        let thread_shards = self.sharding() == Sharding::NewThreads;
+        if thread_shards {
+            // This thread's first allocation on the device, on a stream with no slot: a new
+            // shard, unless the first shard holds memory of the stream (another thread's:
+            // PyTorch's autograd thread running backward on a forward's side stream).
+            homes::note_home(self.key);
+            if i > 0 {
+                let first = self.shards.filled_shard(0);
+                if first.serves_stream(stream)? {
+                    return Ok((0, first));
+                }
+            }
+        }
         let shard = Shard::new(
             self.device,
             self.total_memory,
@@ -389,6 +432,12 @@ impl DeviceAllocator {
         self.shards.several()
     }
 
+    /// Shards made so far (streams that share one count once): 1 once the device has
+    /// allocated with both `per_stream_shards` and `thread_shards` off.
+    pub fn shards_made(&self) -> usize {
+        self.shards.filled()
+    }
+
     /// Allocates at least `size` bytes for use on `stream`.
     pub fn malloc(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
         // A block this thread freed, of exactly this size and stream, in its front for the
@@ -397,10 +446,11 @@ impl DeviceAllocator {
         // Only the calling thread adopts into its fronts, so it sees its own adoption here.
         let front = if !self.fronts_adopted.load(Ordering::Relaxed) {
             None
-        } else if self.sharded.load(Ordering::Relaxed) {
+        } else if self.sharding() == Sharding::EveryStream || self.several_shards() {
             self.front_shard(stream)
                 .map(|shard| FrontOf::Shard(&shard.fronts))
         } else {
+            // One shard (the device's first and only one, whatever the setting).
             Some(FrontOf::OnlyShard(self.key))
         };
         if let Some(ptr) = front.and_then(|front| front::take(front, size, stream)) {
@@ -453,6 +503,10 @@ impl DeviceAllocator {
     /// `malloc` past the thread's front.
     fn malloc_in_shard(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
         let (slot, shard) = self.shard(stream)?;
+        if self.sharding() == Sharding::NewThreads {
+            // A thread that has allocated keeps its later new streams in the first shard.
+            homes::note_home(self.key);
+        }
         if !self.several_shards() || size > self.total_memory {
             // One shard, or a size no emptying could make room for: nothing to retry.
             let result = shard.malloc(size, stream, Some(Elsewhere::default()));
@@ -616,37 +670,25 @@ impl DeviceAllocator {
     fn balance_peaks(&self) -> Result<Peaks> {
         let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let (shards, mut held) = self.lock_every_shard()?;
-        let sum_of = |held: &[Guard<'_, State>]| {
-            let mut sum = [0; PEAKED];
-            held.iter()
-                .for_each(|st| st.stats().add_peaked_currents(&mut sum));
-            sum
-        };
-        let mut sum = sum_of(&held);
-        let rises = sum.iter().zip(book.peaks.iter()).any(|(s, p)| s > p);
-        if rises && held.iter().any(|st| st.front_blocks() > 0) {
-            // Held blocks count as live in their shard: the rise must not include them.
-            for (shard, st) in shards.iter().zip(held.iter_mut()) {
-                shard.drain_fronts(st);
-            }
-            sum = sum_of(&held);
+        Ok(balance_held(&mut book, &shards, &mut held))
+    }
+
+    /// What `stats` returns, with several shards: their counts and the device's reserved
+    /// bytes read at one moment (every shard locked), and the peaks settled then.
+    #[cold]
+    #[inline(never)]
+    fn stats_of_shards(&self) -> Result<DeviceStats> {
+        let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
+        let (shards, mut held) = self.lock_every_shard()?;
+        let peaks = balance_held(&mut book, &shards, &mut held);
+        let mut sum = DeviceStats::default();
+        for (shard, st) in shards.iter().zip(&held) {
+            sum.add(&shard.stats_with_fronts_locked(st)?);
         }
-        for (p, s) in book.peaks.iter_mut().zip(&sum) {
-            *p = (*p).max(*s);
-        }
-        let n = held.len() as i64;
-        let peaks = book.peaks;
-        for (j, st) in held.iter_mut().enumerate() {
-            let currents = st.stats().peaked_currents();
-            let mut headroom = [0; PEAKED];
-            for q in 0..PEAKED {
-                let spare = peaks[q] - sum[q];
-                headroom[q] = spare / n + if j == 0 { spare % n } else { 0 };
-                book.assigned[j][q] = currents[q] + headroom[q];
-            }
-            st.stats_mut().set_ceilings(&headroom);
-        }
-        Ok(peaks)
+        // Reserved bytes change only under a shard's lock: every one is held.
+        sum.reserved_bytes = self.device_reserved.read()?;
+        sum.set_device_peaks(&peaks);
+        Ok(sum)
     }
 
     /// What the shards other than `shard` hold, for its OOM message; with `empty`, after
@@ -825,8 +867,8 @@ impl DeviceAllocator {
         let mut next = setup.config.clone();
         change(&mut next)?;
         self.check_sharding(&setup.config, &next)?;
-        self.sharded
-            .store(next.per_stream_shards, Ordering::Relaxed);
+        self.sharding
+            .store(Sharding::of(&next) as u8, Ordering::Relaxed);
         setup.config = next.clone();
         self.limit.set_limit(limit_for(&next, self.total_memory));
         self.set_fronts_open(setup);
@@ -852,13 +894,16 @@ impl DeviceAllocator {
         )
     }
 
-    /// `per_stream_shards` may change only while no shard exists.
+    /// `per_stream_shards` and `thread_shards` may change only while no shard exists.
     fn check_sharding(&self, now: &Config, next: &Config) -> Result<()> {
-        if next.per_stream_shards != now.per_stream_shards && self.shards.slots[0].get().is_some() {
+        let changed = next.per_stream_shards != now.per_stream_shards
+            || next.thread_shards != now.thread_shards;
+        if changed && self.shards.slots[0].get().is_some() {
             return Err(Error::new(
                 ErrorKind::Config,
                 format!(
-                    "per_stream_shards can change only before device {} first allocates",
+                    "per_stream_shards and thread_shards can change only before device {} \
+                     first allocates",
                     self.device
                 ),
             ));
@@ -895,6 +940,7 @@ impl DeviceAllocator {
         self.configure(|c| {
             if self.shards.slots[0].get().is_some() {
                 config.per_stream_shards = c.per_stream_shards;
+                config.thread_shards = c.thread_shards;
             }
             *c = config;
             Ok(())
@@ -950,15 +996,13 @@ impl DeviceAllocator {
     /// count, the others from the device's `PeakBook`, settled first.
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
-        let peaks = if self.peak_book.active.load(Ordering::Acquire) {
-            Some(self.balance_peaks()?)
-        } else {
-            None
-        };
+        if self.peak_book.active.load(Ordering::Acquire) {
+            return self.stats_of_shards();
+        }
         let mut sum = DeviceStats::default();
         // Reserved bytes change only under a shard's lock, so the device-wide count is read
-        // with the last shard still held: with one shard, the same moment as its allocated
-        // bytes. Locks are taken one at a time, never two at once.
+        // with the shard still held: the same moment as its allocated bytes. (A second
+        // shard's making activates the book before that shard can allocate.)
         let mut last = None;
         for shard in self.shards() {
             drop(last.take());
@@ -968,9 +1012,6 @@ impl DeviceAllocator {
             last = Some(st);
         }
         sum.reserved_bytes = self.device_reserved.read()?;
-        if let Some(peaks) = peaks {
-            sum.set_device_peaks(&peaks);
-        }
         Ok(sum)
     }
 
@@ -1293,6 +1334,123 @@ impl Lifecycle {
 /// open or not, shut down or not.
 fn fronts_open(config: &Config, windows_open: bool, shut_down: bool) -> bool {
     config.thread_cache && config.expandable_segments && !windows_open && !shut_down
+}
+
+/// How a device's streams map to its shards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Sharding {
+    /// One shard for every stream (both settings off).
+    One = 0,
+    /// A shard of its own for a stream that a thread new to the device allocates on first
+    /// (`Config::thread_shards`); every other stream in the first shard.
+    NewThreads = 1,
+    /// A shard per stream (`Config::per_stream_shards`).
+    EveryStream = 2,
+}
+
+impl Sharding {
+    fn of(config: &Config) -> Self {
+        match (config.per_stream_shards, config.thread_shards) {
+            (true, _) => Self::EveryStream,
+            (false, true) => Self::NewThreads,
+            (false, false) => Self::One,
+        }
+    }
+
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::NewThreads,
+            2 => Self::EveryStream,
+            _ => Self::One,
+        }
+    }
+}
+
+/// The devices (by `DeviceAllocator::key`) this thread has allocated on, for thread shards:
+/// such a thread's new streams go to the device's first shard.
+mod homes {
+    use std::cell::Cell;
+
+    /// Devices remembered per thread; a forgotten one (a thread using more devices' allocators
+    /// than this) costs a look at the first shard's segments at its next new stream.
+    const HOMES: usize = 8;
+
+    std::thread_local! {
+        /// The device this thread last noted (every allocation notes one: one compare).
+        static LAST: Cell<u64> = const { Cell::new(0) };
+        /// The devices noted, newest first.
+        static ALL: Cell<[u64; HOMES]> = const { Cell::new([0; HOMES]) };
+    }
+
+    /// Whether this thread has allocated on the device keyed `key`.
+    #[inline]
+    pub(super) fn has_home(key: u64) -> bool {
+        LAST.try_with(Cell::get).is_ok_and(|last| last == key)
+            || ALL
+                .try_with(|all| all.get().contains(&key))
+                .unwrap_or(false)
+    }
+
+    /// Notes that this thread has allocated on the device keyed `key` (keys start at 1).
+    #[inline]
+    pub(super) fn note_home(key: u64) {
+        if LAST
+            .try_with(|last| last.replace(key))
+            .is_ok_and(|was| was == key)
+        {
+            return;
+        }
+        note_in_all(key);
+    }
+
+    #[cold]
+    fn note_in_all(key: u64) {
+        let _ = ALL.try_with(|all| {
+            let mut homes = all.get();
+            if !homes.contains(&key) {
+                homes.rotate_right(1);
+                homes[0] = key;
+                all.set(homes);
+            }
+        });
+    }
+}
+
+/// `DeviceAllocator::balance_peaks` with the book and every shard (`shards`, `held`)
+/// locked.
+fn balance_held(book: &mut Book, shards: &[&Shard], held: &mut [Guard<'_, State>]) -> Peaks {
+    let sum_of = |held: &[Guard<'_, State>]| {
+        let mut sum = [0; PEAKED];
+        held.iter()
+            .for_each(|st| st.stats().add_peaked_currents(&mut sum));
+        sum
+    };
+    let mut sum = sum_of(held);
+    let rises = sum.iter().zip(book.peaks.iter()).any(|(s, p)| s > p);
+    if rises && held.iter().any(|st| st.front_blocks() > 0) {
+        // Held blocks count as live in their shard: the rise must not include them.
+        for (shard, st) in shards.iter().zip(held.iter_mut()) {
+            shard.drain_fronts(st);
+        }
+        sum = sum_of(held);
+    }
+    for (p, s) in book.peaks.iter_mut().zip(&sum) {
+        *p = (*p).max(*s);
+    }
+    let n = held.len() as i64;
+    let peaks = book.peaks;
+    for (j, st) in held.iter_mut().enumerate() {
+        let currents = st.stats().peaked_currents();
+        let mut headroom = [0; PEAKED];
+        for q in 0..PEAKED {
+            let spare = peaks[q] - sum[q];
+            headroom[q] = spare / n + if j == 0 { spare % n } else { 0 };
+            book.assigned[j][q] = currents[q] + headroom[q];
+        }
+        st.stats_mut().set_ceilings(&headroom);
+    }
+    peaks
 }
 
 /// The slot a stream past `MAX_SHARDS` shares. The hash's high bits: stream handles are

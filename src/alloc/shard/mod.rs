@@ -597,6 +597,11 @@ impl Shard {
         Ok(self.lock()?.caches().knows_pool(pool))
     }
 
+    /// Whether this shard holds memory (a segment) of `stream`.
+    pub(in crate::alloc) fn serves_stream(&self, stream: StreamId) -> Result<bool> {
+        Ok(self.lock()?.serves_stream(stream))
+    }
+
     /// Whether `ptr` lies in memory this device's allocator holds (live, cached or pending).
     /// `false` when the shard cannot be locked (shut down, or poisoned: no way to report
     /// here, and the caller's next call that needs the shard reports it).

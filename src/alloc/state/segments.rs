@@ -138,6 +138,14 @@ impl State {
         self.paging.segments.holding_mut(addr)
     }
 
+    /// Whether some segment here serves `stream` (a segment's blocks are all of its stream).
+    pub fn serves_stream(&self, stream: StreamId) -> bool {
+        self.book
+            .segments
+            .values()
+            .any(|seg| self.book.blocks.get(seg.first).stream() == stream)
+    }
+
     pub fn segment_of(&self, ptr: DevicePtr) -> Option<(DevicePtr, Segment)> {
         let (&addr, &seg) = self.book.segments.range(..=ptr).next_back()?;
         (ptr < addr + seg.size).then_some((addr, seg))

@@ -1,0 +1,225 @@
+//! `thread_shards` (on by default): a stream first used by a thread new to the device gets a
+//! shard of its own, so that threads each on their own stream do not contend, while one
+//! thread's several streams and a stream several threads share stay in one shard.
+#![cfg(feature = "sim")]
+
+use ccalloc::SimDriver;
+use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+
+fn allocator(conf: &str) -> Arc<DeviceAllocator> {
+    let sim = Arc::new(SimDriver::new(1, 1 << 30));
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    Arc::new(DeviceAllocator::new(0, sim, config).unwrap())
+}
+
+/// Runs `f` on a thread of its own (new to every device) and returns its result.
+fn on_new_thread<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    std::thread::spawn(f).join().unwrap()
+}
+
+#[test]
+fn the_default_gives_threads_on_their_own_streams_a_shard_each() {
+    let a = allocator("");
+    let first = a.malloc(MIB, StreamId(0)).unwrap();
+    assert_eq!(a.shards_made(), 1);
+    let blocks: Vec<u64> = (1..=4u64)
+        .map(|t| {
+            let a = a.clone();
+            on_new_thread(move || a.malloc(4096 * t, StreamId(100 + t)).unwrap())
+        })
+        .collect();
+    assert_eq!(a.shards_made(), 5, "one shard per new thread's stream");
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 5);
+    assert_eq!(
+        s.requested_bytes.all().current as u64,
+        MIB + 4096 * (1 + 2 + 3 + 4)
+    );
+    // Each stream's memory is in its own segments.
+    let streams: Vec<u64> = a.segments().unwrap().iter().map(|s| s.stream.0).collect();
+    for t in 1..=4u64 {
+        assert!(streams.contains(&(100 + t)), "{streams:?}");
+    }
+    // Blocks are found in their shard from any thread.
+    for p in blocks {
+        a.free(p).unwrap();
+    }
+    a.free(first).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 0);
+    assert_eq!(s.requested_bytes.all().peak as u64, MIB + 4096 * 10);
+}
+
+#[test]
+fn one_thread_on_many_streams_keeps_one_shard() {
+    let a = allocator("");
+    let blocks: Vec<u64> = (0..6u64)
+        .map(|s| a.malloc(MIB, StreamId(s)).unwrap())
+        .collect();
+    assert_eq!(a.shards_made(), 1);
+    for p in blocks {
+        a.free(p).unwrap();
+    }
+}
+
+#[test]
+fn two_threads_on_one_stream_share_its_shard() {
+    let a = allocator("");
+    let p = a.malloc(MIB, StreamId(7)).unwrap();
+    let b = a.clone();
+    let q = on_new_thread(move || {
+        let q = b.malloc(MIB, StreamId(7)).unwrap();
+        b.free(p).unwrap();
+        q
+    });
+    assert_eq!(a.shards_made(), 1);
+    a.free(q).unwrap();
+}
+
+/// PyTorch's autograd thread runs backward on the streams forward used: a side stream the
+/// first thread allocated on stays in the first shard, though the autograd thread has never
+/// allocated before.
+#[test]
+fn a_new_thread_on_a_stream_the_first_shard_holds_memory_of_joins_that_shard() {
+    let a = allocator("");
+    let main = a.malloc(MIB, StreamId(0)).unwrap();
+    let side = a.malloc(3 * MIB, StreamId(5)).unwrap();
+    let b = a.clone();
+    let grad = on_new_thread(move || b.malloc(3 * MIB, StreamId(5)).unwrap());
+    assert_eq!(a.shards_made(), 1);
+    for p in [main, side, grad] {
+        a.free(p).unwrap();
+    }
+}
+
+/// A thread that has allocated (on a stream with a shard already) keeps its later new
+/// streams in the first shard: only a thread's first stream can start a shard.
+#[test]
+fn a_thread_that_has_allocated_keeps_its_new_streams_in_the_first_shard() {
+    let a = allocator("");
+    let main = a.malloc(MIB, StreamId(0)).unwrap();
+    let b = a.clone();
+    let (p, q) = on_new_thread(move || {
+        let p = b.malloc(MIB, StreamId(0)).unwrap();
+        let q = b.malloc(MIB, StreamId(9)).unwrap();
+        (p, q)
+    });
+    assert_eq!(a.shards_made(), 1);
+    // A thread whose first stream got a shard: its next new stream goes to the first.
+    let b = a.clone();
+    let (r, s) = on_new_thread(move || {
+        let r = b.malloc(MIB, StreamId(20)).unwrap();
+        let s = b.malloc(MIB, StreamId(21)).unwrap();
+        (r, s)
+    });
+    assert_eq!(a.shards_made(), 2);
+    for p in [main, p, q, r, s] {
+        a.free(p).unwrap();
+    }
+    assert_eq!(a.stats().unwrap().allocation.all().current, 0);
+}
+
+#[test]
+fn thread_shards_off_keeps_one_shard() {
+    let a = allocator("thread_shards:False");
+    let first = a.malloc(MIB, StreamId(0)).unwrap();
+    let blocks: Vec<u64> = (1..=3u64)
+        .map(|t| {
+            let a = a.clone();
+            on_new_thread(move || a.malloc(MIB, StreamId(t)).unwrap())
+        })
+        .collect();
+    assert_eq!(a.shards_made(), 1);
+    for p in blocks.into_iter().chain([first]) {
+        a.free(p).unwrap();
+    }
+}
+
+#[test]
+fn thread_shards_is_fixed_once_the_device_allocates() {
+    let a = allocator("");
+    a.apply_config("thread_shards:False").unwrap();
+    a.apply_config("thread_shards:True").unwrap();
+    let p = a.malloc(MIB, StreamId(0)).unwrap();
+    let e = a.apply_config("thread_shards:False").unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Config);
+    assert!(e.message.contains("thread_shards"), "{}", e.message);
+    // Other settings still change.
+    a.apply_config("page_slack:0.05").unwrap();
+    a.free(p).unwrap();
+}
+
+/// Threads racing their first allocations on the same few streams: each stream ends in
+/// exactly one shard (two would show as two small segments for it).
+#[test]
+fn racing_new_threads_make_one_shard_per_stream() {
+    const THREADS: u64 = 8;
+    for round in 0..100 {
+        let a = allocator("");
+        let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
+        let workers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (a, barrier) = (a.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    a.malloc(512, StreamId(t % 3)).unwrap()
+                })
+            })
+            .collect();
+        let blocks: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+        let mut streams: Vec<_> = a.segments().unwrap().iter().map(|s| s.stream.0).collect();
+        streams.sort();
+        assert_eq!(
+            streams,
+            [0, 1, 2],
+            "round {round}: one small segment per stream"
+        );
+        assert!(a.shards_made() <= 3, "round {round}");
+        for p in blocks {
+            a.free(p).unwrap();
+        }
+    }
+}
+
+/// Threads churning on their own shards while the first thread reads statistics: every
+/// read is one moment's (no more allocated than reserved), and the peaks, read once the
+/// threads are done, are exact (each thread's blocks live together at most once).
+#[test]
+fn statistics_stay_exact_while_thread_shards_churn() {
+    let a = allocator("");
+    let base = a.malloc(MIB, StreamId(0)).unwrap();
+    let workers: Vec<_> = (1..=3u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                for step in 0..2_000u64 {
+                    let p = a.malloc(((step % 7) + 1) * 64 * 1024, StreamId(t)).unwrap();
+                    a.free(p).unwrap();
+                }
+            })
+        })
+        .collect();
+    let mut reads = 0;
+    while !workers.iter().all(|w| w.is_finished()) {
+        let s = a.stats().unwrap();
+        assert!(s.allocated_bytes.all().current <= s.reserved_bytes.all().current);
+        assert!(s.allocation.all().current <= 4);
+        reads += 1;
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert!(reads > 0);
+    assert_eq!(a.shards_made(), 4);
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocation.all().current, 1);
+    // Peak blocks live: at most the base and one per thread, and at least the base and one.
+    let peak = s.allocation.all().peak;
+    assert!((2..=4).contains(&peak), "{peak}");
+    assert!(s.requested_bytes.all().peak as u64 <= MIB + 3 * 7 * 64 * 1024);
+    a.free(base).unwrap();
+}
