@@ -487,7 +487,7 @@ add_step host_test "tests/gpu/test_host.cu: pinned host and managed memory, over
 add_step header_c "ccalloc.h with cuda_runtime.h in C and C++, and a runtime-API smoke run"
 add_step sim_c "tests/c/test_api.c on the sim backend against gpu/libccalloc.so (paged)"
 add_step sim_c_plain "the same with plain segments (CCALLOC_CONF=expandable_segments:False)"
-add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats, record_stream, graphs, cudnn, OOM, DDP"
+add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats, record_stream, graphs, cudnn, OOM, DDP, threads"
 add_step python_gpu "python/tests with PyTorch on the GPU"
 add_step bench_pinned "benches/gpu/pinned.py: a loader's pinned memory, ccalloc vs PyTorch"
 add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native vs expandable vs ccalloc"

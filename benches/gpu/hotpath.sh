@@ -13,8 +13,9 @@
 #                         bench folder itself
 #   OUT                   $OUT/hotpath.jsonl, $OUT/hotpath.md, logs in $OUT/hotpath_logs/
 #                         (default OUT=/tmp)
-#   KINDS                 default "native native_async cudamallocasync ccalloc floor"; also
-#                         native_expandable, cudamalloc (slow), ccalloc@CONF: ccalloc
+#   KINDS                 default "native native_async cudamallocasync ccalloc
+#                         ccalloc@thread_shards:False floor"; also native_expandable,
+#                         cudamalloc (slow), ccalloc@CONF: ccalloc
 #                         with CCALLOC_CONF=CONF (e.g. ccalloc@per_stream_shards:True),
 #                         lib@FOLDER: ccalloc from FOLDER/libccalloc.so (another build, timed
 #                         in the same call: KINDS="floor lib@gpu/base ccalloc"),
@@ -45,7 +46,7 @@ OUT_DIR="${OUT:-/tmp}"
 JSONL="$OUT_DIR/hotpath.jsonl"
 LOG_DIR="$OUT_DIR/hotpath_logs"
 REPEATS="${REPEATS:-3}"
-KINDS="${KINDS:-native native_async cudamallocasync ccalloc floor}"
+KINDS="${KINDS:-native native_async cudamallocasync ccalloc ccalloc@thread_shards:False floor}"
 RUN_TIMEOUT="${RUN_TIMEOUT:-600}"
 SUMMARIZE="$ROOT/benches/gpu/summarize.py"
 

@@ -892,6 +892,82 @@ def child_error_raises(torch, alloc, args):
     return {"ok": ok and after, "detail": text if ok else "see lines below", "info": info}
 
 
+def child_threads_own_streams(torch, alloc, args):
+    """Threads each training on a stream of its own (by default each gets a shard), backward
+    on autograd's thread: the same losses as one thread running them in turn, and statistics
+    read meanwhile never show more allocated than reserved."""
+    import threading
+
+    nn = torch.nn
+    threads = int(args.get("threads", 4))
+    steps = int(args.get("steps", 40))
+
+    def train(seed, out):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                                  nn.Linear(1024, 10)).cuda()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            losses = []
+            for step in range(steps):
+                x = torch.randn(32 + 8 * (step % 9), 256, generator=g, device="cuda")
+                loss = model(x).square().mean()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            stream.synchronize()
+            out[seed] = [float(v) for v in losses]
+
+    alone = {}
+    for seed in range(1, threads + 1):
+        train(seed, alone)
+    together, errors = {}, []
+
+    def guarded(seed):
+        try:
+            train(seed, together)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {seed}: {type(e).__name__}: {first_line(str(e))}")
+
+    workers = [threading.Thread(target=guarded, args=(seed,)) for seed in range(1, threads + 1)]
+    for w in workers:
+        w.start()
+    reads, bad_reads = 0, []
+    while any(w.is_alive() for w in workers):
+        allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        reads += 1
+        if allocated > reserved:
+            bad_reads.append((allocated, reserved))
+    for w in workers:
+        w.join()
+    torch.cuda.synchronize()
+    # cuBLAS may reduce in another order on several streams (PyTorch's reproducibility
+    # notes), hence a tolerance; a block reused while another stream still used it would
+    # corrupt far more.
+    differ = [s for s in alone if together.get(s) is None
+              or max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(alone[s], together[s])) > 1e-3]
+    info = [f"{threads} threads x {steps} steps; {reads} statistics reads meanwhile",
+            f"final losses alone {[round(alone[s][-1], 6) for s in sorted(alone)]}",
+            f"final losses together {[round(together[s][-1], 6) for s in sorted(together)]}"]
+    if alloc == "ccalloc":
+        import ccalloc
+
+        theirs, ours = torch.cuda.memory_stats(), ccalloc.memory_stats()
+        differing = [k for k in sorted(set(theirs) & set(ours)) if theirs[k] != ours[k]]
+        info.append(f"torch.cuda.memory_stats vs ccalloc: differing {differing[:5]}")
+        errors += [f"memory_stats differ: {differing[:5]}"] if differing and args.get("_mode") == "backend" else []
+    ok = not errors and not differ and not bad_reads and reads > 0
+    detail = (f"{threads} threads on their own streams: losses equal to one thread's, "
+              f"{reads} reads never allocated > reserved") if ok else \
+        f"errors {errors[:2]}; losses differ for {differ}; bad reads {bad_reads[:3]}"
+    return {"ok": ok, "detail": detail, "info": info}
+
+
 CHILDREN = {
     "info": child_info,
     "error_raises": child_error_raises,
@@ -911,6 +987,7 @@ CHILDREN = {
     "mempool": child_mempool,
     "timing": child_timing,
     "managed_tensor": child_managed_tensor,
+    "threads_own_streams": child_threads_own_streams,
 }
 
 
@@ -1262,6 +1339,7 @@ def main():
         ("mempool", check_mempool),
         ("backend_vs_pluggable_time", check_backend_time),
         ("managed_tensor", lambda: from_child("managed_tensor", alloc="native")),
+        ("threads_own_streams", lambda: from_child("threads_own_streams")),
     ]
     if opts.list:
         print("\n".join(name for name, _ in checks))
