@@ -340,12 +340,17 @@ impl DeviceAllocator {
         if let Some(i) = shards.slot_of(stream) {
             return Ok((i, shards.filled_shard(i)));
         }
+        if self.sharding() == Sharding::NewThreads {
+            // A stream no slot names is the first shard's for every thread, so that none
+            // is split across shards; once every slot is taken, a new thread's too.
+            if filled == MAX_SHARDS || homes::has_home(self.key) {
+                return Ok((0, shards.filled_shard(0)));
+            }
+            return Err(filled);
+        }
         if filled == MAX_SHARDS {
             let i = shared_slot(stream);
             return Ok((i, shards.filled_shard(i)));
-        }
-        if self.sharding() == Sharding::NewThreads && homes::has_home(self.key) {
-            return Ok((0, shards.filled_shard(0)));
         }
         Err(filled)
     }
@@ -1372,15 +1377,17 @@ impl Sharding {
 mod homes {
     use std::cell::Cell;
 
-    /// Devices remembered per thread; a forgotten one (a thread using more devices' allocators
-    /// than this) costs a look at the first shard's segments at its next new stream.
-    const HOMES: usize = 8;
+    /// Devices remembered per thread, newest first. A forgotten one (a thread that used
+    /// more devices' allocators since, such as one per GPU, re-made after each shutdown)
+    /// makes the thread's next new stream on it look new: a shard of its own, if slots are
+    /// left and the first shard holds no memory of it.
+    const HOMES: usize = 64;
 
     std::thread_local! {
         /// The device this thread last noted (every allocation notes one: one compare).
         static LAST: Cell<u64> = const { Cell::new(0) };
-        /// The devices noted, newest first.
-        static ALL: Cell<[u64; HOMES]> = const { Cell::new([0; HOMES]) };
+        /// The devices noted, newest first (0: none).
+        static ALL: [Cell<u64>; HOMES] = const { [const { Cell::new(0) }; HOMES] };
     }
 
     /// Whether this thread has allocated on the device keyed `key`.
@@ -1388,7 +1395,7 @@ mod homes {
     pub(super) fn has_home(key: u64) -> bool {
         LAST.try_with(Cell::get).is_ok_and(|last| last == key)
             || ALL
-                .try_with(|all| all.get().contains(&key))
+                .try_with(|all| all.iter().any(|home| home.get() == key))
                 .unwrap_or(false)
     }
 
@@ -1407,12 +1414,13 @@ mod homes {
     #[cold]
     fn note_in_all(key: u64) {
         let _ = ALL.try_with(|all| {
-            let mut homes = all.get();
-            if !homes.contains(&key) {
-                homes.rotate_right(1);
-                homes[0] = key;
-                all.set(homes);
+            if all.iter().any(|home| home.get() == key) {
+                return;
             }
+            for i in (1..HOMES).rev() {
+                all[i].set(all[i - 1].get());
+            }
+            all[0].set(key);
         });
     }
 }
