@@ -200,6 +200,73 @@ fn one_thread_on_many_streams_gets_exact_peaks() {
     }
 }
 
+/// A shard that gave headroom away lifts past its lowered ceiling, though not past what it
+/// was assigned before: that lift must still reach the device's peak. Stream 1's shard
+/// gives 7.5 MiB of its 10 MiB of spare to stream 2's (what stream 2 needs, and half of the
+/// rest), so 6 MiB on stream 1 then takes the device to 21 MiB, one MiB past its peak.
+#[test]
+fn a_giver_lifting_past_its_lowered_ceiling_raises_the_device_peak() {
+    let (_sim, a) = sharded(1 << 30, "thread_cache:False");
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let first = a.malloc(10 * MIB, s1).unwrap();
+    let second = a.malloc(10 * MIB, s2).unwrap(); // device peak 20 MiB, no spare anywhere
+    a.free(first).unwrap(); // stream 1's shard: 10 MiB of spare
+    let third = a.malloc(5 * MIB, s2).unwrap(); // takes 5 + 2.5 MiB of it
+    let fourth = a.malloc(6 * MIB, s1).unwrap(); // 15 + 6 = 21 MiB live
+    a.free(fourth).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().current as u64, 15 * MIB);
+    assert_eq!(s.allocated_bytes.all().peak as u64, 21 * MIB);
+    assert_eq!(s.requested_bytes.all().peak as u64, 21 * MIB);
+    for p in [second, third] {
+        a.free(p).unwrap();
+    }
+}
+
+/// A statistics read shares the device's spare headroom equally, lowering a shard's
+/// ceiling that stood high: a lift past the lowered one must still reach the device's
+/// peak once another shard has used the headroom it was given. Stream 1's shard goes from
+/// 10 MiB of spare to 5, stream 2's from 0 to 5 and uses it (its block count unchanged, so
+/// that nothing else lifts), and 8 MiB on stream 1 then takes the device to 23 MiB.
+#[test]
+fn a_lift_past_a_ceiling_a_read_lowered_raises_the_device_peak() {
+    let (_sim, a) = sharded(1 << 30, "thread_cache:False");
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let first = a.malloc(10 * MIB, s1).unwrap();
+    let second = a.malloc(10 * MIB, s2).unwrap(); // device peak 20 MiB
+    a.free(first).unwrap();
+    assert_eq!(
+        a.stats().unwrap().allocated_bytes.all().peak as u64,
+        20 * MIB
+    );
+    a.free(second).unwrap();
+    let third = a.malloc(15 * MIB, s2).unwrap(); // stream 2's new ceiling exactly
+    let fourth = a.malloc(8 * MIB, s1).unwrap(); // 15 + 8 = 23 MiB live
+    a.free(fourth).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().peak as u64, 23 * MIB);
+    assert_eq!(s.requested_bytes.all().peak as u64, 23 * MIB);
+    a.free(third).unwrap();
+}
+
+/// After a peak reset every shard's ceiling is its current count: a shard that stood high
+/// before the reset lifts as soon as it rises again, and the device's new peak counts it.
+#[test]
+fn a_lift_after_a_peak_reset_raises_the_device_peak() {
+    let (_sim, a) = sharded(1 << 30, "thread_cache:False");
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let first = a.malloc(10 * MIB, s1).unwrap();
+    let second = a.malloc(10 * MIB, s2).unwrap();
+    a.free(first).unwrap();
+    a.reset_peak_stats().unwrap(); // the device's peak is 10 MiB now
+    let third = a.malloc(6 * MIB, s1).unwrap(); // 16 MiB live
+    a.free(third).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().peak as u64, 16 * MIB);
+    assert_eq!(s.allocation.all().peak, 2);
+    a.free(second).unwrap();
+}
+
 /// A block freed into a thread front stays counted in its shard; when another stream's
 /// allocation would raise the device's peak, the held block must not count.
 #[test]

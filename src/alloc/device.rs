@@ -427,6 +427,7 @@ impl DeviceAllocator {
             first_shard.publish_live(&first);
             book.peaks = first.stats().peaked_peaks();
             book.assigned[0] = book.peaks;
+            first.set_book_assigned(book.peaks);
             self.peak_book.active.store(true, Ordering::Release);
         }
         let i = self.shards.fill(stream, shard);
@@ -554,6 +555,14 @@ impl DeviceAllocator {
         // With one shard its peaks are the device's: the flag is left as it is (a stale one
         // costs one settling when a second shard comes).
         if self.peak_book.active.load(Ordering::Acquire) && stats::take_lifted() {
+            // A lift another thread's settling took in meanwhile (`balance_peaks` gives
+            // every shard its ceilings) needs nothing more: seen under the shard's own
+            // lock, without the book that every shard's settling takes.
+            if let Some(shard) = lifted {
+                if shard.lock().is_ok_and(|st| !st.has_unsettled_lift()) {
+                    return;
+                }
+            }
             if let Err(e) = self.settle(lifted) {
                 tracing::debug!(device = self.device, "peaks not settled: {e}");
             }
@@ -576,11 +585,13 @@ impl DeviceAllocator {
                 if only.is_some_and(|l| !std::ptr::eq(l, *shard)) {
                     continue;
                 }
-                let ceilings = shard.lock()?.stats().peaked_peaks();
+                let mut st = shard.lock()?;
+                let ceilings = st.stats().peaked_peaks();
                 for ((n, c), a) in need.iter_mut().zip(&ceilings).zip(&mut book.assigned[i]) {
                     *n += (c - *a).max(0);
                     *a = (*a).max(*c);
                 }
+                st.set_book_assigned(book.assigned[i]);
             }
             Ok(())
         };
@@ -623,6 +634,7 @@ impl DeviceAllocator {
                 }
             }
             st.stats_mut().assign_ceilings(&before, assigned);
+            st.set_book_assigned(*assigned);
         }
         if let Some((i, shard)) = shards
             .iter()
@@ -635,7 +647,9 @@ impl DeviceAllocator {
             for (a, b) in assigned.iter_mut().zip(&bonus) {
                 *a += b;
             }
-            shard.lock()?.stats_mut().assign_ceilings(&before, assigned);
+            let mut st = shard.lock()?;
+            st.stats_mut().assign_ceilings(&before, assigned);
+            st.set_book_assigned(*assigned);
         }
         if need.iter().all(|&n| n == 0) {
             return Ok(());
@@ -1043,6 +1057,7 @@ impl DeviceAllocator {
             shard.reset_peaks_locked(st);
             let currents = st.stats().peaked_currents();
             book.assigned[j] = currents;
+            st.set_book_assigned(currents);
             for (s, c) in sum.iter_mut().zip(&currents) {
                 *s += c;
             }
@@ -1457,6 +1472,7 @@ fn balance_held(book: &mut Book, shards: &[&Shard], held: &mut [Guard<'_, State>
             book.assigned[j][q] = currents[q] + headroom[q];
         }
         st.stats_mut().set_ceilings(&headroom);
+        st.set_book_assigned(book.assigned[j]);
     }
     peaks
 }

@@ -17,7 +17,7 @@ use super::paging::fences::Fences;
 use super::paging::plan::DirtyKeys;
 use super::paging::table::{PagedSegments, Spare};
 use super::sizing::PoolKind;
-use super::stats::{DeviceReserved, DeviceStats};
+use super::stats::{DeviceReserved, DeviceStats, Peaks, PEAKED};
 use super::SegmentView;
 use crate::config::Config;
 use crate::driver::{DevicePtr, EventId, StreamId};
@@ -119,6 +119,9 @@ pub struct State {
     /// with their figures); `None` when the device may still avoid it by emptying their
     /// caches (`DeviceAllocator::malloc` retries then).
     oom_final: Option<Elsewhere>,
+    /// What the device's `PeakBook` has assigned this shard (its `assigned` entry, kept
+    /// equal under this shard's lock): a ceiling above it is a lift not settled yet.
+    book_assigned: Peaks,
     /// Handed-out blocks that thread fronts (`front`) hold, and of those, the ones over
     /// `front::FRONT_MAX_BLOCK`.
     front_blocks: usize,
@@ -155,6 +158,7 @@ impl State {
             parked: Parked::default(),
             events: Events::default(),
             stats: DeviceStats::default(),
+            book_assigned: [0; PEAKED],
             device_reserved,
             oom_final: Some(Elsewhere::default()),
             front_blocks: 0,
@@ -225,6 +229,22 @@ impl State {
     #[inline]
     pub fn stats_mut(&mut self) -> &mut DeviceStats {
         &mut self.stats
+    }
+
+    /// Notes what the device's peak book now assigns this shard.
+    #[inline]
+    pub fn set_book_assigned(&mut self, assigned: Peaks) {
+        self.book_assigned = assigned;
+    }
+
+    /// Whether some ceiling stands above what the book assigned: a lift the device's peaks
+    /// have not settled (one another thread's settling took in has none).
+    pub fn has_unsettled_lift(&self) -> bool {
+        self.stats
+            .peaked_peaks()
+            .iter()
+            .zip(&self.book_assigned)
+            .any(|(ceiling, assigned)| ceiling > assigned)
     }
 
     /// Counts a retry after releasing the cache, unless the device's first try counted it.
