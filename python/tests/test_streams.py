@@ -7,7 +7,7 @@ import pytest
 
 import ccalloc
 from ccalloc import _lib
-from conftest import MiB
+from conftest import MiB, run_python
 
 S1, S2 = 1, 2  # on the sim backend any value is a stream
 
@@ -191,3 +191,52 @@ def test_torch_pool_hooks_with_null_filter(alloc, fresh_stats):
     ccalloc.empty_cache()
     assert ccalloc.memory_reserved() == 0
     assert ctypes.sizeof(_lib.ccalloc_pool_id) == 16
+
+
+def test_threads_on_their_own_streams_keep_statistics_consistent():
+    # Each thread starts on a stream of its own, so by default each gets a shard; ctypes
+    # releases the GIL during the calls, so they overlap. Reads from the main thread must
+    # be one moment's, and every block must come back.
+    out = run_python(
+        """
+        import threading
+        import ccalloc
+        MiB = 1 << 20
+        errors = []
+
+        def work(t):
+            try:
+                seed, live = 7919 * (t + 1), []
+                for _ in range(2000):
+                    seed = (seed * 1103515245 + 12345) % (1 << 31)
+                    live.append(ccalloc.malloc(4096 + seed % (2 * MiB), stream=0x7000 + t))
+                    if len(live) > 16:
+                        ccalloc.free(live.pop(0))
+                for p in live:
+                    ccalloc.free(p)
+            except Exception as e:
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        reads = bad = 0
+        while any(th.is_alive() for th in threads):
+            s = ccalloc.memory_stats()
+            reads += 1
+            bad += s["allocated_bytes.all.current"] > s["reserved_bytes.all.current"]
+        for th in threads:
+            th.join()
+        s = ccalloc.memory_stats()
+        print(reads, bad, len(errors), s["allocated_bytes.all.current"],
+              s["allocation.all.current"], s["allocation.all.peak"], s["allocation.all.allocated"])
+        print(errors[:1])
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    reads, bad, errors, allocated, current, peak, total = map(int, out.stdout.split("\n")[0].split())
+    assert errors == 0, out.stdout
+    assert reads > 0 and bad == 0
+    assert allocated == 0 and current == 0
+    assert total == 4 * 2000
+    assert 17 <= peak <= 4 * 17, "at most 17 blocks live per thread"
