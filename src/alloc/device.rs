@@ -580,16 +580,23 @@ impl DeviceAllocator {
         // What the lifts took past the ceilings the book gave: each lifted shard keeps its
         // new ceiling, so the others must give up as much.
         let mut need = [0; PEAKED];
-        let gather = |only: Option<&Shard>, book: &mut Book, need: &mut Peaks| -> Result<()> {
+        // Each lifted shard's new highs: its count reached them, though it may have fallen
+        // since (a restore's carve counts its whole segment for a moment).
+        let mut highs = vec![[0; PEAKED]; shards.len()];
+        let mut gather = |only: Option<&Shard>, book: &mut Book, need: &mut Peaks| -> Result<()> {
             for (i, shard) in shards.iter().enumerate() {
                 if only.is_some_and(|l| !std::ptr::eq(l, *shard)) {
                     continue;
                 }
                 let mut st = shard.lock()?;
                 let ceilings = st.stats().peaked_peaks();
-                for ((n, c), a) in need.iter_mut().zip(&ceilings).zip(&mut book.assigned[i]) {
-                    *n += (c - *a).max(0);
-                    *a = (*a).max(*c);
+                for q in 0..PEAKED {
+                    let (c, a) = (ceilings[q], &mut book.assigned[i][q]);
+                    if c > *a {
+                        need[q] += c - *a;
+                        highs[i][q] = c;
+                        *a = c;
+                    }
                 }
                 st.set_book_assigned(book.assigned[i]);
             }
@@ -621,8 +628,9 @@ impl DeviceAllocator {
             let before = book.assigned[j];
             let assigned = &mut book.assigned[j];
             for q in 0..PEAKED {
-                // A shard whose own lift is not settled yet keeps its ceiling there.
-                if ceilings[q] <= assigned[q] && need[q] > 0 {
+                // A shard whose own lift is not settled yet keeps its ceiling there, and
+                // one that lifted here gives none of its lift back.
+                if ceilings[q] <= assigned[q] && need[q] > 0 && highs[j][q] == 0 {
                     let spare = (assigned[q] - currents[q]).max(0);
                     let mut take = spare.min(need[q]);
                     need[q] -= take;
@@ -655,7 +663,7 @@ impl DeviceAllocator {
             return Ok(());
         }
         drop(book);
-        self.balance_peaks().map(drop)
+        self.balance_peaks(&highs).map(drop)
     }
 
     /// Every shard locked at once, in slot order, so that their counts are one moment's.
@@ -683,13 +691,16 @@ impl DeviceAllocator {
 
     /// Settles the device's peaks (see `PeakBook`) with every shard locked at once, and
     /// returns them: the peaks rise to the sum of the shards' counts if it is higher (the
-    /// fronts drained first), and the headroom left below them is shared equally.
+    /// fronts drained first), and the headroom left below them is shared equally. Each
+    /// shard counts at least at its `highs` (by slot; none past their end): lifts no
+    /// headroom covered, which the peaks must include though the counts may have fallen
+    /// since.
     #[cold]
     #[inline(never)]
-    fn balance_peaks(&self) -> Result<Peaks> {
+    fn balance_peaks(&self, highs: &[Peaks]) -> Result<Peaks> {
         let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let (shards, mut held) = self.lock_every_shard()?;
-        Ok(balance_held(&mut book, &shards, &mut held))
+        Ok(balance_held(&mut book, &shards, &mut held, highs))
     }
 
     /// What `stats` returns, with several shards: their counts and the device's reserved
@@ -699,7 +710,7 @@ impl DeviceAllocator {
     fn stats_of_shards(&self) -> Result<DeviceStats> {
         let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let (shards, mut held) = self.lock_every_shard()?;
-        let peaks = balance_held(&mut book, &shards, &mut held);
+        let peaks = balance_held(&mut book, &shards, &mut held, &[]);
         let mut sum = DeviceStats::default();
         for (shard, st) in shards.iter().zip(&held) {
             sum.add(&shard.stats_with_fronts_locked(st)?);
@@ -1442,11 +1453,21 @@ mod homes {
 
 /// `DeviceAllocator::balance_peaks` with the book and every shard (`shards`, `held`)
 /// locked.
-fn balance_held(book: &mut Book, shards: &[&Shard], held: &mut [Guard<'_, State>]) -> Peaks {
+fn balance_held(
+    book: &mut Book,
+    shards: &[&Shard],
+    held: &mut [Guard<'_, State>],
+    highs: &[Peaks],
+) -> Peaks {
     let sum_of = |held: &[Guard<'_, State>]| {
         let mut sum = [0; PEAKED];
-        held.iter()
-            .for_each(|st| st.stats().add_peaked_currents(&mut sum));
+        for (j, st) in held.iter().enumerate() {
+            let currents = st.stats().peaked_currents();
+            let high = highs.get(j).copied().unwrap_or([0; PEAKED]);
+            for q in 0..PEAKED {
+                sum[q] += currents[q].max(high[q]);
+            }
+        }
         sum
     };
     let mut sum = sum_of(held);
