@@ -9,8 +9,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// One shard for every thread.
 #[test]
 fn fronts_under_concurrent_slow_paths() {
+    under_concurrent_slow_paths("thread_shards:False");
+}
+
+/// The default: threads that start on a stream no shard holds may get shards of their own,
+/// made while the others run.
+#[test]
+fn fronts_of_thread_shards_under_concurrent_slow_paths() {
     under_concurrent_slow_paths("");
 }
 
@@ -111,6 +119,19 @@ fn under_concurrent_slow_paths(conf: &str) {
 /// handed out twice, exact totals, nothing left on the device.
 #[test]
 fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
+    large_blocks_under_concurrent_slow_paths("thread_shards:False");
+}
+
+/// The same with the default, where a thread starting on stream 1 may make a second shard
+/// while large blocks sit in the first one's fronts (they go back when it is made).
+#[test]
+fn large_blocks_in_fronts_while_thread_shards_are_made() {
+    for _ in 0..10 {
+        large_blocks_under_concurrent_slow_paths("");
+    }
+}
+
+fn large_blocks_under_concurrent_slow_paths(conf: &str) {
     const MIB: u64 = 1 << 20;
     const THREADS: u64 = 3;
     /// Blocks a thread keeps live at once, and blocks waiting to be freed by another.
@@ -119,7 +140,9 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
     const SIZES: [u64; 5] = [4096, 2 * MIB, 3 * MIB + 512, 24 * MIB, 24 * MIB + 4096];
     let most_live = (THREADS as usize * MINE + HANDOFF + THREADS as usize) as u64 * 25 * MIB;
     let sim = Arc::new(SimDriver::new(1, most_live + 64 * MIB));
-    let a = DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap();
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
     let live = LiveBlocks::default();
     let handoff: Mutex<Vec<u64>> = Mutex::new(Vec::new());
     let running = AtomicU64::new(THREADS);

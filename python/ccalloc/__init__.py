@@ -58,6 +58,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "device_total_memory",
+    "shard_count",
     "reset_config",
     # lifecycle and info
     "init",
@@ -291,6 +292,15 @@ def device_total_memory(device: Any = None) -> int:
     """Bytes of memory ``device`` has in all (as ``torch.cuda.mem_get_info()[1]``)."""
     out = ctypes.c_uint64()
     _call("ccalloc_device_total_memory", _device_index(device), ctypes.byref(out))
+    return out.value
+
+
+def shard_count(device: Any = None) -> int:
+    """How many shards (allocators with a lock and cache of their own) ``device`` has made: 1
+    once it has allocated, more where threads each started on a stream of their own
+    (``thread_shards``) or with ``per_stream_shards``; 0 before its first allocation."""
+    out = ctypes.c_uint32()
+    _call("ccalloc_shard_count", _device_index(device), ctypes.byref(out))
     return out.value
 
 

@@ -423,6 +423,7 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_device_count": ([POINTER(c_int32)], _status),
     "ccalloc_is_initialized": ([], c_bool),
     "ccalloc_device_total_memory": ([c_int32, POINTER(c_uint64)], _status),
+    "ccalloc_shard_count": ([c_int32, POINTER(c_uint32)], _status),
     "ccalloc_reset_config": ([], _status),
     "ccalloc_malloc": ([c_size_t, c_int32, _stream, POINTER(c_void_p)], _status),
     "ccalloc_free": ([c_void_p, c_int32], _status),

@@ -240,3 +240,28 @@ def test_threads_on_their_own_streams_keep_statistics_consistent():
     assert allocated == 0 and current == 0
     assert total == 4 * 2000
     assert 17 <= peak <= 4 * 17, "at most 17 blocks live per thread"
+
+
+def test_shard_count_shows_threads_on_their_own_streams():
+    code = """
+        import threading
+        import ccalloc
+        counts = [ccalloc.shard_count()]
+        p = ccalloc.malloc(4096, stream=0)
+        q = ccalloc.malloc(4096, stream=5)  # the same thread's second stream
+        counts.append(ccalloc.shard_count())
+        box = []
+        t = threading.Thread(target=lambda: box.append(ccalloc.malloc(4096, stream=0x7100)))
+        t.start()
+        t.join()
+        counts.append(ccalloc.shard_count())
+        for r in [p, q] + box:
+            ccalloc.free(r)
+        print(*counts)
+    """
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "2"]
+    out = run_python(code, env={"CCALLOC_CONF": "thread_shards:False"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "1"]

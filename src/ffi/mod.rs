@@ -105,6 +105,18 @@ pub extern "C" fn ccalloc_is_initialized() -> bool {
     runtime::global().is_ok()
 }
 
+/// How many shards (allocators with a lock and cache of their own) `device` has made: 1
+/// once it has allocated, more where threads each started on a stream of their own
+/// (`thread_shards`) or with `per_stream_shards`; 0 before its first allocation.
+#[no_mangle]
+pub extern "C" fn ccalloc_shard_count(device: i32, out_count: *mut u32) -> ccalloc_status {
+    guard(|| {
+        require_out(out_count, "out_count")?;
+        let shards = runtime::global()?.device(device as i64)?.shards_made();
+        write_out(out_count, "out_count", shards as u32)
+    })
+}
+
 /// Bytes of memory `device` has in all.
 #[no_mangle]
 pub extern "C" fn ccalloc_device_total_memory(device: i32, out_bytes: *mut u64) -> ccalloc_status {

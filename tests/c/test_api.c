@@ -500,6 +500,11 @@ static void test_before_init(void) {
     CHECK(bytes == 77, "sim_device_bytes' out param untouched");
     EXPECT_STATUS(ccalloc_device_total_memory(0, &bytes), CCALLOC_NOT_INITIALIZED);
     CHECK(bytes == 77, "device_total_memory's out param untouched");
+    {
+        uint32_t shards = 77;
+        EXPECT_STATUS(ccalloc_shard_count(0, &shards), CCALLOC_NOT_INITIALIZED);
+        CHECK(shards == 77, "shard_count's out param untouched");
+    }
     EXPECT_STATUS(ccalloc_reset_config(), CCALLOC_NOT_INITIALIZED);
     CHECK(!ccalloc_is_initialized(), "ccalloc_is_initialized() is false before init");
     EXPECT_STATUS(ccalloc_shutdown(), CCALLOC_NOT_INITIALIZED);
@@ -524,6 +529,14 @@ static void test_init(void) {
         EXPECT_STATUS(ccalloc_device_total_memory(g_devices, &total), CCALLOC_INVALID_DEVICE);
         CHECK(total == 3, "device_total_memory on a missing device: out param untouched");
         EXPECT_STATUS(ccalloc_device_total_memory(0, NULL), CCALLOC_INVALID_ARGUMENT);
+    }
+    {
+        uint32_t shards = 5;
+        EXPECT_STATUS(ccalloc_shard_count(g_devices, &shards), CCALLOC_INVALID_DEVICE);
+        CHECK(shards == 5, "shard_count on a missing device: out param untouched");
+        EXPECT_STATUS(ccalloc_shard_count(0, NULL), CCALLOC_INVALID_ARGUMENT);
+        EXPECT_STATUS(ccalloc_shard_count(1, &shards), CCALLOC_OK);
+        CHECK(shards <= 1, "one thread's device has at most one shard (got %u)", (unsigned)shards);
     }
     {
         ccalloc_stats s = get_stats(0), zero;
