@@ -311,9 +311,16 @@ fn empty_cache_and_exiting_threads_give_held_blocks_back() {
 /// A worker frees its blocks on its own stream, destroys the stream and exits; its front
 /// still holds the blocks. Freeing them later (another thread's growth drains the fronts)
 /// must make no driver call on the destroyed stream: without fronts none is made either.
+/// With one shard (`thread_shards:False`) the worker's front is for the shard that grows;
+/// with the default the worker, new to the device, gets a shard of its own for its stream.
 #[test]
 fn blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
-    for conf in ["thread_cache:False", "", "per_stream_shards:True"] {
+    for conf in [
+        "thread_cache:False",
+        "thread_shards:False",
+        "",
+        "per_stream_shards:True",
+    ] {
         let (sim, a) = allocator(1 << 30, conf);
         let keep = a.malloc(MIB, S1).unwrap();
         let worker = StreamId(0x7000);
@@ -326,6 +333,8 @@ fn blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
                 sim.destroy_stream(0, worker);
             });
         });
+        let one_shard = conf == "thread_shards:False";
+        assert_eq!(a.shards_made() == 1, one_shard, "{conf:?}");
         let big = a.malloc(64 * MIB, S1).unwrap();
         a.free(big).unwrap();
         a.free(keep).unwrap();
@@ -756,11 +765,19 @@ fn large_blocks_in_fronts_a_thread_gave_up_stay_freed_and_are_given_back() {
 /// The same with large blocks (reused by the front before the stream goes), whether the
 /// worker exits or visits the shard again on another stream: the fronts make no more
 /// calls on the destroyed stream than the shard alone does, and growth over their pages
-/// still works.
+/// still works. On one shard (`thread_shards:False`): with two, large blocks skip the
+/// fronts. With the default the worker, new to the device, gets a shard of its own for
+/// its stream, so its large blocks stay in that shard, and the growth borrows their pages
+/// from it: no call on the destroyed stream either.
 #[test]
 fn large_blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
     for exits in [true, false] {
-        let calls = ["thread_cache:False", ""].map(|conf| {
+        let calls = [
+            "thread_shards:False,thread_cache:False",
+            "thread_shards:False",
+            "",
+        ]
+        .map(|conf| {
             let (sim, a) = allocator(1 << 30, conf);
             let keep = a.malloc(MIB, S1).unwrap();
             let worker = StreamId(0x7000);
@@ -783,6 +800,8 @@ fn large_blocks_left_in_a_front_are_freed_without_touching_their_destroyed_strea
                     }
                 });
             });
+            let one_shard = conf.starts_with("thread_shards:False");
+            assert_eq!(a.shards_made() == 1, one_shard, "{conf:?}");
             // Growth over the freed blocks' pages (the device has room for little else).
             let big = a.malloc(600 * MIB, S1).unwrap();
             a.free(big).unwrap();
@@ -798,5 +817,6 @@ fn large_blocks_left_in_a_front_are_freed_without_touching_their_destroyed_strea
             "exits {exits}: calls on the destroyed stream"
         );
         assert_eq!(calls[1], 0, "exits {exits}");
+        assert_eq!(calls[2], 0, "exits {exits}, the default (two shards)");
     }
 }

@@ -311,7 +311,10 @@ proptest! {
 
 // Blocks over 1 MiB (`FRONT_MAX_BLOCK`) held in the fronts of several long-lived threads:
 // each thread keeps its front across steps, so one thread's held blocks meet the others'
-// requests, frees, snapshots, cache releases, limits and captures.
+// requests, frees, snapshots, cache releases, limits and captures. On one shard
+// (`thread_shards:False`): with the default, a worker new to the device that starts on a
+// stream no shard holds gets a shard of its own, and with two shards large blocks skip the
+// fronts. One of the settings (`thread_shards:True`) runs the model so all the same.
 
 const THREADS: usize = 3;
 /// The device: room for every live block the model allows, but not for much waste.
@@ -517,17 +520,20 @@ fn large_op() -> impl Strategy<Value = LargeOp> {
     ]
 }
 
-/// Settings the large-block model runs under (`run_large`'s `conf`).
-const LARGE_CONFS: [&str; 4] = [
+/// Settings the large-block model runs under (`run_large`'s `conf`, applied over
+/// `thread_shards:False`): the last, the default, lets the workers' streams have shards.
+const LARGE_CONFS: [&str; 5] = [
     "",
     "max_split_size_mb:20",
     "garbage_collection_threshold:0.5",
     "page_slack:0,page_move_budget:0",
+    "thread_shards:True",
 ];
 
 fn run_large(conf: &str, ops: Vec<LargeOp>) {
     let sim = Arc::new(SimDriver::new(1, CAPACITY));
     let mut config = Config::default();
+    config.apply("thread_shards:False").unwrap();
     config.apply(conf).unwrap();
     let a = Arc::new(DeviceAllocator::new(0, sim.clone(), config).unwrap());
     let mut workers: Vec<Worker> = (0..THREADS).map(|_| Worker::new(&a)).collect();
@@ -712,6 +718,9 @@ fn run_large(conf: &str, ops: Vec<LargeOp>) {
             sim.counters(0).bytes_in_use,
             "{what}: reserved bytes are the device's"
         );
+    }
+    if !conf.contains("thread_shards:True") {
+        assert!(a.shards_made() <= 1, "{conf:?}: one shard");
     }
     if m.capturing {
         a.end_allocate_to_pool((1, 1)).unwrap();

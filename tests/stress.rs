@@ -33,6 +33,8 @@ fn intact(ptr: u64, size: u64, tag: u8) -> bool {
     bytes.iter().all(|&b| b == tag)
 }
 
+/// The threads share one shard (`thread_shards:False`; by default each, new to the device,
+/// would get a shard for its stream): they contend for its lock and its pages.
 #[test]
 fn threads_on_their_own_streams_never_share_memory() {
     stress(Arc::new(SimDriver::new(1, 8 << 30)));
@@ -53,14 +55,26 @@ fn threads_on_their_own_shards_never_share_memory() {
     stress_with(
         Arc::new(SimDriver::new(1, 8 << 30).with_event_lag(2)),
         "per_stream_shards:True",
+        STEPS,
     );
 }
 
-fn stress(sim: Arc<SimDriver>) {
-    stress_with(sim, "");
+/// The default settings (`thread_shards`): each thread, new to the device, gets a shard
+/// for its stream as it starts, while the others already allocate and hand blocks over.
+/// Shorter: the shards are made in the first steps.
+#[test]
+fn threads_on_their_own_streams_with_the_default_settings_never_share_memory() {
+    let sim = Arc::new(SimDriver::new(1, 8 << 30).with_event_lag(2));
+    let alloc = stress_with(sim, "", STEPS / 4);
+    assert_eq!(alloc.shards_made(), THREADS as usize);
 }
 
-fn stress_with(sim: Arc<SimDriver>, conf: &str) {
+fn stress(sim: Arc<SimDriver>) {
+    let alloc = stress_with(sim, "thread_shards:False", STEPS);
+    assert_eq!(alloc.shards_made(), 1);
+}
+
+fn stress_with(sim: Arc<SimDriver>, conf: &str, steps: usize) -> Arc<DeviceAllocator> {
     let mut config = Config::default();
     config.apply(conf).unwrap();
     let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), config).unwrap());
@@ -88,7 +102,7 @@ fn stress_with(sim: Arc<SimDriver>, conf: &str) {
                 let mut rng = Rng(t + 1);
                 let stream = StreamId(100 + t);
                 let mut live: Vec<(u64, u64, u8)> = Vec::new();
-                for step in 0..STEPS {
+                for step in 0..steps {
                     if live.len() < 64 && (live.is_empty() || rng.next().is_multiple_of(2)) {
                         let size = match rng.next() % 10 {
                             0 => 1 + rng.next() % (16 << 20),
@@ -137,15 +151,33 @@ fn stress_with(sim: Arc<SimDriver>, conf: &str) {
     assert_eq!(s.reserved_bytes.all().current, 0);
     assert_eq!(s.allocation.all().allocated, s.allocation.all().freed);
     assert_eq!(sim.counters(0).bytes_in_use, 0);
+    alloc
 }
 
 /// Thread fronts under contention: blocks of a few sizes (so that fronts serve most
 /// requests), half of them freed by the next thread, while another thread empties the
 /// cache (draining every front) and reads the statistics (adding every front's counts).
+/// On one shard (`thread_shards:False`), whose fronts the threads share.
 #[test]
 fn threads_freeing_each_others_blocks_through_their_fronts() {
+    let alloc = freeing_each_others_blocks("thread_shards:False", STEPS);
+    assert_eq!(alloc.shards_made(), 1);
+}
+
+/// The same with the default settings: each thread's stream in a shard of its own, so a
+/// block freed by the next thread goes into that thread's front for another shard.
+/// Shorter, as above.
+#[test]
+fn threads_on_their_own_shards_freeing_each_others_blocks_through_their_fronts() {
+    let alloc = freeing_each_others_blocks("", STEPS / 4);
+    assert_eq!(alloc.shards_made(), THREADS as usize);
+}
+
+fn freeing_each_others_blocks(conf: &str, steps: usize) -> Arc<DeviceAllocator> {
     let sim = Arc::new(SimDriver::new(1, 1 << 32));
-    let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), Config::default()).unwrap());
+    let mut config = Config::default();
+    config.apply(conf).unwrap();
+    let alloc = Arc::new(DeviceAllocator::new(0, sim.clone(), config).unwrap());
     let stop = Arc::new(AtomicBool::new(false));
     let controller = {
         let (alloc, stop) = (alloc.clone(), stop.clone());
@@ -181,7 +213,7 @@ fn threads_freeing_each_others_blocks_through_their_fronts() {
                     assert!(intact(ptr, size, tag), "block {ptr:#x} was overwritten");
                     alloc.free(ptr).unwrap();
                 };
-                for step in 0..STEPS {
+                for step in 0..steps {
                     while let Ok(block) = inbox.try_recv() {
                         free(block);
                     }
@@ -225,16 +257,23 @@ fn threads_freeing_each_others_blocks_through_their_fronts() {
     assert_eq!(s.allocation.all().allocated, s.allocation.all().freed);
     assert_eq!(s.reserved_bytes.all().current, 0);
     assert_eq!(sim.counters(0).bytes_in_use, 0);
+    alloc
 }
 
 /// Statistics read while other threads make and release segments stay consistent: no more
-/// bytes allocated than reserved (on one shard, the default: see `DeviceAllocator::stats`
-/// for what a read of several shards promises, tested in tests/shards.rs). (Each
-/// allocation here needs a new plain segment, and every few steps the cache is emptied, so
-/// reserved bytes move all the time.)
+/// bytes allocated than reserved. On one shard (`thread_shards:False`), read under its lock,
+/// and with the default settings, where each thread's stream has a shard of its own and a
+/// read locks every shard at once. (Each allocation here needs a new plain segment, and
+/// every few steps the cache is emptied, so reserved bytes move all the time.) One shard
+/// with paged segments, and the default with them, run fewer steps, to keep the time.
 #[test]
 fn stats_read_mid_run_never_show_more_allocated_than_reserved() {
-    for conf in ["expandable_segments:False", ""] {
+    for (conf, steps) in [
+        ("expandable_segments:False,thread_shards:False", 4_000),
+        ("thread_shards:False", 1_500),
+        ("expandable_segments:False", 4_000),
+        ("", 3_500),
+    ] {
         let sim = Arc::new(SimDriver::new(1, 8 << 30));
         let mut config = Config::default();
         config.apply(conf).unwrap();
@@ -245,7 +284,7 @@ fn stats_read_mid_run_never_show_more_allocated_than_reserved() {
                 let a = a.clone();
                 std::thread::spawn(move || {
                     let mut rng = Rng(0x9e37_79b9 + t);
-                    for step in 0..4_000 {
+                    for step in 0..steps {
                         let size = (4 + rng.next() % 60) << 20;
                         let p = a.malloc(size, StreamId(t + 1)).unwrap();
                         a.free(p).unwrap();
@@ -284,5 +323,11 @@ fn stats_read_mid_run_never_show_more_allocated_than_reserved() {
         }
         done.store(true, Ordering::Relaxed);
         assert!(reader.join().unwrap() > 0);
+        let shards = if conf.contains("thread_shards:False") {
+            1
+        } else {
+            3
+        };
+        assert_eq!(a.shards_made(), shards, "{conf}");
     }
 }

@@ -1015,15 +1015,14 @@ impl DeviceAllocator {
         Ok(self.config()?.max_split_size)
     }
 
-    /// The device's statistics. With one shard (the default) they are one moment's, read
-    /// under its lock, reserved bytes included: a reader never sees more bytes allocated
-    /// than reserved. With several (`per_stream_shards`), each shard's are read under its
-    /// own lock and summed, and reserved bytes come from the device-wide count, read at one
-    /// moment so that memory moving between shards is never counted twice; a read that
-    /// races a segment's release can then show more allocated than reserved (holding every
-    /// shard's lock would stall all streams behind one shard's driver call). Currents and
-    /// totals are exact, and so are the peaks: the reserved peak from the device-wide
-    /// count, the others from the device's `PeakBook`, settled first.
+    /// The device's statistics, one moment's: a reader never sees more bytes allocated
+    /// than reserved. With one shard they are read under its lock, reserved bytes included.
+    /// With several (`thread_shards`, `per_stream_shards`), under every shard's lock at
+    /// once (`stats_of_shards`; a shard busy in a driver call is waited for alone, with the
+    /// others released), the shards' counts summed and reserved bytes taken from the
+    /// device-wide count, so that memory moving between shards is never counted twice.
+    /// Currents and totals are exact, and so are the peaks: the reserved peak from the
+    /// device-wide count, the others from the device's `PeakBook`, settled then.
     pub fn stats(&self) -> Result<DeviceStats> {
         self.check_open()?;
         if self.peak_book.active.load(Ordering::Acquire) {
