@@ -488,35 +488,41 @@ fn shutdown_waits_for_every_stream() {
 }
 
 /// Threads racing to make the same streams' shards: each stream must end with exactly one
-/// (two shards for one stream would show as two small segments for it). Many fresh devices,
-/// so that the race is run many times.
+/// (two shards for one stream would show as two small segments for it), with a shard per
+/// stream and with the default's thread shards (the threads are all new to the device).
+/// Many fresh devices, so that the race is run many times.
 #[test]
 fn racing_first_allocations_make_one_shard_per_stream() {
     const THREADS: u64 = 8;
-    for round in 0..100 {
-        let (_sim, a) = sharded(1 << 30, "");
-        let a = Arc::new(a);
-        let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
-        let workers: Vec<_> = (0..THREADS)
-            .map(|t| {
-                let (a, barrier) = (a.clone(), barrier.clone());
-                std::thread::spawn(move || {
-                    barrier.wait();
-                    a.malloc(512, StreamId(t % 3)).unwrap()
+    for conf in ["per_stream_shards:True", ""] {
+        for round in 0..100 {
+            let sim = Arc::new(SimDriver::new(1, 1 << 30));
+            let mut config = Config::default();
+            config.apply(conf).unwrap();
+            let a = Arc::new(DeviceAllocator::new(0, sim, config).unwrap());
+            let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
+            let workers: Vec<_> = (0..THREADS)
+                .map(|t| {
+                    let (a, barrier) = (a.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        barrier.wait();
+                        a.malloc(512, StreamId(t % 3)).unwrap()
+                    })
                 })
-            })
-            .collect();
-        let blocks: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
-        let segments = a.segments().unwrap();
-        let mut streams: Vec<_> = segments.iter().map(|s| s.stream).collect();
-        streams.sort_by_key(|s| s.0);
-        assert_eq!(
-            streams,
-            [StreamId(0), StreamId(1), StreamId(2)],
-            "round {round}: one small segment per stream"
-        );
-        for p in blocks {
-            a.free(p).unwrap();
+                .collect();
+            let blocks: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+            let segments = a.segments().unwrap();
+            let mut streams: Vec<_> = segments.iter().map(|s| s.stream).collect();
+            streams.sort_by_key(|s| s.0);
+            assert_eq!(
+                streams,
+                [StreamId(0), StreamId(1), StreamId(2)],
+                "{conf:?}, round {round}: one small segment per stream"
+            );
+            assert!(a.shards_made() <= 3, "{conf:?}, round {round}");
+            for p in blocks {
+                a.free(p).unwrap();
+            }
         }
     }
 }

@@ -153,38 +153,6 @@ fn thread_shards_is_fixed_once_the_device_allocates() {
     a.free(p).unwrap();
 }
 
-/// Threads racing their first allocations on the same few streams: each stream ends in
-/// exactly one shard (two would show as two small segments for it).
-#[test]
-fn racing_new_threads_make_one_shard_per_stream() {
-    const THREADS: u64 = 8;
-    for round in 0..100 {
-        let a = allocator("");
-        let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
-        let workers: Vec<_> = (0..THREADS)
-            .map(|t| {
-                let (a, barrier) = (a.clone(), barrier.clone());
-                std::thread::spawn(move || {
-                    barrier.wait();
-                    a.malloc(512, StreamId(t % 3)).unwrap()
-                })
-            })
-            .collect();
-        let blocks: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
-        let mut streams: Vec<_> = a.segments().unwrap().iter().map(|s| s.stream.0).collect();
-        streams.sort();
-        assert_eq!(
-            streams,
-            [0, 1, 2],
-            "round {round}: one small segment per stream"
-        );
-        assert!(a.shards_made() <= 3, "round {round}");
-        for p in blocks {
-            a.free(p).unwrap();
-        }
-    }
-}
-
 /// Threads churning on their own shards while the first thread reads statistics: every
 /// read is one moment's (no more allocated than reserved), and the peaks, read once the
 /// threads are done, are exact (each thread's blocks live together at most once).

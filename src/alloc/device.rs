@@ -368,17 +368,14 @@ impl DeviceAllocator {
             Ok(found) => return Ok(found),
             Err(empty) => empty,
         };
-        let thread_shards = self.sharding() == Sharding::NewThreads;
-        if thread_shards {
-            // This thread's first allocation on the device, on a stream with no slot: a new
-            // shard, unless the first shard holds memory of the stream (another thread's:
-            // PyTorch's autograd thread running backward on a forward's side stream).
-            homes::note_home(self.key);
-            if i > 0 {
-                let first = self.shards.filled_shard(0);
-                if first.serves_stream(stream)? {
-                    return Ok((0, first));
-                }
+        if i > 0 && self.sharding() == Sharding::NewThreads {
+            // This thread's first allocation on the device (`malloc_in_shard` notes it
+            // next), on a stream with no slot: a new shard, unless the first shard holds
+            // memory of the stream (another thread's: PyTorch's autograd thread running
+            // backward on a forward's side stream).
+            let first = self.shards.filled_shard(0);
+            if first.serves_stream(stream)? {
+                return Ok((0, first));
             }
         }
         let shard = Shard::new(
@@ -641,8 +638,7 @@ impl DeviceAllocator {
                     assigned[q] -= take;
                 }
             }
-            st.stats_mut().assign_ceilings(&before, assigned);
-            st.set_book_assigned(*assigned);
+            st.assign_ceilings(&before, *assigned);
         }
         if let Some((i, shard)) = shards
             .iter()
@@ -655,9 +651,7 @@ impl DeviceAllocator {
             for (a, b) in assigned.iter_mut().zip(&bonus) {
                 *a += b;
             }
-            let mut st = shard.lock()?;
-            st.stats_mut().assign_ceilings(&before, assigned);
-            st.set_book_assigned(*assigned);
+            shard.lock()?.assign_ceilings(&before, *assigned);
         }
         if need.iter().all(|&n| n == 0) {
             return Ok(());

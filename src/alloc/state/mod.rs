@@ -237,6 +237,14 @@ impl State {
         self.book_assigned = assigned;
     }
 
+    /// Takes the book's new assignment `assigned` (it was `before`): the ceilings move to
+    /// it except where a lift is not settled yet (`DeviceStats::assign_ceilings`), and the
+    /// copy follows.
+    pub fn assign_ceilings(&mut self, before: &Peaks, assigned: Peaks) {
+        self.stats.assign_ceilings(before, &assigned);
+        self.book_assigned = assigned;
+    }
+
     /// Whether some ceiling stands above what the book assigned: a lift the device's peaks
     /// have not settled (one another thread's settling took in has none).
     pub fn has_unsettled_lift(&self) -> bool {
