@@ -1,0 +1,160 @@
+/* The harness's mt_churn (each of T threads churns 1000 live blocks of log-uniform
+ * 256 B-1 MiB on a stream of its own: free a random one, allocate a new size) straight
+ * through ccalloc's PyTorch entry points, without PyTorch, on whichever backend
+ * CCALLOC_BACKEND names: run it on the CUDA driver and on the sim in one process layout to
+ * tell the allocator's own scaling from the driver's. Prints wall ns per step over all
+ * threads for each thread count, as the harness does. Build and run on the GPU machine:
+ *   g++ -O2 -pthread -Iinclude -I$CUDA_HOME/include -o /tmp/probe_threads \
+ *       benches/gpu/probe_threads.cpp -Lgpu -lccalloc -L$CUDA_HOME/lib64 -lcudart
+ *   LD_LIBRARY_PATH=gpu /tmp/probe_threads [STEPS_PER_THREAD] [THREADS...]
+ * (settings from CCALLOC_CONF; with CCALLOC_BACKEND=sim no CUDA stream is made).
+ * PROBE_PRE_MIXED=1 first runs, on the main thread, what hotpath.py runs before its thread
+ * columns: small churn (2000 live, 256 B-1 MiB) and mixed churn (500 live, 256 B-256 MiB),
+ * 50,000 steps each, all freed after; the thread runs then start with that cache held.
+ * After each run: the timed steps' growths (moving ones) and growth ms, summed over the
+ * threads, from the paging statistics; the process's minor page faults and voluntary
+ * context switches meanwhile; and the shards made so far. */
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+#include <sys/resource.h>
+#include <cuda_runtime_api.h>
+#include "ccalloc.h"
+
+struct Plan {
+    std::vector<size_t> init, sizes;
+    std::vector<uint32_t> index;
+};
+
+static Plan plan(long live, long steps, uint64_t seed) {
+    uint64_t s = 0x9E3779B97F4A7C15ull ^ (seed * 0x2545F4914F6CDD1Dull);
+    auto next = [&] { s ^= s << 13; s ^= s >> 7; s ^= s << 17; return s; };
+    const double lo = std::log(256.0), hi = std::log(double(1 << 20));
+    auto size = [&] { return size_t(std::exp(lo + (next() >> 11) * 0x1.0p-53 * (hi - lo))); };
+    Plan p;
+    for (long i = 0; i < live; ++i) p.init.push_back(size());
+    for (long k = 0; k < steps; ++k) {
+        p.index.push_back(uint32_t(next() % live));
+        p.sizes.push_back(size());
+    }
+    return p;
+}
+
+/* One thread's churn of `live` blocks up to `hi` bytes on `s`, all freed at the end. */
+static void churn_here(cudaStream_t s, long live, long steps, double hi_bytes, uint64_t seed) {
+    uint64_t r = 0x9E3779B97F4A7C15ull ^ seed;
+    auto next = [&] { r ^= r << 13; r ^= r >> 7; r ^= r << 17; return r; };
+    const double lo = std::log(256.0), hi = std::log(hi_bytes);
+    auto size = [&] { return size_t(std::exp(lo + (next() >> 11) * 0x1.0p-53 * (hi - lo))); };
+    std::vector<void*> p(live);
+    std::vector<size_t> sz(live);
+    for (long i = 0; i < live; ++i) p[i] = ccalloc_torch_alloc(sz[i] = size(), 0, s);
+    for (long k = 0; k < steps; ++k) {
+        long i = long(next() % live);
+        ccalloc_torch_free(p[i], sz[i], 0, s);
+        p[i] = ccalloc_torch_alloc(sz[i] = size(), 0, s);
+    }
+    for (long i = 0; i < live; ++i) ccalloc_torch_free(p[i], sz[i], 0, s);
+}
+
+/* Paging statistics when the timed steps started and ended. */
+static ccalloc_paging_stats timed_from, timed_to;
+/* The process's minor page faults and voluntary context switches in the timed steps. */
+static long timed_faults, timed_switches;
+
+static void usage_now(long* faults, long* switches) {
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    *faults = u.ru_minflt;
+    *switches = u.ru_nvcsw;
+}
+
+static double run(int threads, long steps, bool sim) {
+    const long live = 1000;
+    std::vector<cudaStream_t> streams(threads);
+    for (int t = 0; t < threads; ++t) {
+        if (sim) streams[t] = (cudaStream_t)(uintptr_t)(0x1000 * (t + 1));
+        else if (cudaStreamCreateWithFlags(&streams[t], cudaStreamNonBlocking) != cudaSuccess) return -1;
+    }
+    std::vector<Plan> plans;
+    for (int t = 0; t < threads; ++t) plans.push_back(plan(live, steps, t + 1));
+    std::atomic<int> ready{0}, bad{0};
+    std::atomic<bool> go{false};
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] {
+        if (!sim) cudaSetDevice(0);
+        cudaStream_t s = streams[t];
+        const Plan& pl = plans[t];
+        std::vector<void*> p(live);
+        std::vector<size_t> sz = pl.init;
+        for (long i = 0; i < live; ++i) p[i] = ccalloc_torch_alloc(sz[i], 0, s);
+        ready++;
+        while (!go.load()) {}
+        for (long k = 0; k < steps; ++k) {
+            uint32_t i = pl.index[k];
+            ccalloc_torch_free(p[i], sz[i], 0, s);
+            sz[i] = pl.sizes[k];
+            p[i] = ccalloc_torch_alloc(sz[i], 0, s);
+            if (!p[i]) bad++;
+        }
+        ready--;
+        for (long i = 0; i < live; ++i) ccalloc_torch_free(p[i], sz[i], 0, s);
+    });
+    while (ready.load() < threads) {}
+    ccalloc_get_paging_stats(0, &timed_from);
+    long faults0, switches0;
+    usage_now(&faults0, &switches0);
+    auto t0 = std::chrono::steady_clock::now();
+    go = true;
+    while (ready.load() > 0) {}
+    ccalloc_get_paging_stats(0, &timed_to);
+    usage_now(&timed_faults, &timed_switches);
+    timed_faults -= faults0;
+    timed_switches -= switches0;
+    double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count()
+        / double(threads * steps);
+    for (auto& th : pool) th.join();
+    if (!sim) {
+        cudaDeviceSynchronize();
+        for (auto s : streams) cudaStreamDestroy(s);
+    }
+    return bad.load() ? -1 : ns;
+}
+
+int main(int argc, char** argv) {
+    long steps = argc > 1 ? atol(argv[1]) : 50000;
+    const char* backend = getenv("CCALLOC_BACKEND");
+    bool sim = backend && !strcmp(backend, "sim");
+    if (ccalloc_init() != CCALLOC_OK) {
+        fprintf(stderr, "probe_threads: init failed: %s\n", ccalloc_last_error());
+        return 1;
+    }
+    if (getenv("PROBE_PRE_MIXED")) {
+        cudaStream_t s = 0;
+        if (!sim) cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        else s = (cudaStream_t)(uintptr_t)0x100;
+        churn_here(s, 2000, 50000, double(1 << 20), 1);
+        churn_here(s, 500, 50000, double(256 << 20), 2);
+    }
+    std::vector<int> counts;
+    for (int i = 2; i < argc; ++i) counts.push_back(atoi(argv[i]));
+    if (counts.empty()) counts = {1, 4, 8};
+    printf("backend %s, %ld steps per thread:", sim ? "sim" : "cuda", steps);
+    for (int t : counts) {
+        double ns = run(t, steps, sim);
+        const ccalloc_paging_stats &a = timed_from, &b = timed_to;
+        uint32_t shards = 0;
+        ccalloc_shard_count(0, &shards);
+        printf(" t%d %.0f (%llu growths, %llu moving, %.1f ms; %ld faults, %ld switches; %u shards)",
+               t, ns, (unsigned long long)(b.growths - a.growths),
+               (unsigned long long)(b.moving_growths - a.moving_growths),
+               (b.growth_ns - a.growth_ns) / 1e6, timed_faults, timed_switches, shards);
+    }
+    printf(" ns per step\n");
+    return 0;
+}
