@@ -528,11 +528,42 @@ fn a_large_block_freed_on_one_stream_is_idle_memory_for_the_next() {
     }
 }
 
-/// While the device has one shard, a large block waits in the thread's front as it does
-/// without shards; the second shard's making takes it back (other shards would weigh it as
-/// live), and from then on large blocks skip the fronts.
+/// With the default's thread shards, a helper thread on a stream of its own (a batch
+/// prefetcher) makes a second shard; the main thread's same-size loop of large tensors still
+/// runs in its front.
 #[test]
-fn large_blocks_use_the_front_until_a_second_shard_is_made() {
+fn a_helper_threads_shard_leaves_the_main_threads_large_pairs_in_its_front() {
+    let driver = FaultDriver::new(Arc::new(SimDriver::new(1, 1 << 30)), &[]);
+    let a = Arc::new(DeviceAllocator::new(0, driver.clone(), Config::default()).unwrap());
+    make_shard_visible(&driver, &a, S0);
+    let helper = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let p = a.malloc(4096, S1).unwrap();
+            a.free(p).unwrap();
+        })
+    };
+    helper.join().unwrap();
+    assert_eq!(a.shards_made(), 2);
+    let p = a.malloc(32 * MIB, S0).unwrap();
+    a.free(p).unwrap();
+    for _ in 0..3 {
+        let q = in_fronts(&driver, "a large pair beside a helper's shard", || {
+            a.malloc(32 * MIB, S0).unwrap()
+        });
+        assert_eq!(q, p);
+        a.free(q).unwrap();
+    }
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().current, 0);
+    assert_eq!(s.allocated_bytes.all().peak as u64, 32 * MIB);
+}
+
+/// A large block waits in its thread's front with several shards too, so a same-size loop
+/// of large tensors runs without its shard's lock; the thread's next visit to another shard
+/// gives it back to its own first, so that the other shard's growth can borrow its pages.
+#[test]
+fn large_blocks_use_the_front_with_several_shards_until_a_visit_elsewhere() {
     let (driver, a) = sharded(1 << 30, "");
     make_shard_visible(&driver, &a, S0);
     let p = a.malloc(32 * MIB, S0).unwrap();
@@ -541,14 +572,22 @@ fn large_blocks_use_the_front_until_a_second_shard_is_made() {
         a.malloc(32 * MIB, S0).unwrap()
     });
     assert_eq!(q, p);
-    // The second shard is made while the block is out of the front: its free goes back
-    // through its shard, and so do the next pairs.
+    // The second shard is made while the block is out of the front.
     let r = a.malloc(4096, S1).unwrap();
     a.free(r).unwrap();
     a.free(q).unwrap();
-    let x = a.malloc(32 * MIB, S0).unwrap();
+    let x = in_fronts(&driver, "a large pair with two shards", || {
+        a.malloc(32 * MIB, S0).unwrap()
+    });
+    assert_eq!(x, q);
     a.free(x).unwrap();
-    // So the block does not stay in the front: the other stream's growth borrows its pages.
+    assert_eq!(
+        a.stats().unwrap().allocated_bytes.all().current,
+        0,
+        "held is freed"
+    );
+    // The visit to the other stream's shard gives the held block back to its shard first,
+    // so that shard's growth borrows its pages instead of making new ones.
     let borrowed = a.stats().unwrap().paging.chunks_borrowed;
     let y = a.malloc(32 * MIB, S1).unwrap();
     let s = a.stats().unwrap();

@@ -11,6 +11,9 @@
  * PROBE_PRE_MIXED=1 first runs, on the main thread, what hotpath.py runs before its thread
  * columns: small churn (2000 live, 256 B-1 MiB) and mixed churn (500 live, 256 B-256 MiB),
  * 50,000 steps each, all freed after; the thread runs then start with that cache held.
+ * PROBE_PAIRS=SIZE instead times 200,000 alloc+free pairs of SIZE bytes on the main thread,
+ * first alone, then after a helper thread has allocated on a stream of its own (a batch
+ * prefetcher: with the default settings, a second shard).
  * After each run: the timed steps' growths (moving ones) and growth ms, summed over the
  * threads, from the paging statistics; the process's minor page faults and voluntary
  * context switches meanwhile; and the shards made so far. */
@@ -126,6 +129,14 @@ static double run(int threads, long steps, bool sim) {
     return bad.load() ? -1 : ns;
 }
 
+/* ns per alloc+free pair of `size` bytes on `s`, over `iters` pairs after 100 untimed. */
+static double pairs(cudaStream_t s, size_t size, long iters) {
+    for (int i = 0; i < 100; ++i) ccalloc_torch_free(ccalloc_torch_alloc(size, 0, s), size, 0, s);
+    auto t0 = std::chrono::steady_clock::now();
+    for (long i = 0; i < iters; ++i) ccalloc_torch_free(ccalloc_torch_alloc(size, 0, s), size, 0, s);
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+
 int main(int argc, char** argv) {
     long steps = argc > 1 ? atol(argv[1]) : 50000;
     const char* backend = getenv("CCALLOC_BACKEND");
@@ -133,6 +144,25 @@ int main(int argc, char** argv) {
     if (ccalloc_init() != CCALLOC_OK) {
         fprintf(stderr, "probe_threads: init failed: %s\n", ccalloc_last_error());
         return 1;
+    }
+    if (const char* pair_size = getenv("PROBE_PAIRS")) {
+        size_t size = strtoull(pair_size, nullptr, 10);
+        cudaStream_t main_stream = (cudaStream_t)(uintptr_t)0x100, helper_stream = (cudaStream_t)(uintptr_t)0x200;
+        if (!sim) {
+            cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking);
+            cudaStreamCreateWithFlags(&helper_stream, cudaStreamNonBlocking);
+        }
+        double alone = pairs(main_stream, size, 200000);
+        std::thread([&] {
+            if (!sim) cudaSetDevice(0);
+            ccalloc_torch_free(ccalloc_torch_alloc(4096, 0, helper_stream), 4096, 0, helper_stream);
+        }).join();
+        double beside = pairs(main_stream, size, 200000);
+        uint32_t shards = 0;
+        ccalloc_shard_count(0, &shards);
+        printf("backend %s, pairs of %zu bytes: %.1f ns alone, %.1f ns beside a helper thread's stream (%u shards)\n",
+               sim ? "sim" : "cuda", size, alone, beside, shards);
+        return 0;
     }
     if (getenv("PROBE_PRE_MIXED")) {
         cudaStream_t s = 0;

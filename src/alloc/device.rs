@@ -228,8 +228,6 @@ pub struct DeviceAllocator {
     sharding: AtomicU8,
     /// The device's peaks once it has several shards.
     peak_book: PeakBook,
-    /// Whether a second shard has been made (`Shard::fits_front` reads it).
-    several_shards: Arc<AtomicBool>,
     /// This allocator's key in the threads' lists of their fronts (each shard has fronts of
     /// its own, `Shard::fronts`; a free finds the thread's fronts for the device by this key).
     pub(super) key: u64,
@@ -255,7 +253,6 @@ impl DeviceAllocator {
         Ok(Self {
             sharding,
             peak_book: PeakBook::default(),
-            several_shards: Arc::default(),
             key: front::new_key(),
             fronts_adopted: Arc::default(),
             oom_retry: Mutex::new(()),
@@ -388,14 +385,12 @@ impl DeviceAllocator {
                 moves: self.moves.clone(),
                 lifecycle: self.lifecycle.clone(),
                 siblings: Arc::downgrade(&self.shards),
-                several_shards: self.several_shards.clone(),
             },
             // Open as every other shard's are now (`set_fronts_open`, also under `setup`).
             Fronts::new(
                 self.key,
                 self.fronts_open_now(&setup),
                 self.fronts_adopted.clone(),
-                self.several_shards.clone(),
             ),
         );
         // The device's holds, not one per window (a pool may be released while its window
@@ -412,10 +407,7 @@ impl DeviceAllocator {
             // The first shard's peaks are the device's so far; from now on they are its
             // ceilings (see `PeakBook`). Taken before the slot fills: a rise on the first
             // shard meanwhile is settled into the book.
-            // No large block may join the first shard's fronts from now on, and those held
-            // there go back (`Shard::fits_front`): set before that shard is locked, so a
-            // free under its lock either sees the flag or is drained below.
-            self.several_shards.store(true, Ordering::Release);
+            // Its fronts are drained first, so that the ceilings start from true counts.
             let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
             let first_shard = self.shards.filled_shard(0);
             let mut first = first_shard.lock()?;
@@ -506,6 +498,9 @@ impl DeviceAllocator {
     /// `malloc` past the thread's front.
     fn malloc_in_shard(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
         let (slot, shard) = self.shard(stream)?;
+        if self.several_shards() {
+            self.return_large_held_elsewhere(shard);
+        }
         if self.sharding() == Sharding::NewThreads {
             // A thread that has allocated keeps its later new streams in the first shard.
             homes::note_home(self.key);
@@ -540,6 +535,28 @@ impl DeviceAllocator {
         .inspect(|_| LAST_SLOT.set((self as *const Self as usize, slot)));
         self.settle_lifts(Some(shard));
         result
+    }
+
+    /// Returns the large blocks the calling thread holds in its fronts for shards other than
+    /// `visited` to their shards. A large block waits in a front only until its thread's
+    /// next visit to the device (`Shard::fits_front`): a visit to its own shard returns it
+    /// there, and one to another shard, here, so that its pages count as free before this
+    /// visit's shard weighs the device's live bytes or borrows idle pages. One lookup in the
+    /// thread's own fronts when it holds none (nearly always).
+    fn return_large_held_elsewhere(&self, visited: &Shard) {
+        for _ in 0..self.shards.filled() {
+            let Some(fronts) = front::holding_large_elsewhere(self.key, &visited.fronts) else {
+                return;
+            };
+            let Some(holder) = self.shards().find(|s| Arc::ptr_eq(&s.fronts, &fronts)) else {
+                return;
+            };
+            if let Err(e) = holder.return_callers_large_held() {
+                tracing::debug!(device = self.device, "large blocks not returned: {e}");
+                return;
+            }
+            self.settle_lifts(Some(holder));
+        }
     }
 
     /// Settles the device's peaks if this thread's last calls into a shard lifted one of

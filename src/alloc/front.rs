@@ -63,14 +63,13 @@ pub const FRONT_SLOTS: usize = 8;
 /// must not take the place of small ones, nor a large one held push a small one out.
 pub const FRONT_LARGE_SLOTS: usize = 2;
 /// Blocks up to this size (the small pool's largest) stay held until reused or drained.
-/// A larger block is held only until its thread next visits the shard, which then parks
-/// it (`Shard::return_large_held`): held longer, unmerged, large blocks change where later
-/// blocks go enough to raise peak reserved over peak live (bert's replay: 1.035 → 1.063
-/// with blocks up to 1 GiB held). Returned at the next visit, a large block reaches the
-/// shard before anything the shard does could have used it, so a thread's own sequence
-/// leaves the shard as parking it at once would, and the same-size loop of large tensors
-/// still runs without the shard's lock. Not with per-stream shards (`Shard::adopt` says
-/// why).
+/// A larger block is held only until its thread next visits the device, which then parks
+/// it (`Shard::return_large_held`; a visit to another shard returns it first): held longer,
+/// unmerged, large blocks change where later blocks go enough to raise peak reserved over
+/// peak live (bert's replay: 1.035 → 1.063 with blocks up to 1 GiB held). Returned at the
+/// next visit, a large block reaches the shard before anything the shard does could have
+/// used it, so a thread's own sequence leaves the shard as parking it at once would, and
+/// the same-size loop of large tensors still runs without the shard's lock.
 pub const FRONT_MAX_BLOCK: u64 = 1 << 20;
 /// Adoptions counted before a front judges its reuse ...
 const ADOPTIONS_PER_REVIEW: u64 = 64;
@@ -278,7 +277,7 @@ impl Front {
     }
 
     /// A free of `ptr`, and whether its block is over `FRONT_MAX_BLOCK`.
-    pub fn give_back(&mut self, ptr: DevicePtr, large_ok: bool) -> (GiveBack, bool) {
+    pub fn give_back(&mut self, ptr: DevicePtr) -> (GiveBack, bool) {
         self.clock += 1;
         let stamp = self.clock;
         let Some(entry) = self.slots.iter_mut().flatten().find(|e| e.ptr == ptr) else {
@@ -286,10 +285,6 @@ impl Front {
         };
         if entry.held {
             return (GiveBack::AlreadyFree, entry.is_large());
-        }
-        if entry.is_large() && !large_ok {
-            // Its shard takes it from here (`Fronts::detach`).
-            return (GiveBack::NotHere, true);
         }
         entry.held = true;
         entry.stamp = stamp;
@@ -459,9 +454,6 @@ pub struct Fronts {
     /// and never cleared: a front gets blocks only by adopting them, so until then every
     /// front of the device is empty.
     adopted: Arc<AtomicBool>,
-    /// The device's record that it has several shards (set when the second is made):
-    /// large blocks then stay out of fronts.
-    several_shards: Arc<AtomicBool>,
 }
 
 static NEXT_FRONT: AtomicU64 = AtomicU64::new(1);
@@ -476,12 +468,7 @@ pub fn new_key() -> u64 {
 impl Fronts {
     /// The fronts of a new shard of the device whose key is `device`; `adopted`: the device's
     /// record of an adoption into any of its fronts.
-    pub fn new(
-        device: u64,
-        open: bool,
-        adopted: Arc<AtomicBool>,
-        several_shards: Arc<AtomicBool>,
-    ) -> Self {
+    pub fn new(device: u64, open: bool, adopted: Arc<AtomicBool>) -> Self {
         Self {
             id: NEXT_FRONTS.fetch_add(1, Ordering::Relaxed),
             device,
@@ -489,7 +476,6 @@ impl Fronts {
             open: AtomicBool::new(open),
             orphans: AtomicUsize::new(0),
             adopted,
-            several_shards,
         }
     }
 
@@ -716,6 +702,27 @@ pub fn take_large_held(fronts: &Fronts) -> (Vec<Entry>, u32) {
     .unwrap_or_default()
 }
 
+/// The fronts of another shard of the device keyed `device` than `visited` in which the
+/// calling thread holds blocks over `FRONT_MAX_BLOCK`, if any: such a block waits for its
+/// thread's next visit to its shard, and a visit to another shard returns it first
+/// (`DeviceAllocator::return_large_held_elsewhere`). Reads only the thread's own census.
+pub fn holding_large_elsewhere(device: u64, visited: &Fronts) -> Option<Arc<Fronts>> {
+    LOCALS_OF_THREAD
+        .try_with(|locals| {
+            let locals = locals.try_borrow().ok()?;
+            locals
+                .iter()
+                .find(|l| {
+                    l.device == device
+                        && l.census.held_large > 0
+                        && !std::ptr::eq(&*l.fronts, visited)
+                })
+                .map(|l| l.fronts.clone())
+        })
+        .ok()
+        .flatten()
+}
+
 /// The fast free, in this thread's fronts for the device keyed `device` that have blocks
 /// out (a block is out in one front at most): `Held` when a front had `ptr` out (now
 /// held), `AlreadyFree` when it held it already, `NotHere` when none had it.
@@ -734,10 +741,7 @@ pub fn give_back(device: u64, ptr: DevicePtr) -> GiveBack {
                     if !fronts.open.load(Ordering::Relaxed) {
                         return ((GiveBack::NotHere, false), f.census());
                     }
-                    // Large blocks stay out of fronts once the device has several
-                    // shards (`Shard::fits_front`): one out now goes back through its shard.
-                    let large_ok = !fronts.several_shards.load(Ordering::Acquire);
-                    (f.give_back(ptr, large_ok), f.census())
+                    (f.give_back(ptr), f.census())
                 });
                 local.census = census;
                 if found == GiveBack::Held && large {
@@ -902,7 +906,7 @@ mod tests {
                     let _ = f.take(requested, stream);
                 }
                 2 => {
-                    let _ = f.give_back(ptr, true);
+                    let _ = f.give_back(ptr);
                 }
                 3 => {
                     let _ = f.detach(ptr);
@@ -995,7 +999,7 @@ mod tests {
             let mut after = counts;
             after.take_back(&entry(99));
             assert_eq!(format!("{:?}", f.counts()), format!("{after:?}"));
-            assert_eq!(f.give_back(0, true), (GiveBack::NotHere, false));
+            assert_eq!(f.give_back(0), (GiveBack::NotHere, false));
             assert_eq!(
                 f.take(size + 99 * 512, s),
                 Some((99 << 30, pool == PoolKind::Large))
@@ -1010,7 +1014,7 @@ mod tests {
     fn a_large_free_the_front_serves_counts_in_the_small_blocks_pause() {
         std::thread::spawn(|| {
             let key = new_key();
-            let fronts = Arc::new(Fronts::new(key, true, Arc::default(), Arc::default()));
+            let fronts = Arc::new(Fronts::new(key, true, Arc::default()));
             let s = StreamId(0);
             let large = 2 * FRONT_MAX_BLOCK;
             let adopt = |ptr: DevicePtr, size: u64| {

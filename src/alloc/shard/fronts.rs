@@ -33,11 +33,10 @@ impl Shard {
 
     /// Whether live block `id`, freed now, may wait in a front: a paged block of the general
     /// cache, used on its own stream only, not oversize, outside captures; one over
-    /// `front::FRONT_MAX_BLOCK` only while parking does not pause, and only while the
-    /// device has one shard: other shards weigh this one's live bytes, held blocks
-    /// included, in their growth's budget (`weighed_high_water`), and the holder's next
-    /// visit here, which would return it, may never come. (The second shard's making
-    /// drains the first one's fronts.)
+    /// `front::FRONT_MAX_BLOCK` only while parking does not pause. A large block waits
+    /// only until its thread's next visit to the device: to this shard, which returns it
+    /// (`return_large_held`), or to another, which returns it here first
+    /// (`DeviceAllocator::return_large_held_elsewhere`).
     #[inline]
     pub(in crate::alloc) fn fits_front(&self, st: &State, b: &Block) -> bool {
         let large = b.size() > front::FRONT_MAX_BLOCK;
@@ -47,8 +46,7 @@ impl Shard {
             && !b.counted_oversize()
             && !st.capturing()
             // A large block stands in for a parked one: not while parking pauses.
-            && (!large
-                || (!st.parking_paused() && !self.several_shards.load(std::sync::atomic::Ordering::Acquire)))
+            && (!large || !st.parking_paused())
     }
 
     /// Gives a freed block that fits a front (`fits_front`) to `cell` (see `front`). Returns
@@ -62,16 +60,7 @@ impl Shard {
     ) -> Option<front::Census> {
         let b = st.block(id);
         let large = b.size() > front::FRONT_MAX_BLOCK;
-        // A second shard may have been made since the caller looked (its flag is set before
-        // the first shard is locked and drained): a large block adopted meanwhile goes back
-        // in that drain.
-        debug_assert!(
-            self.fits_front(st, b)
-                || (large
-                    && self
-                        .several_shards
-                        .load(std::sync::atomic::Ordering::Acquire))
-        );
+        debug_assert!(self.fits_front(st, b));
         let stream = b.stream();
         let mut entry = front::Entry::new(b.addr(), b.size(), b.requested(), stream, b.pool(), id);
         // A large block goes back to the shard later, when its stream may be gone: its
@@ -114,6 +103,18 @@ impl Shard {
         }
         let alive = alive(st);
         self.return_large_held_now(st, alive)
+    }
+
+    /// `return_large_held` for a visit of the calling thread to another shard of the device
+    /// (its stream unknown here). Without the shard's check that any large block joined a
+    /// front: the caller's front says it holds one, and if another thread's drain took it
+    /// meanwhile, looking refreshes that front's count, so the next visit does not ask again.
+    pub(in crate::alloc) fn return_callers_large_held(&self) -> Result<()> {
+        let mut st = self.lock()?;
+        if self.return_large_held_now(&mut st, None) {
+            self.publish_live(&st);
+        }
+        Ok(())
     }
 
     /// `return_large_held` once a large block has joined a front.

@@ -23,7 +23,7 @@ use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
 use crate::error::{human_bytes, Error, ErrorKind, Result};
 use crate::sync::{poisoned, Guard, SpinThenBlock};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 /// Paged segments a (stream, pool) may have. Each spans the device's size in addresses, so
@@ -88,8 +88,6 @@ pub(crate) struct Shard {
     /// Bytes live in this shard as of its last allocation or free, for other shards'
     /// growths (`lending`) to read without taking this shard's lock.
     live: AtomicU64,
-    /// `DeviceWide::several_shards`.
-    several_shards: Arc<AtomicBool>,
 }
 
 /// What a device's shards share with it and with each other.
@@ -99,8 +97,6 @@ pub(in crate::alloc) struct DeviceWide {
     pub moves: Arc<Mutex<Allowance>>,
     pub lifecycle: Arc<Lifecycle>,
     pub siblings: Weak<Shards>,
-    /// Whether the device has made a second shard (set just before it fills its slot).
-    pub several_shards: Arc<AtomicBool>,
 }
 
 impl Shard {
@@ -117,7 +113,6 @@ impl Shard {
             moves,
             lifecycle,
             siblings,
-            several_shards,
         } = shared;
         let limit = limit_for(&config, total_memory);
         let free_fence_interval = driver.min_free_fence_interval();
@@ -134,7 +129,6 @@ impl Shard {
             times_page_moves,
             releases_outgrown,
             siblings,
-            several_shards,
             live: AtomicU64::new(0),
         }
     }
