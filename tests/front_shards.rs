@@ -559,6 +559,35 @@ fn a_helper_threads_shard_leaves_the_main_threads_large_pairs_in_its_front() {
     assert_eq!(s.allocated_bytes.all().peak as u64, 32 * MIB);
 }
 
+/// A large block that another thread allocated in its own shard (a prefetcher's batch)
+/// and this thread frees goes back to that shard at once, not to this thread's front for
+/// it: the prefetcher's next batch reuses its memory.
+#[test]
+fn a_large_block_freed_by_another_shards_thread_goes_back_to_its_shard_at_once() {
+    let driver = FaultDriver::new(Arc::new(SimDriver::new(1, 1 << 30)), &[]);
+    let a = Arc::new(DeviceAllocator::new(0, driver.clone(), Config::default()).unwrap());
+    let own = a.malloc(4096, S0).unwrap();
+    let on_helper = |a: &Arc<DeviceAllocator>| {
+        let a = a.clone();
+        std::thread::spawn(move || a.malloc(32 * MIB, S1).unwrap())
+            .join()
+            .unwrap()
+    };
+    let batch = on_helper(&a);
+    assert_eq!(a.shards_made(), 2);
+    for _ in 0..3 {
+        a.free(batch).unwrap();
+        let made = driver.sim.counters(0).physical_creates;
+        assert_eq!(on_helper(&a), batch, "the next batch reuses the freed one");
+        assert_eq!(driver.sim.counters(0).physical_creates, made);
+    }
+    a.free(batch).unwrap();
+    a.free(own).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().current, 0);
+    assert_eq!(s.allocated_bytes.all().peak as u64, 32 * MIB + 4096);
+}
+
 /// A large block waits in its thread's front with several shards too, so a same-size loop
 /// of large tensors runs without its shard's lock; the thread's next visit to another shard
 /// gives it back to its own first, so that the other shard's growth can borrow its pages.

@@ -762,17 +762,15 @@ impl DeviceAllocator {
             return done;
         }
         if !self.several_shards() {
-            let freed = self.free_trying(ptr, self.shards.slots[0].get().map(|s| &s.shard));
+            let only = self.shards.slots[0].get().map(|s| &s.shard);
+            let freed = self.free_trying(ptr, only, only);
             // (A second shard may be in the making: its peaks book is active already.)
             self.settle_lifts(freed.as_ref().ok().copied());
             return freed.map(drop);
         }
-        let (device, slot) = LAST_SLOT.get();
-        let first = (device == self as *const Self as usize)
-            .then(|| self.shards.slots[slot].get())
-            .flatten();
+        let first = self.home_shard();
         // A free can lift a count too (inactive splits).
-        let freed = self.free_trying(ptr, first.map(|s| &s.shard));
+        let freed = self.free_trying(ptr, first, first);
         self.settle_lifts(freed.as_ref().ok().copied());
         freed.map(drop)
     }
@@ -787,7 +785,7 @@ impl DeviceAllocator {
             .shards
             .slot_of(stream)
             .map(|i| self.shards.filled_shard(i));
-        let freed = self.free_trying(ptr, first);
+        let freed = self.free_trying(ptr, first, self.home_shard());
         self.settle_lifts(freed.as_ref().ok().copied());
         freed.map(drop)
     }
@@ -805,16 +803,39 @@ impl DeviceAllocator {
         }
     }
 
-    /// Frees `ptr` in its shard, asking `first` first. The shard that has the block may
-    /// give it to this thread's front for that shard (`Shard::free`).
+    /// The shard this thread allocates from: its last allocation's on this device
+    /// (`LAST_SLOT`, noted once the device has several shards), else the first, the only
+    /// one there was before.
     #[inline]
-    fn free_trying<'a>(&'a self, ptr: DevicePtr, first: Option<&'a Shard>) -> Result<&'a Shard> {
+    fn home_shard(&self) -> Option<&Shard> {
+        let (device, slot) = LAST_SLOT.get();
+        let slot = if device == self as *const Self as usize {
+            slot
+        } else {
+            0
+        };
+        self.shards.slots[slot].get().map(|s| &s.shard)
+    }
+
+    /// Frees `ptr` in its shard, asking `first` first. The shard that has the block may
+    /// give it to this thread's front for that shard (`Shard::free`); a large block only
+    /// while the device has one shard or if that shard is `home`, the one this thread
+    /// allocates from. Another thread's large block (a prefetcher's batch freed by the
+    /// training loop) would wait there for this thread's next visit to the device, while
+    /// its own thread, allocating again in that shard, could not reuse it.
+    #[inline]
+    fn free_trying<'a>(
+        &'a self,
+        ptr: DevicePtr,
+        first: Option<&'a Shard>,
+        home: Option<&'a Shard>,
+    ) -> Result<&'a Shard> {
         if let Some(shard) = first {
-            if shard.free(ptr)?.freed() {
+            if shard.free(ptr, self.large_may_wait(shard, home))?.freed() {
                 return Ok(shard);
             }
         }
-        self.free_in_other_shards(ptr, first)
+        self.free_in_other_shards(ptr, first, home)
     }
 
     /// `free_trying` past `first`.
@@ -823,13 +844,23 @@ impl DeviceAllocator {
         &'a self,
         ptr: DevicePtr,
         first: Option<&'a Shard>,
+        home: Option<&'a Shard>,
     ) -> Result<&'a Shard> {
         for shard in self.shards() {
-            if !first.is_some_and(|f| std::ptr::eq(f, shard)) && shard.free(ptr)?.freed() {
+            if !first.is_some_and(|f| std::ptr::eq(f, shard))
+                && shard.free(ptr, self.large_may_wait(shard, home))?.freed()
+            {
                 return Ok(shard);
             }
         }
         Err(self.not_live(ptr))
+    }
+
+    /// Whether a large block freed in `shard` may wait in this thread's front for it
+    /// (`free_trying`).
+    #[inline]
+    fn large_may_wait(&self, shard: &Shard, home: Option<&Shard>) -> bool {
+        !self.several_shards() || home.is_some_and(|h| std::ptr::eq(h, shard))
     }
 
     /// Why `ptr` is not a live block of this device.

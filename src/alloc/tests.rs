@@ -1700,3 +1700,27 @@ fn a_front_adoption_that_frees_a_held_block_publishes_the_live_bytes() {
     assert_eq!(active, (2..=slots + 1).map(|i| 4096 * i).sum::<u64>());
     assert_eq!(shard.published_live(), active);
 }
+
+/// With several shards, a large block waits in a front only if its shard is the one the
+/// freeing thread allocates from: a training loop's own blocks do, while a prefetcher's
+/// batch that the loop frees goes back to the prefetcher's shard at once, where a front of
+/// the loop's thread would hold it until the loop's next visit.
+#[test]
+fn with_several_shards_only_a_threads_own_shard_keeps_its_large_blocks_in_a_front() {
+    let (_sim, a) = paged(1 << 30, "");
+    let own = a.malloc(32 * MIB, S0).unwrap();
+    let batch = std::thread::scope(|t| t.spawn(|| a.malloc(32 * MIB, S1).unwrap()).join()).unwrap();
+    assert_eq!(a.shards_made(), 2);
+    a.free(batch).unwrap();
+    assert_eq!(
+        a.state_of(S1).front_blocks(),
+        0,
+        "the batch went back to its shard"
+    );
+    a.free(own).unwrap();
+    assert_eq!(
+        a.state_of(S0).front_blocks(),
+        1,
+        "the loop's own block waits in its front"
+    );
+}

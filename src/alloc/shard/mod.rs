@@ -459,8 +459,10 @@ impl Shard {
 
     /// Frees a block handed out by `malloc`. A block that may wait in the calling thread's
     /// front for this shard goes there (still handed out, to this shard) instead of the
-    /// cache. `NotLive` (nothing changed) when `ptr` is not a live block of this shard.
-    pub(in crate::alloc) fn free(&self, ptr: DevicePtr) -> Result<Freed> {
+    /// cache; one over `front::FRONT_MAX_BLOCK` only with `large_may_wait` (the caller's
+    /// rule: `DeviceAllocator::free_trying`). `NotLive` (nothing changed) when `ptr` is not
+    /// a live block of this shard.
+    pub(in crate::alloc) fn free(&self, ptr: DevicePtr, large_may_wait: bool) -> Result<Freed> {
         let mut st = self.lock()?;
         let mut found = st.live_block(ptr);
         // The caller frees a block of this stream now: it is alive.
@@ -476,7 +478,7 @@ impl Shard {
         let block = st.block(id);
         let (held, large) = (block.front() != 0, block.size() > front::FRONT_MAX_BLOCK);
         // Leaving its front changes nothing `fits_front` reads.
-        let fits = self.fits_front(&st, block);
+        let fits = self.fits_front(&st, block) && (large_may_wait || !large);
         if held {
             self.detach_from_front(&mut st, id, ptr)?;
         }
