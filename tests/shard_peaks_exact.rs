@@ -9,6 +9,7 @@ mod common;
 
 use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, StreamId};
+use common::xorshift;
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
@@ -131,15 +132,6 @@ impl Model {
         while !self.live.is_empty() {
             self.free_at(a, 0, false);
         }
-    }
-}
-
-fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
-    move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
     }
 }
 

@@ -120,7 +120,7 @@ impl Entry {
         }
     }
 
-    /// Held only until its thread's next visit to the shard (`FRONT_MAX_BLOCK`).
+    /// Held only until its thread's next visit to the device (`FRONT_MAX_BLOCK`).
     pub fn is_large(&self) -> bool {
         self.size > FRONT_MAX_BLOCK
     }
@@ -569,7 +569,7 @@ impl Fronts {
 
     /// `cell`'s thread no longer uses it. A front that holds nothing and never counted a
     /// block (its thread freed only blocks the shard kept: recorded on other streams,
-    /// large ones with per-stream shards) leaves the registry at once: there is nothing
+    /// large ones of a shard it does not allocate from) leaves the registry at once: there is nothing
     /// to fold, and the shard's next drain, the only other way out, may never come in a
     /// steady job, while threads that come and go would each leave one. Only its own
     /// thread adds to a front, so an empty one stays empty. Lock order: registry, then

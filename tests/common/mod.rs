@@ -286,3 +286,13 @@ pub fn pool_layout(a: &ccalloc::DeviceAllocator, pool: (u64, u64)) -> Vec<ccallo
         })
         .collect()
 }
+
+/// A xorshift64 generator from `seed` (non-zero): reproducible random tests.
+pub fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
+    move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    }
+}
