@@ -1129,7 +1129,7 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
 }
 
 #[test]
-fn page_bits_count_across_words() {
+fn page_bits_count_and_all_across_words() {
     use super::paging::table::PageBits;
     use std::collections::BTreeSet;
     // Against a set, for ranges cutting words anywhere, over several patterns.
@@ -1159,7 +1159,9 @@ fn page_bits_count_across_words() {
             let a = (seed >> 33) as usize % (pages + 1);
             let b = (seed >> 13) as usize % (pages + 1);
             let range = a.min(b)..a.max(b);
-            assert_eq!(bits.count(range.clone()), set.range(range).count());
+            let in_set = set.range(range.clone()).count();
+            assert_eq!(bits.count(range.clone()), in_set);
+            assert_eq!(bits.all(range.clone()), in_set == range.len(), "{range:?}");
         }
     }
 }

@@ -139,8 +139,8 @@ impl PageBits {
         self.words[i / 64] &= !(1u64 << (i % 64));
     }
 
-    /// The words overlapping `range`, each masked to the bits inside it, with its index.
-    fn masked(&self, range: Range<usize>) -> impl Iterator<Item = (usize, u64)> + '_ {
+    /// The words overlapping `range`, each with the mask of its bits inside it.
+    fn masks(range: Range<usize>) -> impl Iterator<Item = (usize, u64)> {
         let words = if range.is_empty() {
             0..0
         } else {
@@ -150,9 +150,13 @@ impl PageBits {
             // The word overlaps the range: 0 <= low < 64 and 0 < high <= 64.
             let low = range.start.saturating_sub(w * 64);
             let high = (range.end - w * 64).min(64);
-            let mask = (u64::MAX >> (64 - high)) & (u64::MAX << low);
-            (w, self.words[w] & mask)
+            (w, (u64::MAX >> (64 - high)) & (u64::MAX << low))
         })
+    }
+
+    /// The words overlapping `range`, each masked to the bits inside it, with its index.
+    fn masked(&self, range: Range<usize>) -> impl Iterator<Item = (usize, u64)> + '_ {
+        Self::masks(range).map(|(w, mask)| (w, self.words[w] & mask))
     }
 
     /// The set bits inside `range`, in order.
@@ -175,6 +179,13 @@ impl PageBits {
             word = self.words[w];
         }
         Some(w * 64 + 63 - word.leading_zeros() as usize)
+    }
+
+    /// Whether every bit inside `range` is set: each masked word against its mask, where
+    /// `count` would add up population counts (a library loop without the CPU's popcnt,
+    /// which the baseline x86-64 target does not assume).
+    pub fn all(&self, range: Range<usize>) -> bool {
+        Self::masks(range).all(|(w, mask)| self.words[w] & mask == mask)
     }
 
     /// Set bits inside `range`.
@@ -302,6 +313,11 @@ impl PagedSegment {
                 end.min(addr + len) - start.max(addr)
             })
             .sum()
+    }
+
+    /// Whether every page `[addr, addr+len)` touches is mapped (`unmapped_pages` is 0).
+    pub fn all_mapped(&self, addr: DevicePtr, len: u64) -> bool {
+        self.mapped.all(self.touched(addr, len))
     }
 
     /// How many pages `[addr, addr+len)` touches that are not mapped.

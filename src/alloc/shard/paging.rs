@@ -107,7 +107,7 @@ impl Shard {
     ) -> Result<bool> {
         let (base, seg) = st.paged_segment(addr);
         let page = seg.page;
-        if seg.unmapped_pages(addr, len) == 0 {
+        if seg.all_mapped(addr, len) {
             return Ok(true);
         }
         // Parked (and held) blocks' pages become reclaimable (and the OOM path sees them

@@ -122,11 +122,10 @@ impl State {
     pub fn needs_pages(&self, id: BlockId, rounded: u64) -> bool {
         let block = self.book.blocks.get(id);
         block.paged()
-            && self
+            && !self
                 .paged_segment(block.addr())
                 .1
-                .unmapped_pages(block.addr(), rounded)
-                > 0
+                .all_mapped(block.addr(), rounded)
     }
 
     /// The paged segment holding `addr` (which must lie in one), with its base address.
