@@ -32,9 +32,9 @@ pub struct Config {
     pub page_move_budget: f64,
     /// A separate allocator (shard: lock, cache, statistics) per stream, so that threads on
     /// different streams never contend. The cost: pages lent between streams wait for the
-    /// lender's work, and large blocks skip the thread fronts once there are several
-    /// shards (`design.md`, Shards). Off by default; may change only before the device's
-    /// first allocation.
+    /// lender's work, and one thread's several streams keep separate caches
+    /// (`design.md`, Shards). Off by default; may change only before the device's first
+    /// allocation.
     pub per_stream_shards: bool,
     /// A shard of its own for a stream first used by a thread that has not allocated on
     /// the device before, when no shard holds memory of that stream: threads each on their
