@@ -7,9 +7,8 @@
 
 mod common;
 
-use ccalloc::SimDriver;
-use ccalloc::{Config, DeviceAllocator, StreamId};
-use common::xorshift;
+use ccalloc::{DeviceAllocator, StreamId};
+use common::{sim_allocator, xorshift};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
@@ -17,18 +16,8 @@ const S1: StreamId = StreamId(1);
 const S2: StreamId = StreamId(2);
 const S3: StreamId = StreamId(3);
 
-fn allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, Arc<DeviceAllocator>) {
-    let sim = Arc::new(SimDriver::new(1, capacity));
-    let mut config = Config::default();
-    config.apply(conf).unwrap();
-    (
-        sim.clone(),
-        Arc::new(DeviceAllocator::new(0, sim, config).unwrap()),
-    )
-}
-
 fn sharded(conf: &str) -> Arc<DeviceAllocator> {
-    allocator(
+    sim_allocator(
         1 << 30,
         format!("per_stream_shards:True,{conf}").trim_end_matches(','),
     )
@@ -255,7 +244,7 @@ fn random_single_thread_sequences_keep_exact_peaks() {
     ];
     for (conf, with_records) in confs.iter().flat_map(|c| [(*c, false), (*c, true)]) {
         for (seed, read_every) in [(1u64, 0u64), (2, 1), (3, 5), (4, 13), (5, 3)] {
-            let (_sim, a) = allocator(8 << 30, conf);
+            let (_sim, a) = sim_allocator(8 << 30, conf);
             let mut next = xorshift(0x9E37_79B9_7F4A_7C15 ^ seed.wrapping_mul(0x1234_5678_9ABC));
             let sizes = [512, 4096, 65_536, 100_000, MIB, 3 * MIB + 512, 12 * MIB];
             let mut m = Model::default();
@@ -342,7 +331,7 @@ fn front_loops_on_two_streams_keep_exact_peaks() {
 /// the shard that had them). The peaks are the high of the sum.
 #[test]
 fn threads_taking_turns_on_their_own_shards_keep_exact_peaks() {
-    let (_sim, a) = allocator(8 << 30, "thread_cache:False");
+    let (_sim, a) = sim_allocator(8 << 30, "thread_cache:False");
     let model = Arc::new(std::sync::Mutex::new(Model::default()));
     for t in 0..6u64 {
         let (a, model) = (a.clone(), model.clone());
@@ -382,7 +371,7 @@ fn threads_taking_turns_on_their_own_shards_keep_exact_peaks() {
 /// counts at each call's end (and settles each lift's ceiling), so every peak must come out
 /// the same whatever the reads: inactive splits, active blocks and segments included.
 fn peaks_of_sequence(seed: u64, read_every: u64) -> Vec<(String, i64)> {
-    let (_sim, a) = allocator(8 << 30, "per_stream_shards:True,thread_cache:False");
+    let (_sim, a) = sim_allocator(8 << 30, "per_stream_shards:True,thread_cache:False");
     let mut next = xorshift(0x2545_F491_4F6C_DD1D ^ seed.wrapping_mul(0x9E37_79B9));
     let sizes = [
         512,
@@ -470,7 +459,7 @@ fn every_peak_is_the_same_whether_or_not_reads_come_between_calls() {
 /// segment carved whole, the high of the sum over shards is 30 MiB; one shard says 30.
 fn restore_peak(conf: &str) -> (i64, i64) {
     const POOL: (u64, u64) = (0, 7);
-    let (_sim, a) = allocator(1 << 30, conf);
+    let (_sim, a) = sim_allocator(1 << 30, conf);
     a.begin_allocate_to_pool(POOL, Box::new(|_| true)).unwrap();
     let x = a.malloc(2 * MIB, S1).unwrap();
     let y = a.malloc(2 * MIB, S1).unwrap();

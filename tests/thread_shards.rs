@@ -3,22 +3,16 @@
 //! thread's several streams and a stream several threads share stay in one shard.
 #![cfg(feature = "sim")]
 
-use ccalloc::SimDriver;
-use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+mod common;
+
+use ccalloc::{DeviceAllocator, ErrorKind, StreamId};
+use common::{on_new_thread, sim_allocator};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
 
 fn allocator(conf: &str) -> Arc<DeviceAllocator> {
-    let sim = Arc::new(SimDriver::new(1, 1 << 30));
-    let mut config = Config::default();
-    config.apply(conf).unwrap();
-    Arc::new(DeviceAllocator::new(0, sim, config).unwrap())
-}
-
-/// Runs `f` on a thread of its own (new to every device) and returns its result.
-fn on_new_thread<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
-    std::thread::spawn(f).join().unwrap()
+    sim_allocator(1 << 30, conf).1
 }
 
 #[test]

@@ -3,29 +3,19 @@
 //! private-pool windows, OOMs, statistics, shutdown and memory kept per exited thread.
 #![cfg(feature = "sim")]
 
+mod common;
+
 use ccalloc::SimDriver;
 use ccalloc::{Config, DeviceAllocator, ErrorKind, StreamId};
+use common::{on_new_thread, sim_allocator};
 use std::sync::{Arc, Barrier};
 
 const MIB: u64 = 1 << 20;
 /// `MAX_SHARDS` in src/alloc/device.rs.
 const MAX_SHARDS: u64 = 32;
 
-fn allocator_on(capacity: u64, conf: &str) -> (Arc<SimDriver>, Arc<DeviceAllocator>) {
-    let sim = Arc::new(SimDriver::new(1, capacity));
-    let mut config = Config::default();
-    config.apply(conf).unwrap();
-    let a = Arc::new(DeviceAllocator::new(0, sim.clone(), config).unwrap());
-    (sim, a)
-}
-
 fn allocator(conf: &str) -> Arc<DeviceAllocator> {
-    allocator_on(1 << 30, conf).1
-}
-
-/// Runs `f` on a thread of its own (new to every device) and returns its result.
-fn on_new_thread<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
-    std::thread::spawn(f).join().unwrap()
+    sim_allocator(1 << 30, conf).1
 }
 
 /// The slot a stream past `MAX_SHARDS` shares (`shared_slot` in src/alloc/device.rs).
@@ -117,7 +107,7 @@ fn a_new_thread_joins_the_first_shards_stream_after_the_slots_fill() {
 /// exited thread's stream.
 #[test]
 fn short_lived_threads_past_the_slots_share_shards_and_give_everything_back() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let keep = a.malloc(MIB, StreamId(0)).unwrap();
     let mut blocks = Vec::new();
     for t in 0..80u64 {
@@ -306,7 +296,7 @@ fn the_runtime_refuses_thread_shards_changes_once_a_device_allocated() {
 /// counts unchanged.
 #[test]
 fn blocks_of_an_exited_thread_free_once_and_double_frees_are_refused() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let main = a.malloc(4096, StreamId(0)).unwrap();
     let b = a.clone();
     let (freed, live, big) = on_new_thread(move || {
@@ -351,7 +341,7 @@ fn blocks_of_an_exited_thread_free_once_and_double_frees_are_refused() {
 /// handed out again until that stream's work is done.
 #[test]
 fn record_stream_across_shards_waits_for_the_other_stream() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let s0 = StreamId(0);
     let s1 = StreamId(1);
     let main = a.malloc(4096, s0).unwrap();
@@ -378,7 +368,7 @@ fn record_stream_across_shards_waits_for_the_other_stream() {
 /// its memory back.
 #[test]
 fn a_window_routes_a_new_threads_first_allocation_in_its_new_shard() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let pool = (7, 1);
     let main = a.malloc(4096, StreamId(0)).unwrap();
     a.begin_allocate_to_pool(pool, Box::new(|s| s == StreamId(2)))
@@ -415,7 +405,7 @@ fn a_window_routes_a_new_threads_first_allocation_in_its_new_shard() {
 /// freed, and the pool's memory goes back once released.
 #[test]
 fn windows_racing_new_threads_making_shards() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let pool = (9, 9);
     a.create_or_incref_pool(pool).unwrap();
     let main = a.malloc(4096, StreamId(0)).unwrap();
@@ -472,7 +462,7 @@ fn windows_racing_new_threads_making_shards() {
 #[test]
 fn an_oom_on_a_thread_shard_empties_the_other_shards_first() {
     for conf in ["", "expandable_segments:False"] {
-        let (sim, a) = allocator_on(64 * MIB, conf);
+        let (sim, a) = sim_allocator(64 * MIB, conf);
         let main = a.malloc(4 * MIB, StreamId(0)).unwrap();
         let b = a.clone();
         on_new_thread(move || {
@@ -539,7 +529,7 @@ fn peaks_stay_exact_when_new_threads_add_shards() {
 #[test]
 fn stats_resets_and_empty_cache_race_shard_creation() {
     for round in 0..10 {
-        let (sim, a) = allocator_on(1 << 30, "");
+        let (sim, a) = sim_allocator(1 << 30, "");
         let barrier = Arc::new(Barrier::new(7));
         let workers: Vec<_> = (1..=6u64)
             .map(|t| {
@@ -583,7 +573,7 @@ fn stats_resets_and_empty_cache_race_shard_creation() {
 /// it succeeds every call is refused and every byte is back.
 #[test]
 fn shutdown_racing_new_threads() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let barrier = Arc::new(Barrier::new(7));
     let workers: Vec<_> = (1..=6u64)
         .map(|t| {
@@ -711,7 +701,7 @@ fn thread_shards_round_trips_through_the_settings_text() {
 /// back), and the counts add up.
 #[test]
 fn short_lived_threads_exiting_with_front_blocks_do_not_grow_memory() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let main = a.malloc(4096, StreamId(0)).unwrap();
     let mut reserved = Vec::new();
     for _ in 0..200 {
@@ -779,7 +769,7 @@ fn a_filter_reading_statistics_with_several_shards_does_not_deadlock() {
 #[test]
 fn thread_shards_racing_ooms_on_a_small_device() {
     for conf in ["", "expandable_segments:False"] {
-        let (sim, a) = allocator_on(64 * MIB, conf);
+        let (sim, a) = sim_allocator(64 * MIB, conf);
         let main = a.malloc(MIB, StreamId(0)).unwrap();
         let barrier = Arc::new(Barrier::new(4));
         let workers: Vec<_> = (1..=4u64)
@@ -876,7 +866,7 @@ fn the_c_api_refuses_thread_shards_changes_once_a_device_allocated() {
 /// and counts stay bounded, and everything comes back.
 #[test]
 fn a_consumer_freeing_every_producers_blocks_keeps_memory_bounded() {
-    let (sim, a) = allocator_on(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, "");
     let main = a.malloc(4096, StreamId(0)).unwrap();
     let (tx, rx) = std::sync::mpsc::sync_channel::<u64>(4);
     let consumer = {

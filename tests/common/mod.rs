@@ -296,3 +296,17 @@ pub fn xorshift(mut seed: u64) -> impl FnMut() -> u64 {
         seed
     }
 }
+
+/// A device allocator on a one-device sim of `capacity` bytes, with the settings `conf`.
+pub fn sim_allocator(capacity: u64, conf: &str) -> (Arc<SimDriver>, Arc<ccalloc::DeviceAllocator>) {
+    let sim = Arc::new(SimDriver::new(1, capacity));
+    let mut config = ccalloc::Config::default();
+    config.apply(conf).unwrap();
+    let a = ccalloc::DeviceAllocator::new(0, sim.clone(), config).unwrap();
+    (sim, Arc::new(a))
+}
+
+/// Runs `f` on a thread of its own (new to every device) and returns its result.
+pub fn on_new_thread<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    std::thread::spawn(f).join().unwrap()
+}
