@@ -146,13 +146,16 @@ impl Shards {
 // device-wide count on every call would make every stream's thread write the same line,
 // which is what shards avoid. Instead, once a device has several shards, a shard's peak
 // fields are its *ceilings*: the device's peak P (kept in `PeakBook`) is split so that the
-// ceilings sum to P, and a shard whose counts stay under its ceilings cannot have lifted
-// the device past P. A call that lifts a ceiling (`stats::take_lifted`) settles once its
-// shard's lock is released (`settle`): the other shards give up unused headroom to cover
-// the lift, one locked at a time, and the lifter keeps half of what the last giver had
-// left, so that its next increase does not lift again. A lift that no headroom covers may
-// be a new high: then every shard is locked at once (`balance_peaks`), their counts are
-// summed, P rises to the sum if it is higher, and the headroom left is shared equally.
+// ceilings sum to at most P, and a shard whose counts stay under its ceilings cannot have
+// lifted the device past P. The rest of the headroom below P is assigned to no shard: the
+// book keeps it. A call that lifts a ceiling
+// (`stats::take_lifted`) settles once its shard's lock is released (`settle`): the book's
+// unassigned headroom covers the lift if it can, with no other shard locked; else the other
+// shards give up unused headroom, one locked at a time. Either way the lifter keeps some
+// more (a share of the book's, or half of what the last giver had left), so that its next
+// increase does not lift again. A lift that no headroom covers may be a new high: then every
+// shard is locked at once (`balance_peaks`), their counts are summed, P rises to the sum if
+// it is higher, and the headroom left is split: half shared equally, half kept unassigned.
 // Blocks held in thread fronts count as live in their shard, so before P rises the fronts
 // are drained and the sum taken again: P is then the true high-water mark. Lock order:
 // the book, then shards; no path takes the book while holding a shard.
@@ -170,12 +173,18 @@ struct PeakBook {
     inner: Mutex<Book>,
 }
 
-/// The device's peaks and the ceilings they are split into, per slot: the ceilings sum to
-/// the peaks. A shard's own peak fields equal its ceilings here, or stand above them after
-/// a lift not yet settled.
+/// The device's peaks and the ceilings they are split into, per slot, and the headroom
+/// assigned to no slot: together at most the peaks. A shard's own peak fields equal its
+/// ceilings here, or stand above them after a lift not yet settled.
 struct Book {
     peaks: Peaks,
     assigned: [Peaks; MAX_SHARDS],
+    /// Headroom any shard's lift may take without another shard being locked. Lifts come
+    /// from every thread's random walk, so each would otherwise lock the other shards to
+    /// find the headroom their counts left: with 8 threads churning on their own streams,
+    /// one settlement every 115 steps, each locking up to 7 shards whose threads then miss
+    /// on their own locks (docs/benchmarks.md, session 24).
+    unassigned: Peaks,
 }
 
 impl Default for Book {
@@ -183,6 +192,7 @@ impl Default for Book {
         Self {
             peaks: [0; PEAKED],
             assigned: [[0; PEAKED]; MAX_SHARDS],
+            unassigned: [0; PEAKED],
         }
     }
 }
@@ -416,6 +426,7 @@ impl DeviceAllocator {
             first_shard.publish_live(&first);
             book.peaks = first.stats().peaked_peaks();
             book.assigned[0] = book.peaks;
+            book.unassigned = [0; PEAKED];
             first.set_book_assigned(book.peaks);
             self.peak_book.active.store(true, Ordering::Release);
         }
@@ -622,9 +633,22 @@ impl DeviceAllocator {
         // another thread's `balance_peaks` shows none either, and 8 churning threads then
         // each locked every shard after each such balance (mt8 154 -> 260 ns).
         gather(lifted, &mut book, &mut need)?;
-        // The shard that lifted also gets half of the headroom left where its need was
-        // met: at its new ceiling exactly, its next increase would lift again.
+        // The shard that lifted also gets more headroom where its need was met: at its new
+        // ceiling exactly, its next increase would lift again. From the book's unassigned
+        // headroom, a share as large as an equal split's; from a giver, half of what it has
+        // left.
         let mut bonus = [0; PEAKED];
+        let shares = shards.len() as i64;
+        for q in 0..PEAKED {
+            if need[q] > 0 && book.unassigned[q] >= need[q] {
+                book.unassigned[q] -= need[q];
+                need[q] = 0;
+                if lifted.is_some() {
+                    bonus[q] = book.unassigned[q] / shares;
+                    book.unassigned[q] -= bonus[q];
+                }
+            }
+        }
         for (j, shard) in shards.iter().enumerate() {
             if need.iter().all(|&n| n == 0) {
                 break;
@@ -640,7 +664,12 @@ impl DeviceAllocator {
             let ceilings = st.stats().peaked_peaks();
             let currents = st.stats().peaked_currents();
             let before = book.assigned[j];
-            let assigned = &mut book.assigned[j];
+            let Book {
+                assigned,
+                unassigned,
+                ..
+            } = &mut *book;
+            let assigned = &mut assigned[j];
             for q in 0..PEAKED {
                 // A shard whose own lift is not settled yet keeps its ceiling there, and
                 // one that lifted here gives none of its lift back.
@@ -651,6 +680,11 @@ impl DeviceAllocator {
                     if need[q] == 0 && lifted.is_some() {
                         bonus[q] = (spare - take) / 2;
                         take += bonus[q];
+                        // Half of what the giver has left goes to the book, for the next
+                        // lifts to take without locking a giver.
+                        let pooled = (spare - take) / 2;
+                        unassigned[q] += pooled;
+                        take += pooled;
                     }
                     assigned[q] -= take;
                 }
@@ -1115,6 +1149,7 @@ impl DeviceAllocator {
             }
         }
         book.peaks = sum;
+        book.unassigned = [0; PEAKED];
         Ok(())
     }
 
@@ -1525,12 +1560,18 @@ fn balance_held(
     }
     let n = held.len() as i64;
     let peaks = book.peaks;
+    // Half the headroom stays with the book (`Book::unassigned`), half is shared equally.
+    let mut shared = [0; PEAKED];
+    for q in 0..PEAKED {
+        let spare = peaks[q] - sum[q];
+        book.unassigned[q] = spare / 2;
+        shared[q] = spare - spare / 2;
+    }
     for (j, st) in held.iter_mut().enumerate() {
         let currents = st.stats().peaked_currents();
         let mut headroom = [0; PEAKED];
         for q in 0..PEAKED {
-            let spare = peaks[q] - sum[q];
-            headroom[q] = spare / n + if j == 0 { spare % n } else { 0 };
+            headroom[q] = shared[q] / n + if j == 0 { shared[q] % n } else { 0 };
             book.assigned[j][q] = currents[q] + headroom[q];
         }
         st.stats_mut().set_ceilings(&headroom);
