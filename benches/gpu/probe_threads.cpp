@@ -14,6 +14,9 @@
  * PROBE_PAIRS=SIZE instead times 200,000 alloc+free pairs of SIZE bytes on the main thread,
  * first alone, then after a helper thread has allocated on a stream of its own (a batch
  * prefetcher: with the default settings, a second shard).
+ * PROBE_CPUS=a,b,... pins thread t of each run to CPU number t modulo the list's length, and
+ * PROBE_MAIN_CPU=c the main thread (which spins while the run is timed, as the harness's does):
+ * whether threads sharing a core's hyperthreads, or the main thread's spin, set the figures.
  * After each run: the timed steps' growths (moving ones) and growth ms, summed over the
  * threads, from the paging statistics; the process's minor page faults and voluntary
  * context switches meanwhile; and the shards made so far. */
@@ -25,6 +28,8 @@
 #include <cstring>
 #include <thread>
 #include <vector>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <cuda_runtime_api.h>
 #include "ccalloc.h"
@@ -65,6 +70,17 @@ static void churn_here(cudaStream_t s, long live, long steps, double hi_bytes, u
     for (long i = 0; i < live; ++i) ccalloc_torch_free(p[i], sz[i], 0, s);
 }
 
+/* CPUs named in PROBE_CPUS, in order (empty: threads are not pinned). */
+static std::vector<int> worker_cpus;
+
+/* Pins the calling thread to `cpu`; false if the system refused. */
+static bool pin_to(int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0;
+}
+
 /* Paging statistics when the timed steps started and ended. */
 static ccalloc_paging_stats timed_from, timed_to;
 /* The process's minor page faults and voluntary context switches in the timed steps. */
@@ -90,6 +106,7 @@ static double run(int threads, long steps, bool sim) {
     std::atomic<bool> go{false};
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] {
+        if (!worker_cpus.empty() && !pin_to(worker_cpus[t % worker_cpus.size()])) bad++;
         if (!sim) cudaSetDevice(0);
         cudaStream_t s = streams[t];
         const Plan& pl = plans[t];
@@ -144,6 +161,19 @@ int main(int argc, char** argv) {
     if (ccalloc_init() != CCALLOC_OK) {
         fprintf(stderr, "probe_threads: init failed: %s\n", ccalloc_last_error());
         return 1;
+    }
+    if (const char* cpus = getenv("PROBE_CPUS")) {
+        for (const char* c = cpus; *c;) {
+            char* end;
+            worker_cpus.push_back(int(strtol(c, &end, 10)));
+            c = *end == ',' ? end + 1 : end + strlen(end);
+        }
+    }
+    if (const char* main_cpu = getenv("PROBE_MAIN_CPU")) {
+        if (!pin_to(atoi(main_cpu))) {
+            fprintf(stderr, "probe_threads: could not pin the main thread to CPU %s\n", main_cpu);
+            return 1;
+        }
     }
     if (const char* pair_size = getenv("PROBE_PAIRS")) {
         size_t size = strtoull(pair_size, nullptr, 10);
