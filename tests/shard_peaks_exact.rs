@@ -491,3 +491,60 @@ fn a_restore_carving_its_segment_counts_in_the_device_peak_as_with_one_shard() {
         "several shards: (allocated bytes, blocks) peaks"
     );
 }
+
+/// Eight threads churning at once, each on its own stream (a shard each, by default), each
+/// keeping its live bytes at most `CAP` while it churns, and at the end of each round
+/// topping up to a level above `CAP` that rises from round to round, at a barrier all
+/// threads reach holding it. The device's true peak is then 8 x the last round's level,
+/// met at that barrier alone; each round's barrier is a new high reached after churn has
+/// left headroom below the peak. With lifts settled concurrently (from the unassigned
+/// headroom, under each shard's own lock, or by the book), headroom handed out twice
+/// would let a rise go unsettled and show as a lower peak. Fronts keep freed blocks live
+/// in their shard, so they are on too: a rise is counted only after they are drained.
+#[test]
+fn threads_churning_at_once_reach_exactly_the_peak_they_hold_together() {
+    const THREADS: u64 = 8;
+    const CAP: u64 = 4 * MIB;
+    let level = |round: u64| CAP + (round + 1) * 64 * 1024;
+    let (_sim, a) = sim_allocator(8 << 30, "");
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS as usize));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (a, barrier) = (a.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let stream = StreamId(100 + t);
+                let mut next = xorshift(0x5EED_0000 + t);
+                let mut live: Vec<(u64, u64)> = Vec::new();
+                let mut bytes = 0;
+                for round in 0..20 {
+                    for _ in 0..500 {
+                        // Sizes in 512-byte steps: requested equals allocated.
+                        let size = 512 * (1 + next() % 256);
+                        while bytes + size > CAP || (live.len() > 40 && next() % 2 == 0) {
+                            let (p, s) = live.swap_remove((next() % live.len() as u64) as usize);
+                            a.free(p).unwrap();
+                            bytes -= s;
+                        }
+                        live.push((a.malloc(size, stream).unwrap(), size));
+                        bytes += size;
+                    }
+                    let topped = a.malloc(level(round) - bytes, stream).unwrap();
+                    barrier.wait();
+                    barrier.wait();
+                    a.free(topped).unwrap();
+                }
+                for (p, _) in live {
+                    a.free(p).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    assert_eq!(a.shards_made(), THREADS as usize);
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes.all().peak, (THREADS * level(19)) as i64);
+    assert_eq!(s.requested_bytes.all().peak, (THREADS * level(19)) as i64);
+    assert_eq!(s.allocated_bytes.all().current, 0);
+}

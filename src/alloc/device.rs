@@ -36,7 +36,7 @@ use crate::sync::{lock, poisoned, Guard};
 use crate::DeviceStats;
 use once_cell::sync::OnceCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Streams with a shard of their own; more share.
@@ -148,17 +148,26 @@ impl Shards {
 // fields are its *ceilings*: the device's peak P (kept in `PeakBook`) is split so that the
 // ceilings sum to at most P, and a shard whose counts stay under its ceilings cannot have
 // lifted the device past P. The rest of the headroom below P is assigned to no shard: the
-// book keeps it. A call that lifts a ceiling
-// (`stats::take_lifted`) settles once its shard's lock is released (`settle`): the book's
-// unassigned headroom covers the lift if it can, with no other shard locked; else the other
-// shards give up unused headroom, one locked at a time. Either way the lifter keeps some
-// more (a share of the book's, or half of what the last giver had left), so that its next
+// book keeps it, in atomics (`Unassigned`). A call that lifts a ceiling
+// (`stats::take_lifted`) settles once its shard's lock is released: the unassigned headroom
+// covers the lift if it can, taken with only the lifter's own lock held
+// (`settle_from_unassigned`); else, with the book locked (`settle`), the other shards give
+// up unused headroom, one locked at a time. Either way the lifter keeps some more (a share
+// of the unassigned headroom, or half of what the last giver had left), so that its next
 // increase does not lift again. A lift that no headroom covers may be a new high: then every
 // shard is locked at once (`balance_peaks`), their counts are summed, P rises to the sum if
 // it is higher, and the headroom left is split: half shared equally, half kept unassigned.
 // Blocks held in thread fronts count as live in their shard, so before P rises the fronts
 // are drained and the sum taken again: P is then the true high-water mark. Lock order:
 // the book, then shards; no path takes the book while holding a shard.
+//
+// The unassigned headroom changes under a shard's lock (a lift takes from it) or under the
+// book's (a giver adds to it), and is set anew only with every shard locked (a balance, a
+// reset), so no take straddles a new split. A shard's copy of its assignment
+// (`State::set_book_assigned`) is the true one: a take from the unassigned headroom raises
+// it without the book, whose `assigned` is then lower. Every use of the book's figure only
+// gives a shard less than it had, so the ceilings and the unassigned headroom still sum to
+// at most P.
 //
 // The cost falls on calls that lift a ceiling: in a steady job, those that take the device
 // to a new high, and those of a shard whose headroom ran out (threads churning on their
@@ -171,20 +180,61 @@ struct PeakBook {
     /// Set when the second shard is made; never cleared.
     active: AtomicBool,
     inner: Mutex<Book>,
+    unassigned: Unassigned,
 }
 
-/// The device's peaks and the ceilings they are split into, per slot, and the headroom
-/// assigned to no slot: together at most the peaks. A shard's own peak fields equal its
-/// ceilings here, or stand above them after a lift not yet settled.
+/// Headroom below the device's peaks that no shard is assigned, per peaked counter: any
+/// shard's lift may take it with no other lock than its own. Lifts come from every
+/// thread's random walk; with the book's lock for each, 8 threads churning on their own
+/// streams settled once every 61-115 steps, each settlement queueing on that one lock and
+/// locking other shards to find the headroom their counts left (docs/benchmarks.md,
+/// session 24). On lines of its own: every lift writes it.
+#[repr(align(64))]
+#[derive(Default)]
+struct Unassigned([AtomicI64; PEAKED]);
+
+impl Unassigned {
+    /// Takes `need` of counter `q` and, if there is more, a `1/shares` share of the rest
+    /// (the lifter's margin); returns what was taken, or `None` (nothing taken) if less
+    /// than `need` is there.
+    fn take(&self, q: usize, need: i64, shares: i64) -> Option<i64> {
+        let counter = &self.0[q];
+        let mut have = counter.load(Ordering::Acquire);
+        loop {
+            if have < need {
+                return None;
+            }
+            let take = need + (have - need) / shares.max(1);
+            match counter.compare_exchange_weak(
+                have,
+                have - take,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(take),
+                Err(now) => have = now,
+            }
+        }
+    }
+
+    fn add(&self, q: usize, bytes: i64) {
+        self.0[q].fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    /// Only with every shard locked (or none able to take: the book's activation).
+    fn set(&self, values: &Peaks) {
+        for (counter, &v) in self.0.iter().zip(values) {
+            counter.store(v, Ordering::Release);
+        }
+    }
+}
+
+/// The device's peaks and the ceilings they are split into, per slot (at most each
+/// shard's own copy: see above). A shard's own peak fields equal its ceilings, or stand
+/// above them after a lift not yet settled.
 struct Book {
     peaks: Peaks,
     assigned: [Peaks; MAX_SHARDS],
-    /// Headroom any shard's lift may take without another shard being locked. Lifts come
-    /// from every thread's random walk, so each would otherwise lock the other shards to
-    /// find the headroom their counts left: with 8 threads churning on their own streams,
-    /// one settlement every 115 steps, each locking up to 7 shards whose threads then miss
-    /// on their own locks (docs/benchmarks.md, session 24).
-    unassigned: Peaks,
 }
 
 impl Default for Book {
@@ -192,7 +242,6 @@ impl Default for Book {
         Self {
             peaks: [0; PEAKED],
             assigned: [[0; PEAKED]; MAX_SHARDS],
-            unassigned: [0; PEAKED],
         }
     }
 }
@@ -426,7 +475,7 @@ impl DeviceAllocator {
             first_shard.publish_live(&first);
             book.peaks = first.stats().peaked_peaks();
             book.assigned[0] = book.peaks;
-            book.unassigned = [0; PEAKED];
+            self.peak_book.unassigned.set(&[0; PEAKED]);
             first.set_book_assigned(book.peaks);
             self.peak_book.active.store(true, Ordering::Release);
         }
@@ -583,8 +632,11 @@ impl DeviceAllocator {
             // A lift another thread's settling took in meanwhile (`balance_peaks` gives
             // every shard its ceilings) needs nothing more: seen under the shard's own
             // lock, without the book that every shard's settling takes.
+            // Most lifts are covered by the unassigned headroom, under the shard's own lock.
             if let Some(shard) = lifted {
-                if shard.lock().is_ok_and(|st| !st.has_unsettled_lift()) {
+                if shard.lock().is_ok_and(|mut st| {
+                    !st.has_unsettled_lift() || self.settle_from_unassigned(&mut st)
+                }) {
                     return;
                 }
             }
@@ -592,6 +644,50 @@ impl DeviceAllocator {
                 tracing::debug!(device = self.device, "peaks not settled: {e}");
             }
         }
+    }
+
+    /// Runs `f` with the peak book locked, as a settlement that needs it would find it.
+    #[cfg(test)]
+    pub(in crate::alloc) fn with_peak_book_held<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _book = self.peak_book.inner.lock();
+        f()
+    }
+
+    /// Settles the lift of the shard whose state is `st` from the unassigned headroom alone:
+    /// each lifted counter is settled at its new ceiling and given a margin (as `settle`
+    /// gives). False, with nothing changed, where the headroom does not cover every lifted
+    /// counter.
+    fn settle_from_unassigned(&self, st: &mut State) -> bool {
+        let unassigned = &self.peak_book.unassigned;
+        let shares = self.shards.filled() as i64;
+        let ceilings = st.stats().peaked_peaks();
+        let before = st.book_assigned();
+        let mut took = [0; PEAKED];
+        for q in 0..PEAKED {
+            let need = ceilings[q] - before[q];
+            if need <= 0 {
+                continue;
+            }
+            match unassigned.take(q, need, shares) {
+                Some(t) => took[q] = t,
+                None => {
+                    for (r, &t) in took.iter().enumerate().take(q) {
+                        if t > 0 {
+                            unassigned.add(r, t);
+                        }
+                    }
+                    return false;
+                }
+            }
+        }
+        let (mut settled, mut assigned) = (before, before);
+        for q in (0..PEAKED).filter(|&q| took[q] > 0) {
+            settled[q] = ceilings[q];
+            assigned[q] = before[q] + took[q];
+        }
+        st.set_book_assigned(settled);
+        st.assign_ceilings(&settled, assigned);
+        true
     }
 
     /// `settle_lifts`' work: the lifts are covered by other shards' unused headroom where
@@ -614,6 +710,8 @@ impl DeviceAllocator {
                     continue;
                 }
                 let mut st = shard.lock()?;
+                // The shard's copy is the true one (see above).
+                book.assigned[i] = st.book_assigned();
                 let ceilings = st.stats().peaked_peaks();
                 for q in 0..PEAKED {
                     let (c, a) = (ceilings[q], &mut book.assigned[i][q]);
@@ -638,14 +736,14 @@ impl DeviceAllocator {
         // headroom, a share as large as an equal split's; from a giver, half of what it has
         // left.
         let mut bonus = [0; PEAKED];
-        let shares = shards.len() as i64;
+        let unassigned = &self.peak_book.unassigned;
+        // (Without a lifter named, the margin would go to no one: `shares` takes none.)
+        let shares = if lifted.is_some() { shards.len() as i64 } else { i64::MAX };
         for q in 0..PEAKED {
-            if need[q] > 0 && book.unassigned[q] >= need[q] {
-                book.unassigned[q] -= need[q];
-                need[q] = 0;
-                if lifted.is_some() {
-                    bonus[q] = book.unassigned[q] / shares;
-                    book.unassigned[q] -= bonus[q];
+            if need[q] > 0 {
+                if let Some(took) = unassigned.take(q, need[q], shares) {
+                    bonus[q] = took - need[q];
+                    need[q] = 0;
                 }
             }
         }
@@ -663,13 +761,9 @@ impl DeviceAllocator {
             };
             let ceilings = st.stats().peaked_peaks();
             let currents = st.stats().peaked_currents();
+            book.assigned[j] = st.book_assigned();
             let before = book.assigned[j];
-            let Book {
-                assigned,
-                unassigned,
-                ..
-            } = &mut *book;
-            let assigned = &mut assigned[j];
+            let assigned = &mut book.assigned[j];
             for q in 0..PEAKED {
                 // A shard whose own lift is not settled yet keeps its ceiling there, and
                 // one that lifted here gives none of its lift back.
@@ -683,7 +777,7 @@ impl DeviceAllocator {
                         // Half of what the giver has left goes to the book, for the next
                         // lifts to take without locking a giver.
                         let pooled = (spare - take) / 2;
-                        unassigned[q] += pooled;
+                        unassigned.add(q, pooled);
                         take += pooled;
                     }
                     assigned[q] -= take;
@@ -697,12 +791,15 @@ impl DeviceAllocator {
             .find(|(_, s)| lifted.is_some_and(|l| std::ptr::eq(l, **s)))
             .filter(|_| bonus.iter().any(|&b| b > 0))
         {
-            let before = book.assigned[i];
-            let assigned = &mut book.assigned[i];
+            // Its copy, which another thread of the shard may have raised meanwhile.
+            let mut st = shard.lock()?;
+            let before = st.book_assigned();
+            let mut assigned = before;
             for (a, b) in assigned.iter_mut().zip(&bonus) {
                 *a += b;
             }
-            shard.lock()?.assign_ceilings(&before, *assigned);
+            st.assign_ceilings(&before, assigned);
+            book.assigned[i] = assigned;
         }
         if need.iter().all(|&n| n == 0) {
             return Ok(());
@@ -745,7 +842,13 @@ impl DeviceAllocator {
     fn balance_peaks(&self, highs: &[Peaks]) -> Result<Peaks> {
         let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let (shards, mut held) = self.lock_every_shard()?;
-        Ok(balance_held(&mut book, &shards, &mut held, highs))
+        Ok(balance_held(
+            &mut book,
+            &self.peak_book.unassigned,
+            &shards,
+            &mut held,
+            highs,
+        ))
     }
 
     /// What `stats` returns, with several shards: their counts and the device's reserved
@@ -755,7 +858,13 @@ impl DeviceAllocator {
     fn stats_of_shards(&self) -> Result<DeviceStats> {
         let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let (shards, mut held) = self.lock_every_shard()?;
-        let peaks = balance_held(&mut book, &shards, &mut held, &[]);
+        let peaks = balance_held(
+            &mut book,
+            &self.peak_book.unassigned,
+            &shards,
+            &mut held,
+            &[],
+        );
         let mut sum = DeviceStats::default();
         for (shard, st) in shards.iter().zip(&held) {
             sum.add(&shard.stats_with_fronts_locked(st)?);
@@ -1149,7 +1258,7 @@ impl DeviceAllocator {
             }
         }
         book.peaks = sum;
-        book.unassigned = [0; PEAKED];
+        self.peak_book.unassigned.set(&[0; PEAKED]);
         Ok(())
     }
 
@@ -1531,6 +1640,7 @@ mod homes {
 /// locked.
 fn balance_held(
     book: &mut Book,
+    unassigned: &Unassigned,
     shards: &[&Shard],
     held: &mut [Guard<'_, State>],
     highs: &[Peaks],
@@ -1560,13 +1670,14 @@ fn balance_held(
     }
     let n = held.len() as i64;
     let peaks = book.peaks;
-    // Half the headroom stays with the book (`Book::unassigned`), half is shared equally.
-    let mut shared = [0; PEAKED];
+    // Half the headroom stays unassigned (`Unassigned`), half is shared equally.
+    let (mut kept, mut shared) = ([0; PEAKED], [0; PEAKED]);
     for q in 0..PEAKED {
         let spare = peaks[q] - sum[q];
-        book.unassigned[q] = spare / 2;
-        shared[q] = spare - spare / 2;
+        kept[q] = spare / 2;
+        shared[q] = spare - kept[q];
     }
+    unassigned.set(&kept);
     for (j, st) in held.iter_mut().enumerate() {
         let currents = st.stats().peaked_currents();
         let mut headroom = [0; PEAKED];

@@ -1727,12 +1727,13 @@ fn with_several_shards_only_a_threads_own_shard_keeps_its_large_blocks_in_a_fron
     );
 }
 
-/// With several shards, a lift that the book's unassigned headroom covers settles without
-/// locking another shard: a shard whose thread is busy (here, its lock held) delays no
-/// other stream's lift. Before the book kept headroom, the lift found the busy shard's
-/// headroom out of reach and locked every shard to balance, waiting for that one.
+/// With several shards, a lift that the unassigned headroom covers settles under the
+/// lifter's own lock alone: a shard whose thread is busy (here, its lock held) delays no
+/// other stream's lift, nor does another settlement holding the peak book. Before, the
+/// lift locked the book, and then found the busy shard's headroom out of reach and locked
+/// every shard to balance, waiting for that one.
 #[test]
-fn a_lift_the_books_headroom_covers_waits_for_no_other_shard() {
+fn a_lift_the_unassigned_headroom_covers_waits_for_no_other_lock() {
     let (_sim, a) = paged(1 << 30, "per_stream_shards:True,thread_cache:False");
     // S1's four blocks set the device's peaks (64 MiB in 4 blocks); S0 then caches 48 MiB.
     let blocks: Vec<u64> = (0..4).map(|_| a.malloc(16 * MIB, S1).unwrap()).collect();
@@ -1741,22 +1742,30 @@ fn a_lift_the_books_headroom_covers_waits_for_no_other_shard() {
     }
     a.free(a.malloc(48 * MIB, S0).unwrap()).unwrap();
     // A statistics read balances: of the 64 MiB below the peak, half is shared (16 MiB
-    // each) and half stays with the book (shared whole, S0 would have 32 MiB).
+    // each) and half stays unassigned (shared whole, S0 would have 32 MiB).
     let before = a.stats().unwrap();
     assert_eq!(before.allocated_bytes.all().peak, 64 * MIB as i64);
     let (_, busy) = a.shard(S1).unwrap();
     let held = busy.lock().unwrap();
-    let (sent, done) = std::sync::mpsc::channel();
     std::thread::scope(|t| {
+        let (go, went) = std::sync::mpsc::channel();
+        let (sent, done) = std::sync::mpsc::channel();
         let a = &a;
         t.spawn(move || {
-            // 40 MiB from S0's cache lifts its ceiling by 24 MiB, which the book holds.
-            let p = a.malloc(40 * MIB, S0).unwrap();
-            sent.send(p).unwrap();
+            went.recv().unwrap();
+            // 40 MiB from S0's cache lifts its ceiling by 24 MiB, which is unassigned.
+            sent.send(a.malloc(40 * MIB, S0).unwrap()).unwrap();
         });
-        let waited = done.recv_timeout(std::time::Duration::from_secs(10));
+        let waited = a.with_peak_book_held(|| {
+            go.send(()).unwrap();
+            done.recv_timeout(std::time::Duration::from_secs(10))
+        });
+        // Released before any failure, so that the lift can finish and the thread end.
         drop(held);
-        let p = waited.expect("the lift waited for the busy shard");
+        let p = waited.unwrap_or_else(|_| {
+            a.free(done.recv().unwrap()).unwrap();
+            panic!("the lift waited for another lock")
+        });
         a.free(p).unwrap();
     });
     // The peaks are still exact: nothing was live beside the 40 MiB.

@@ -231,6 +231,13 @@ impl State {
         &mut self.stats
     }
 
+    /// What the device's peak book assigns this shard (the true figure: the book's own may
+    /// be lower, see `device.rs`).
+    #[inline]
+    pub fn book_assigned(&self) -> Peaks {
+        self.book_assigned
+    }
+
     /// Notes what the device's peak book now assigns this shard.
     #[inline]
     pub fn set_book_assigned(&mut self, assigned: Peaks) {
