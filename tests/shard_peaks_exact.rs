@@ -520,7 +520,7 @@ fn threads_churning_at_once_reach_exactly_the_peak_they_hold_together() {
                     for _ in 0..500 {
                         // Sizes in 512-byte steps: requested equals allocated.
                         let size = 512 * (1 + next() % 256);
-                        while bytes + size > CAP || (live.len() > 40 && next() % 2 == 0) {
+                        while bytes + size > CAP || (live.len() > 40 && next().is_multiple_of(2)) {
                             let (p, s) = live.swap_remove((next() % live.len() as u64) as usize);
                             a.free(p).unwrap();
                             bytes -= s;

@@ -738,7 +738,11 @@ impl DeviceAllocator {
         let mut bonus = [0; PEAKED];
         let unassigned = &self.peak_book.unassigned;
         // (Without a lifter named, the margin would go to no one: `shares` takes none.)
-        let shares = if lifted.is_some() { shards.len() as i64 } else { i64::MAX };
+        let shares = if lifted.is_some() {
+            shards.len() as i64
+        } else {
+            i64::MAX
+        };
         for q in 0..PEAKED {
             if need[q] > 0 {
                 if let Some(took) = unassigned.take(q, need[q], shares) {
