@@ -623,26 +623,35 @@ impl DeviceAllocator {
     /// its ceilings (see `PeakBook`); `lifted`: the shard that did, if known (else every
     /// shard is looked at). Called with no shard locked. A failure (a lock poisoned, the
     /// device shut down) leaves the peaks to the next settling: the call that lifted them
-    /// succeeded.
-    #[inline]
+    /// succeeded. Only the check is inline: every call of a one-shard device makes it.
+    #[inline(always)]
     fn settle_lifts(&self, lifted: Option<&Shard>) {
         // With one shard its peaks are the device's: the flag is left as it is (a stale one
         // costs one settling when a second shard comes).
-        if self.peak_book.active.load(Ordering::Acquire) && stats::take_lifted() {
-            // A lift another thread's settling took in meanwhile (`balance_peaks` gives
-            // every shard its ceilings) needs nothing more: seen under the shard's own
-            // lock, without the book that every shard's settling takes.
-            // Most lifts are covered by the unassigned headroom, under the shard's own lock.
-            if let Some(shard) = lifted {
-                if shard.lock().is_ok_and(|mut st| {
-                    !st.has_unsettled_lift() || self.settle_from_unassigned(&mut st)
-                }) {
-                    return;
-                }
+        if self.peak_book.active.load(Ordering::Acquire) {
+            self.settle_lifts_of_shards(lifted);
+        }
+    }
+
+    /// `settle_lifts` once the device has several shards.
+    #[inline(never)]
+    fn settle_lifts_of_shards(&self, lifted: Option<&Shard>) {
+        if !stats::take_lifted() {
+            return;
+        }
+        // A lift another thread's settling took in meanwhile (`balance_peaks` gives every
+        // shard its ceilings) needs nothing more: seen under the shard's own lock, without
+        // the book that every shard's settling takes. Most other lifts are covered by the
+        // unassigned headroom, under the same lock.
+        if let Some(shard) = lifted {
+            if shard.lock().is_ok_and(|mut st| {
+                !st.has_unsettled_lift() || self.settle_from_unassigned(&mut st)
+            }) {
+                return;
             }
-            if let Err(e) = self.settle(lifted) {
-                tracing::debug!(device = self.device, "peaks not settled: {e}");
-            }
+        }
+        if let Err(e) = self.settle(lifted) {
+            tracing::debug!(device = self.device, "peaks not settled: {e}");
         }
     }
 
