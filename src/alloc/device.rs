@@ -1663,8 +1663,18 @@ fn balance_held(
         for (j, st) in held.iter().enumerate() {
             let currents = st.stats().peaked_currents();
             let high = highs.get(j).copied().unwrap_or([0; PEAKED]);
+            // A lift not settled yet (a ceiling above the shard's assignment) is a high its
+            // count reached, in a call still under way, though the count may have fallen
+            // since: a balance that another thread started (a statistics read, another
+            // shard's lift) must count it too, as it sets new ceilings that erase it.
+            let (ceilings, assigned) = (st.stats().peaked_peaks(), st.book_assigned());
             for q in 0..PEAKED {
-                sum[q] += currents[q].max(high[q]);
+                let pending = if ceilings[q] > assigned[q] {
+                    ceilings[q]
+                } else {
+                    0
+                };
+                sum[q] += currents[q].max(high[q]).max(pending);
             }
         }
         sum
