@@ -810,6 +810,52 @@ fn thread_shards_racing_ooms_on_a_small_device() {
     }
 }
 
+/// A segment one shard gives back is no longer in the device's reserved bytes by the time
+/// another shard can take its memory from the driver: counted until the release call
+/// returned, the two shards' segments were both counted for a moment, and the reserved
+/// peak passed the device's size (about 1 run in 70 of the racing test above).
+#[test]
+fn a_released_segment_is_uncounted_before_another_shard_can_take_its_memory() {
+    let sim = Arc::new(ccalloc::SimDriver::new(1, 64 * MIB));
+    let gated = common::GatedDriver::new(sim.clone(), common::Gate::AfterRelease);
+    let mut config = ccalloc::Config::default();
+    config
+        .apply("per_stream_shards:True,expandable_segments:False")
+        .unwrap();
+    let a = Arc::new(DeviceAllocator::new(0, gated.clone(), config).unwrap());
+    a.free(a.malloc(40 * MIB, StreamId(1)).unwrap()).unwrap();
+    // Stream 2's shard made beforehand (a small block: a 2 MiB segment of its own).
+    let small = a.malloc(512, StreamId(2)).unwrap();
+    gated.arm();
+    let emptier = {
+        let a = a.clone();
+        std::thread::spawn(move || a.empty_cache().unwrap())
+    };
+    // Held in the driver with stream 1's 40 MiB already the device's again, and its shard
+    // locked: stream 2's allocation takes the memory, then its new peak waits for that lock
+    // (every shard's) until the gate opens.
+    gated.wait_until_held();
+    let opener = {
+        let gated = gated.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            gated.open();
+        })
+    };
+    let p = a.malloc(40 * MIB, StreamId(2)).unwrap();
+    opener.join().unwrap();
+    emptier.join().unwrap();
+    let reserved = a.stats().unwrap().reserved_bytes.all();
+    assert_eq!(reserved.current as u64, 42 * MIB);
+    assert_eq!(
+        reserved.peak as u64,
+        42 * MIB,
+        "never both large segments at once"
+    );
+    a.free(p).unwrap();
+    a.free(small).unwrap();
+}
+
 /// The C API on the sim: `ccalloc_set_config` refuses a `thread_shards` change once a
 /// device has allocated (changing nothing), and `ccalloc_reset_config` keeps it. The only
 /// test here on the process's global runtime.

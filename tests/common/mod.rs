@@ -19,6 +19,9 @@ pub enum Gate {
     Allocate,
     /// The next `synchronize` of this device (a GPU still finishing its work).
     Synchronize(usize),
+    /// The next `release`, after the memory is the device's again (the call still under
+    /// way, its shard's lock held).
+    AfterRelease,
 }
 
 /// The sim device (plain segments) with one driver call that, once armed, waits inside the
@@ -86,7 +89,9 @@ impl Driver for GatedDriver {
         self.sim.allocate(d, size)
     }
     fn release(&self, d: usize, p: DevicePtr, size: u64) -> DriverResult<()> {
-        self.sim.release(d, p, size)
+        let released = self.sim.release(d, p, size);
+        self.pass(Gate::AfterRelease);
+        released
     }
     fn record_event(&self, d: usize, s: StreamId) -> DriverResult<EventId> {
         self.sim.record_event(d, s)

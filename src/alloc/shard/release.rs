@@ -14,11 +14,16 @@ impl Shard {
     /// Returns a cached whole-segment block to the driver.
     pub(in crate::alloc) fn release_segment(&self, st: &mut State, id: BlockId) -> Result<()> {
         let block = st.block(id);
-        let (addr, size) = (block.addr(), block.size());
+        let (addr, size, pool) = (block.addr(), block.size(), block.pool());
         st.unlist(id);
         st.stats_mut().num_device_free += 1;
+        // No longer counted before the driver has it back: another shard may take this
+        // memory from the driver the moment it is free, and were it still counted then,
+        // the device's reserved bytes (and their peak) would pass what the device has.
+        st.sub_reserved(pool, size);
         if let Err(e) = self.driver.release(self.device, addr, size) {
             // Still ours: put it back so the bookkeeping stays whole.
+            st.add_reserved(pool, size);
             st.relist(id);
             return Err(driver_error(self.device, e));
         }

@@ -47,7 +47,8 @@ impl State {
         id
     }
 
-    /// Forgets a cached whole-segment block whose memory the driver has taken back.
+    /// Forgets a cached whole-segment block whose memory the driver has taken back (its
+    /// reserved bytes no longer counted already: `Shard::release_segment`).
     pub fn remove_segment(&mut self, id: BlockId) {
         let block = self.book.blocks.remove(id);
         debug_assert!(!block.is_split() && block.state() == BlockState::Free);
@@ -60,7 +61,6 @@ impl State {
         if let Some(owner) = block.owner() {
             self.book.caches.remove_pool_segment(owner);
         }
-        self.sub_reserved(block.pool(), block.size());
         let s = &mut self.stats;
         s.segment.decrease(block.pool(), 1);
         if segment.oversize {
