@@ -9,6 +9,7 @@
 mod common;
 
 use ccalloc::{Config, DeviceAllocator, SimDriver, StreamId};
+use common::live::CappedChurn;
 use common::{sim_allocator, xorshift, Gate, GatedDriver};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{mpsc, Arc, Barrier};
@@ -101,8 +102,7 @@ fn churn(c: Churn) {
             std::thread::spawn(move || {
                 let stream = StreamId(100 + t);
                 let mut next = xorshift(c.seed.wrapping_mul(0x9E37) + t + 1);
-                let mut live: Vec<(u64, u64)> = Vec::new();
-                let mut bytes = 0;
+                let mut churn = CappedChurn::new(stream, CAP, 30);
                 // Highest level since the last reset.
                 let mut high = 0u64;
                 for round in 0..c.rounds {
@@ -118,19 +118,11 @@ fn churn(c: Churn) {
                         if t == 0 && c.empty && step % 97 == 13 {
                             a.empty_cache().unwrap();
                         }
-                        // 512-byte steps: requested equals allocated.
-                        let size = 512 * (1 + next() % 128);
-                        while bytes + size > CAP || (live.len() > 30 && next().is_multiple_of(2)) {
-                            let (p, s) = live.swap_remove((next() % live.len() as u64) as usize);
-                            a.free(p).unwrap();
-                            bytes -= s;
-                        }
-                        live.push((a.malloc(size, stream).unwrap(), size));
-                        bytes += size;
+                        churn.step(&a, 128, &mut next);
                     }
                     let lv = level(CAP, round);
                     high = high.max(lv);
-                    let top = a.malloc(lv - bytes, stream).unwrap();
+                    let top = a.malloc(lv - churn.bytes, stream).unwrap();
                     tops[t as usize].store(top, SeqCst);
                     // All hold the level: the device's peak moment.
                     barrier.wait();
@@ -156,9 +148,7 @@ fn churn(c: Churn) {
                     }
                     barrier.wait();
                 }
-                for (p, _) in live {
-                    a.free(p).unwrap();
-                }
+                churn.free_all(&a);
             })
         })
         .collect();
@@ -279,33 +269,20 @@ fn resets_racing_lifts_from_a_thread_of_their_own() {
                 std::thread::spawn(move || {
                     let stream = StreamId(200 + t);
                     let mut next = xorshift(0xABCD + t);
-                    let mut live: Vec<(u64, u64)> = Vec::new();
-                    let mut bytes = 0;
+                    let mut churn = CappedChurn::new(stream, CAP, 30);
                     for round in 0..16 {
                         barrier.wait(); // churn begins
                         for _ in 0..400 {
-                            let size = 512 * (1 + next() % 128);
-                            while bytes + size > CAP
-                                || (live.len() > 30 && next().is_multiple_of(2))
-                            {
-                                let (p, s) =
-                                    live.swap_remove((next() % live.len() as u64) as usize);
-                                a.free(p).unwrap();
-                                bytes -= s;
-                            }
-                            live.push((a.malloc(size, stream).unwrap(), size));
-                            bytes += size;
+                            churn.step(&a, 128, &mut next);
                         }
                         barrier.wait(); // churn over, resets over
-                        let top = a.malloc(level(CAP, round) - bytes, stream).unwrap();
+                        let top = a.malloc(level(CAP, round) - churn.bytes, stream).unwrap();
                         barrier.wait(); // all hold the level
                         a.free(top).unwrap();
                         barrier.wait(); // freed
                         barrier.wait(); // checked
                     }
-                    for (p, _) in live {
-                        a.free(p).unwrap();
-                    }
+                    churn.free_all(&a);
                 })
             })
             .collect();

@@ -8,6 +8,7 @@
 mod common;
 
 use ccalloc::{DeviceAllocator, StreamId};
+use common::live::CappedChurn;
 use common::{sim_allocator, xorshift};
 use std::sync::Arc;
 
@@ -514,28 +515,17 @@ fn threads_churning_at_once_reach_exactly_the_peak_they_hold_together() {
             std::thread::spawn(move || {
                 let stream = StreamId(100 + t);
                 let mut next = xorshift(0x5EED_0000 + t);
-                let mut live: Vec<(u64, u64)> = Vec::new();
-                let mut bytes = 0;
+                let mut churn = CappedChurn::new(stream, CAP, 40);
                 for round in 0..20 {
                     for _ in 0..500 {
-                        // Sizes in 512-byte steps: requested equals allocated.
-                        let size = 512 * (1 + next() % 256);
-                        while bytes + size > CAP || (live.len() > 40 && next().is_multiple_of(2)) {
-                            let (p, s) = live.swap_remove((next() % live.len() as u64) as usize);
-                            a.free(p).unwrap();
-                            bytes -= s;
-                        }
-                        live.push((a.malloc(size, stream).unwrap(), size));
-                        bytes += size;
+                        churn.step(&a, 256, &mut next);
                     }
-                    let topped = a.malloc(level(round) - bytes, stream).unwrap();
+                    let topped = a.malloc(level(round) - churn.bytes, stream).unwrap();
                     barrier.wait();
                     barrier.wait();
                     a.free(topped).unwrap();
                 }
-                for (p, _) in live {
-                    a.free(p).unwrap();
-                }
+                churn.free_all(&a);
             })
         })
         .collect();

@@ -78,3 +78,51 @@ pub fn driver_calls(c: &ccalloc::SimCounters) -> u64 {
         + c.synchronize_calls
         + c.event_waits
 }
+
+/// One thread's churn on its own stream that never holds more than `cap` bytes: the
+/// barrier tests' churn, whose threads then top up to a known level together, so that the
+/// device's true peak is known. Sizes come in 512-byte steps (requested equals allocated).
+pub struct CappedChurn {
+    stream: ccalloc::StreamId,
+    cap: u64,
+    /// Past this many live blocks, each step may free more (a coin per block).
+    keep: usize,
+    live: Vec<(u64, u64)>,
+    /// Bytes of the blocks in `live`.
+    pub bytes: u64,
+}
+
+impl CappedChurn {
+    pub fn new(stream: ccalloc::StreamId, cap: u64, keep: usize) -> Self {
+        Self {
+            stream,
+            cap,
+            keep,
+            live: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    /// Allocates 512 B to `max_steps` x 512 B, freeing random blocks first until it fits
+    /// under the cap (and while a coin says so past `keep` blocks); `next` draws.
+    pub fn step(&mut self, a: &DeviceAllocator, max_steps: u64, next: &mut impl FnMut() -> u64) {
+        let size = 512 * (1 + next() % max_steps);
+        while self.bytes + size > self.cap
+            || (self.live.len() > self.keep && next().is_multiple_of(2))
+        {
+            let i = (next() % self.live.len() as u64) as usize;
+            let (p, s) = self.live.swap_remove(i);
+            a.free(p).unwrap();
+            self.bytes -= s;
+        }
+        self.live.push((a.malloc(size, self.stream).unwrap(), size));
+        self.bytes += size;
+    }
+
+    /// Frees every block still held.
+    pub fn free_all(self, a: &DeviceAllocator) {
+        for (p, _) in self.live {
+            a.free(p).unwrap();
+        }
+    }
+}
