@@ -149,6 +149,18 @@ impl Model {
         self.figures.requested_unknown = true;
     }
 
+    /// Leaves a freed 32 MiB block in the front for `stream`'s shard: allocated and freed
+    /// once in the shard, then again as a pair the front serves (`in_fronts`). Returns it.
+    fn hold_large(&mut self, driver: &FaultDriver, a: &DeviceAllocator, stream: StreamId) -> u64 {
+        let p = self.malloc(a, 32 * MIB, stream);
+        self.free(a, p);
+        let q = in_fronts(driver, "the pair", || a.malloc(32 * MIB, stream).unwrap());
+        assert_eq!(q, p);
+        self.alloc(q, 32 * MIB, stream);
+        self.free(a, q);
+        q
+    }
+
     /// `reset_accumulated_stats`: the totals count from the figures now.
     fn reset_totals(&mut self, a: &DeviceAllocator) {
         a.reset_accumulated_stats().unwrap();
@@ -351,12 +363,7 @@ fn a_large_block_held_in_one_shards_front_is_not_in_the_devices_peak() {
     let (driver, a) = sharded(1 << 30);
     let mut m = Model::default();
     m.visible(&driver, &a, S0);
-    let p = m.malloc(&a, 32 * MIB, S0);
-    m.free(&a, p);
-    let q = in_fronts(&driver, "the pair", || a.malloc(32 * MIB, S0).unwrap());
-    assert_eq!(q, p);
-    m.alloc(q, 32 * MIB, S0);
-    m.free(&a, q);
+    m.hold_large(&driver, &a, S0);
     m.check(&a, &driver, "held in S0's front");
     let other = Worker::new();
     let a2 = a.clone();
@@ -456,12 +463,7 @@ fn a_double_free_of_a_large_block_held_in_a_front_is_refused_everywhere() {
     }
     let other = Worker::new();
     for (s, elsewhere) in [(S0, S1), (S1, S0)] {
-        let p = m.malloc(&a, 32 * MIB, s);
-        m.free(&a, p);
-        let q = in_fronts(&driver, "the pair", || a.malloc(32 * MIB, s).unwrap());
-        assert_eq!(q, p);
-        m.alloc(q, 32 * MIB, s);
-        m.free(&a, q);
+        let p = m.hold_large(&driver, &a, s);
         let before = a.stats().unwrap();
         let refused = |kind: ErrorKind, how: &str| {
             assert_eq!(kind, ErrorKind::DoubleFree, "{s:?}: {how}");
