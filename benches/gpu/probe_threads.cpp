@@ -19,7 +19,12 @@
  * whether threads sharing a core's hyperthreads, or the main thread's spin, set the figures.
  * After each run: the timed steps' growths (moving ones) and growth ms, summed over the
  * threads, from the paging statistics; the process's minor page faults and voluntary
- * context switches meanwhile; and the shards made so far. */
+ * context switches meanwhile; and the shards made so far.
+ * PROBE_SEGMENTS=N also times each thread's steps in N equal segments and prints, per run,
+ * each segment's ns per step (the threads' mean) and the threads' own ns per step (fastest
+ * and slowest): whether a run's time is its first steps' (new shards growing), a straggler's,
+ * or every thread's every step. */
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -85,6 +90,10 @@ static bool pin_to(int cpu) {
 static ccalloc_paging_stats timed_from, timed_to;
 /* The process's minor page faults and voluntary context switches in the timed steps. */
 static long timed_faults, timed_switches;
+/* PROBE_SEGMENTS: segments per thread (0: off), and each run's clock readings per thread
+ * (segments + 1 each, from the start signal). */
+static int segments = 0;
+static std::vector<std::vector<std::chrono::steady_clock::time_point>> marks;
 
 static void usage_now(long* faults, long* switches) {
     struct rusage u;
@@ -105,6 +114,8 @@ static double run(int threads, long steps, bool sim) {
     std::atomic<int> ready{0}, bad{0};
     std::atomic<bool> go{false};
     std::vector<std::thread> pool;
+    marks.assign(threads, std::vector<std::chrono::steady_clock::time_point>(segments + 1));
+    const long per_segment = segments ? (steps + segments - 1) / segments : steps + 1;
     for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] {
         if (!worker_cpus.empty() && !pin_to(worker_cpus[t % worker_cpus.size()])) bad++;
         if (!sim) cudaSetDevice(0);
@@ -115,13 +126,16 @@ static double run(int threads, long steps, bool sim) {
         for (long i = 0; i < live; ++i) p[i] = ccalloc_torch_alloc(sz[i], 0, s);
         ready++;
         while (!go.load()) {}
+        if (segments) marks[t][0] = std::chrono::steady_clock::now();
         for (long k = 0; k < steps; ++k) {
+            if (segments && k && k % per_segment == 0) marks[t][k / per_segment] = std::chrono::steady_clock::now();
             uint32_t i = pl.index[k];
             ccalloc_torch_free(p[i], sz[i], 0, s);
             sz[i] = pl.sizes[k];
             p[i] = ccalloc_torch_alloc(sz[i], 0, s);
             if (!p[i]) bad++;
         }
+        if (segments) marks[t][segments] = std::chrono::steady_clock::now();
         ready--;
         for (long i = 0; i < live; ++i) ccalloc_torch_free(p[i], sz[i], 0, s);
     });
@@ -152,6 +166,26 @@ static double pairs(cudaStream_t s, size_t size, long iters) {
     auto t0 = std::chrono::steady_clock::now();
     for (long i = 0; i < iters; ++i) ccalloc_torch_free(ccalloc_torch_alloc(size, 0, s), size, 0, s);
     return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+
+/* PROBE_SEGMENTS' figures for the run just made with `threads` threads. */
+static void print_segments(int threads, long steps) {
+    using ns_d = std::chrono::duration<double, std::nano>;
+    const long per_segment = (steps + segments - 1) / segments;
+    printf("\n  t%d segments (ns per step, threads' mean):", threads);
+    for (int g = 0; g < segments; ++g) {
+        long n = std::min(steps, (g + 1) * per_segment) - g * per_segment;
+        double sum = 0;
+        for (int t = 0; t < threads; ++t) sum += ns_d(marks[t][g + 1] - marks[t][g]).count() / n;
+        printf(" %.0f", sum / threads);
+    }
+    double fastest = 1e300, slowest = 0;
+    for (int t = 0; t < threads; ++t) {
+        double own = ns_d(marks[t][segments] - marks[t][0]).count() / steps;
+        fastest = std::min(fastest, own);
+        slowest = std::max(slowest, own);
+    }
+    printf("; threads' own %.0f-%.0f\n ", fastest, slowest);
 }
 
 int main(int argc, char** argv) {
@@ -205,8 +239,10 @@ int main(int argc, char** argv) {
     for (int i = 2; i < argc; ++i) counts.push_back(atoi(argv[i]));
     if (counts.empty()) counts = {1, 4, 8};
     printf("backend %s, %ld steps per thread:", sim ? "sim" : "cuda", steps);
+    if (const char* n = getenv("PROBE_SEGMENTS")) segments = atoi(n) > 0 && atoi(n) <= 100 ? atoi(n) : 0;
     for (int t : counts) {
         double ns = run(t, steps, sim);
+        if (segments) print_segments(t, steps);
         const ccalloc_paging_stats &a = timed_from, &b = timed_to;
         uint32_t shards = 0;
         ccalloc_shard_count(0, &shards);
