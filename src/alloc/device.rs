@@ -151,27 +151,31 @@ impl Shards {
 // book keeps it, in atomics (`Unassigned`). A call that lifts a ceiling
 // (`stats::take_lifted`) settles once its shard's lock is released: the unassigned headroom
 // covers the lift if it can, taken with only the lifter's own lock held
-// (`settle_from_unassigned`); else, with the book locked (`settle`), the other shards give
-// up unused headroom, one locked at a time. Either way the lifter keeps some more (a share
-// of the unassigned headroom, or half of what the last giver had left), so that its next
-// increase does not lift again. A lift that no headroom covers may be a new high: then every
+// (`settle_from_unassigned`); else the other shards give unused headroom to the unassigned
+// headroom, one locked at a time and still without the book (`pool_spare_headroom`), and
+// the lifter tries again; else, with the book locked (`settle`), the others give up what
+// they have left. Either way the lifter keeps some more (a share of the unassigned
+// headroom, or half of what the last giver had left), so that its next increase does not
+// lift again. A lift that no headroom covers may be a new high: then every
 // shard is locked at once (`balance_peaks`), their counts are summed, P rises to the sum if
 // it is higher, and the headroom left is split: half shared equally, half kept unassigned.
 // Blocks held in thread fronts count as live in their shard, so before P rises the fronts
 // are drained and the sum taken again: P is then the true high-water mark. Lock order:
 // the book, then shards; no path takes the book while holding a shard.
 //
-// The unassigned headroom changes under a shard's lock (a lift takes from it) or under the
-// book's (a giver adds to it), and is set anew only with every shard locked (a balance, a
-// reset), so no take straddles a new split. A shard's copy of its assignment
-// (`State::set_book_assigned`) is the true one: a take from the unassigned headroom raises
-// it without the book, whose `assigned` is then lower. Every use of the book's figure only
-// gives a shard less than it had, so the ceilings and the unassigned headroom still sum to
-// at most P.
+// The unassigned headroom changes under a shard's lock (a lift takes from it, a giver adds
+// to it) and is set anew only with every shard locked (a balance, a reset), so no take
+// straddles a new split. A shard's copy of its assignment (`State::set_book_assigned`) is
+// the true one: takes and gifts change it without the book, whose `assigned` is then stale.
+// Every book path reads a shard's copy under that shard's lock before using it, so the
+// ceilings and the unassigned headroom still sum to at most P.
 //
 // The cost falls on calls that lift a ceiling: in a steady job, those that take the device
 // to a new high, and those of a shard whose headroom ran out (threads churning on their
-// own streams each settle when their counts wander past their share).
+// own streams each settle when their counts wander past their share). Only the first need
+// the book: with 8 threads churning on their own streams, settlements through the book
+// came every 150 steps or so before gifts, and the threads spent about a third of their
+// time queued on it (docs/benchmarks.md, session 25).
 
 /// The device's peaks with several shards (see above). Inactive with one shard, whose
 /// peaks are the device's.
@@ -219,6 +223,10 @@ impl Unassigned {
 
     fn add(&self, q: usize, bytes: i64) {
         self.0[q].fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    fn get(&self, q: usize) -> i64 {
+        self.0[q].load(Ordering::Acquire)
     }
 
     /// Only with every shard locked (or none able to take: the book's activation).
@@ -641,12 +649,23 @@ impl DeviceAllocator {
         }
         // A lift another thread's settling took in meanwhile (`balance_peaks` gives every
         // shard its ceilings) needs nothing more: seen under the shard's own lock, without
-        // the book that every shard's settling takes. Most other lifts are covered by the
-        // unassigned headroom, under the same lock.
+        // the book. Most other lifts are covered by the unassigned headroom, under the same
+        // lock, and most of the rest once other shards have given it theirs.
         if let Some(shard) = lifted {
+            let mut need = None;
+            let settled =
+                |st: &mut State| !st.has_unsettled_lift() || self.settle_from_unassigned(st);
             if shard.lock().is_ok_and(|mut st| {
-                !st.has_unsettled_lift() || self.settle_from_unassigned(&mut st)
+                settled(&mut st) || {
+                    need = Some(st.unsettled_need());
+                    false
+                }
             }) {
+                return;
+            }
+            if need.is_some_and(|need| self.pool_spare_headroom(shard, &need))
+                && shard.lock().is_ok_and(|mut st| settled(&mut st))
+            {
                 return;
             }
         }
@@ -697,6 +716,49 @@ impl DeviceAllocator {
         st.set_book_assigned(settled);
         st.assign_ceilings(&settled, assigned);
         true
+    }
+
+    /// Moves other shards' unused headroom below their ceilings, in the counters `need`
+    /// names, to the unassigned headroom, one shard locked at a time and never `lifter`,
+    /// until the unassigned headroom holds `need`; true if it does. Each shard gives half
+    /// of what its count left below its ceiling (its own count wanders too), or more where
+    /// the need still wants it; shards busy for long (a driver call) are passed over.
+    /// Without the book: each move lowers a ceiling by what the unassigned headroom gains,
+    /// under that shard's lock, so their sum stays at most the peak. Only a new high of
+    /// the device, which no headroom covers, is left for the book.
+    #[cold]
+    #[inline(never)]
+    fn pool_spare_headroom(&self, lifter: &Shard, need: &Peaks) -> bool {
+        let unassigned = &self.peak_book.unassigned;
+        let wanting = |q: usize| need[q] - unassigned.get(q);
+        for shard in self.shards().filter(|s| !std::ptr::eq(*s, lifter)) {
+            if (0..PEAKED).all(|q| wanting(q) <= 0) {
+                return true;
+            }
+            let Ok(Some(mut st)) = shard.lock_soon() else {
+                continue;
+            };
+            let (ceilings, currents) = (st.stats().peaked_peaks(), st.stats().peaked_currents());
+            let before = st.book_assigned();
+            let mut assigned = before;
+            for q in 0..PEAKED {
+                let wants = wanting(q);
+                // A shard's own unsettled lift keeps its ceiling (it settles it itself).
+                if wants <= 0 || ceilings[q] > before[q] {
+                    continue;
+                }
+                let spare = (before[q] - currents[q]).max(0);
+                let give = spare.min((spare / 2).max(wants));
+                if give > 0 {
+                    assigned[q] -= give;
+                    unassigned.add(q, give);
+                }
+            }
+            if assigned != before {
+                st.assign_ceilings(&before, assigned);
+            }
+        }
+        (0..PEAKED).all(|q| wanting(q) <= 0)
     }
 
     /// `settle_lifts`' work: the lifts are covered by other shards' unused headroom where

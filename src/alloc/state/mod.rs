@@ -262,6 +262,16 @@ impl State {
             .any(|(ceiling, assigned)| ceiling > assigned)
     }
 
+    /// By how much each ceiling stands above what the book assigned (0 where none does).
+    pub fn unsettled_need(&self) -> Peaks {
+        let mut need = [0; PEAKED];
+        let ceilings = self.stats.peaked_peaks();
+        for q in 0..PEAKED {
+            need[q] = (ceilings[q] - self.book_assigned[q]).max(0);
+        }
+        need
+    }
+
     /// Counts a retry after releasing the cache, unless the device's first try counted it.
     pub fn count_alloc_retry(&mut self) {
         if !self.oom_final.is_some_and(|e| e.second_try) {
