@@ -738,17 +738,15 @@ impl DeviceAllocator {
             let Ok(Some(mut st)) = shard.lock_soon() else {
                 continue;
             };
-            let (ceilings, currents) = (st.stats().peaked_peaks(), st.stats().peaked_currents());
+            let spare = st.spare_headroom();
             let before = st.book_assigned();
             let mut assigned = before;
             for q in 0..PEAKED {
                 let wants = wanting(q);
-                // A shard's own unsettled lift keeps its ceiling (it settles it itself).
-                if wants <= 0 || ceilings[q] > before[q] {
+                if wants <= 0 {
                     continue;
                 }
-                let spare = (before[q] - currents[q]).max(0);
-                let give = spare.min((spare / 2).max(wants));
+                let give = spare[q].min((spare[q] / 2).max(wants));
                 if give > 0 {
                     assigned[q] -= give;
                     unassigned.add(q, give);
@@ -767,6 +765,23 @@ impl DeviceAllocator {
     #[cold]
     #[inline(never)]
     fn settle(&self, lifted: Option<&Shard>) -> Result<()> {
+        let mut took_highs = Vec::new();
+        let settled = self.settle_noting_highs(lifted, &mut took_highs);
+        for shard in took_highs {
+            if let Ok(mut st) = shard.lock() {
+                st.book_highs().done();
+            }
+        }
+        settled
+    }
+
+    /// `settle`, which notes in `took_highs` the shards whose lifts it took into their
+    /// assignments (`BookHighs`), for `settle` to release once they are backed.
+    fn settle_noting_highs<'a>(
+        &'a self,
+        lifted: Option<&Shard>,
+        took_highs: &mut Vec<&'a Shard>,
+    ) -> Result<()> {
         let mut book = lock(&self.peak_book.inner, "the device's peaks")?;
         let shards: Vec<&Shard> = self.shards().collect();
         // What the lifts took past the ceilings the book gave: each lifted shard keeps its
@@ -791,6 +806,10 @@ impl DeviceAllocator {
                         highs[i][q] = c;
                         *a = c;
                     }
+                }
+                if highs[i].iter().any(|&h| h > 0) {
+                    st.book_highs().take(&highs[i]);
+                    took_highs.push(*shard);
                 }
                 st.set_book_assigned(book.assigned[i]);
             }
@@ -834,16 +853,15 @@ impl DeviceAllocator {
             let Some(mut st) = shard.lock_soon()? else {
                 continue;
             };
-            let ceilings = st.stats().peaked_peaks();
-            let currents = st.stats().peaked_currents();
+            // A shard whose own lift is not settled yet keeps its ceiling there, and one
+            // whose lift a settlement took (this one included) gives none of it back.
+            let spares = st.spare_headroom();
             book.assigned[j] = st.book_assigned();
             let before = book.assigned[j];
             let assigned = &mut book.assigned[j];
             for q in 0..PEAKED {
-                // A shard whose own lift is not settled yet keeps its ceiling there, and
-                // one that lifted here gives none of its lift back.
-                if ceilings[q] <= assigned[q] && need[q] > 0 && highs[j][q] == 0 {
-                    let spare = (assigned[q] - currents[q]).max(0);
+                if need[q] > 0 && highs[j][q] == 0 {
+                    let spare = spares[q];
                     let mut take = spare.min(need[q]);
                     need[q] -= take;
                     if need[q] == 0 && lifted.is_some() {

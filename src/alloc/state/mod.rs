@@ -102,6 +102,41 @@ struct Events {
 }
 
 /// Everything one shard knows, in owned parts; the shard changes it only through methods.
+/// Lifts that settlements through the book (`DeviceAllocator::settle`) have taken into a
+/// shard's assignment before finding headroom for them. Until one finds it, or balances,
+/// the shard's count may have fallen below the high it reached, and that gap is not
+/// headroom below the device's peak yet: a gift (`pool_spare_headroom`) must not give it,
+/// or the book would pay the lift with it and never raise the peak.
+#[derive(Default)]
+pub struct BookHighs {
+    /// Settlements under way that took a lift of this shard.
+    settling: u32,
+    /// Their highs, counter by counter (the largest).
+    highs: Peaks,
+}
+
+impl BookHighs {
+    /// A settlement takes this shard's lift to `highs`.
+    pub fn take(&mut self, highs: &Peaks) {
+        self.settling += 1;
+        for (h, &n) in self.highs.iter_mut().zip(highs) {
+            *h = (*h).max(n);
+        }
+    }
+
+    /// A settlement that took one is done (its lift backed, or in the peaks).
+    pub fn done(&mut self) {
+        self.settling = self.settling.saturating_sub(1);
+        if self.settling == 0 {
+            self.highs = [0; PEAKED];
+        }
+    }
+
+    fn high(&self, q: usize) -> i64 {
+        self.highs[q]
+    }
+}
+
 pub struct State {
     config: Config,
     /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
@@ -122,6 +157,9 @@ pub struct State {
     /// What the device's `PeakBook` has assigned this shard (its `assigned` entry, kept
     /// equal under this shard's lock): a ceiling above it is a lift not settled yet.
     book_assigned: Peaks,
+    /// Lifts of this shard that settlements through the book have taken into its
+    /// assignment before finding headroom for them (`BookHighs`).
+    book_highs: BookHighs,
     /// Handed-out blocks that thread fronts (`front`) hold, and of those, the ones over
     /// `front::FRONT_MAX_BLOCK`.
     front_blocks: usize,
@@ -159,6 +197,7 @@ impl State {
             events: Events::default(),
             stats: DeviceStats::default(),
             book_assigned: [0; PEAKED],
+            book_highs: BookHighs::default(),
             device_reserved,
             oom_final: Some(Elsewhere::default()),
             front_blocks: 0,
@@ -260,6 +299,25 @@ impl State {
             .iter()
             .zip(&self.book_assigned)
             .any(|(ceiling, assigned)| ceiling > assigned)
+    }
+
+    /// The highs of lifts the book is still settling (`BookHighs`).
+    pub fn book_highs(&mut self) -> &mut BookHighs {
+        &mut self.book_highs
+    }
+
+    /// What this shard's counts leave below its assignment and may give away: nothing of a
+    /// lift not settled yet, nor of one the book is still settling (`BookHighs`).
+    pub fn spare_headroom(&self) -> Peaks {
+        let (ceilings, currents) = (self.stats.peaked_peaks(), self.stats.peaked_currents());
+        let mut spare = [0; PEAKED];
+        for q in 0..PEAKED {
+            if ceilings[q] <= self.book_assigned[q] {
+                let floor = currents[q].max(self.book_highs.high(q));
+                spare[q] = (self.book_assigned[q] - floor).max(0);
+            }
+        }
+        spare
     }
 
     /// By how much each ceiling stands above what the book assigned (0 where none does).
