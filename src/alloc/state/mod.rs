@@ -101,7 +101,6 @@ struct Events {
     deferred: Vec<BlockId>,
 }
 
-/// Everything one shard knows, in owned parts; the shard changes it only through methods.
 /// Lifts that settlements through the book (`DeviceAllocator::settle`) have taken into a
 /// shard's assignment before finding headroom for them. Until one finds it, or balances,
 /// the shard's count may have fallen below the high it reached, and that gap is not
@@ -137,6 +136,7 @@ impl BookHighs {
     }
 }
 
+/// Everything one shard knows, in owned parts; the shard changes it only through methods.
 pub struct State {
     config: Config,
     /// Reserved bytes may not exceed this (from `per_process_memory_fraction`).
