@@ -13,7 +13,7 @@ mod common;
 use ccalloc::{BlockState, Config, DeviceAllocator, Driver, ErrorKind, SimDriver, StreamId};
 use common::figures::{rounded, PoolFigures};
 use common::worker::Worker;
-use common::{xorshift, Call, FaultDriver};
+use common::{within, xorshift, Call, FaultDriver};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -54,21 +54,6 @@ fn in_fronts<R>(driver: &FaultDriver, what: &str, f: impl FnOnce() -> R) -> R {
         "{what}: a shard served it"
     );
     r
-}
-
-/// Runs `f` on a thread of its own and fails if it has not returned within `limit` (a
-/// deadlock), or panicked.
-fn within<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> R {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-        let _ = tx.send(r);
-    });
-    match rx.recv_timeout(limit) {
-        Ok(Ok(r)) => r,
-        Ok(Err(panic)) => std::panic::resume_unwind(panic),
-        Err(_) => panic!("no result within {limit:?}: a deadlock?"),
-    }
 }
 
 /// Sizes whose blocks are exactly their rounded size: small ones (up to 1 MiB), and large

@@ -9,24 +9,12 @@ mod common;
 
 use ccalloc::{Config, DeviceAllocator, DevicePtr, Driver, DriverError, DriverResult, EventId};
 use ccalloc::{ErrorKind, SimDriver, StreamId};
+use common::within;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{mpsc, Arc, Barrier, Condvar, Mutex};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
-
-/// Runs `f` on a thread of its own; fails past `secs` (a deadlock) or passes its panic on.
-fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::spawn(move || {
-        f();
-        let _ = tx.send(());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("no end within {secs} s: a deadlock?"),
-        _ => h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)),
-    }
-}
 
 /// Where a thread's next `allocate` waits (its shard locked) until opened.
 #[derive(Default)]
@@ -178,7 +166,9 @@ fn restore_held_while_another_shard_lifts(in_settlement: bool) {
 /// lifter finds no gift there and settles through the book, whose balance counts L's lift.
 #[test]
 fn a_shard_with_an_unsettled_lift_gives_none_of_it() {
-    within(30, || restore_held_while_another_shard_lifts(false));
+    within(Duration::from_secs(30), || {
+        restore_held_while_another_shard_lifts(false)
+    });
 }
 
 /// A lift the book is settling keeps its high until the book has backed it: `settle`'s
@@ -188,7 +178,9 @@ fn a_shard_with_an_unsettled_lift_gives_none_of_it() {
 /// peak would read 16 MiB against the carve's 20 (as at a200db3; `BookHighs` since).
 #[test]
 fn a_gift_from_a_lift_the_book_is_settling_keeps_the_lift() {
-    within(30, || restore_held_while_another_shard_lifts(true));
+    within(Duration::from_secs(30), || {
+        restore_held_while_another_shard_lifts(true)
+    });
 }
 
 /// The caller's live blocks and the device's true high-water marks since the last reset
@@ -426,7 +418,7 @@ fn seesaw(threads: usize, conf: &'static str, reader: bool, seed: u64) {
 
 #[test]
 fn seesaw_stream_shards() {
-    within(60, || {
+    within(Duration::from_secs(60), || {
         for (threads, conf, reader) in [
             (2, "per_stream_shards:True,thread_cache:False", false),
             (4, "per_stream_shards:True", true),
@@ -440,5 +432,7 @@ fn seesaw_stream_shards() {
 
 #[test]
 fn seesaw_thread_shards() {
-    within(60, || (1..=2).for_each(|seed| seesaw(8, "", true, seed)));
+    within(Duration::from_secs(60), || {
+        (1..=2).for_each(|seed| seesaw(8, "", true, seed))
+    });
 }

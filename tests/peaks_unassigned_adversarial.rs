@@ -10,31 +10,12 @@ mod common;
 
 use ccalloc::{Config, DeviceAllocator, SimDriver, StreamId};
 use common::live::CappedChurn;
-use common::{sim_allocator, xorshift, Gate, GatedDriver};
+use common::{sim_allocator, within, xorshift, Gate, GatedDriver};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
-use std::sync::{mpsc, Arc, Barrier};
+use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
-
-/// Runs `f` on a thread of its own and fails if it takes longer than `secs` (a deadlock or
-/// livelock), or passes its panic on.
-fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = mpsc::channel();
-    let h = std::thread::spawn(move || {
-        f();
-        let _ = tx.send(());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(()) => h.join().unwrap(),
-        Err(mpsc::RecvTimeoutError::Disconnected) => {
-            if let Err(e) = h.join() {
-                std::panic::resume_unwind(e);
-            }
-        }
-        Err(mpsc::RecvTimeoutError::Timeout) => panic!("no end within {secs} s: a deadlock?"),
-    }
-}
 
 /// A round's level: each thread holds exactly this at the round's barrier. Not monotonic,
 /// so that a reset that is lost (or a stale peak) shows.
@@ -168,7 +149,7 @@ macro_rules! churn_test {
     ($name:ident, $threads:expr, $conf:expr, $reader:expr, $reset:expr, $empty:expr, $cross:expr) => {
         #[test]
         fn $name() {
-            within(60, || {
+            within(Duration::from_secs(60), || {
                 for seed in 1..=2 {
                     churn(Churn {
                         threads: $threads,
@@ -256,7 +237,7 @@ churn_test!(
 /// freed again (after the round's resets, finished before the barrier) is exact.
 #[test]
 fn resets_racing_lifts_from_a_thread_of_their_own() {
-    within(60, || {
+    within(Duration::from_secs(60), || {
         const CAP: u64 = 2 * MIB;
         const N: u64 = 4;
         let (_sim, a) = sim_allocator(16 << 30, "per_stream_shards:True");
@@ -334,7 +315,7 @@ fn resets_racing_lifts_from_a_thread_of_their_own() {
 /// `a_restore_carving_its_segment_counts_in_the_device_peak_as_with_one_shard`).
 #[test]
 fn a_lift_that_fell_before_settling_survives_a_balance_by_a_reader() {
-    within(30, || {
+    within(Duration::from_secs(30), || {
         const POOL: (u64, u64) = (0, 7);
         let (s1, s2, s3) = (StreamId(1), StreamId(2), StreamId(3));
         let sim = Arc::new(SimDriver::new(1, 1 << 30));

@@ -12,6 +12,24 @@ use ccalloc::{DevicePtr, Driver, DriverResult, EventId, PhysHandle};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 
+/// Runs `f` on a thread of its own and fails if it has not returned within `limit` (a
+/// deadlock), or passes its panic on.
+pub fn within<R: Send + 'static>(
+    limit: std::time::Duration,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> R {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        let _ = tx.send(r);
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(r)) => r,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("no result within {limit:?}: a deadlock?"),
+    }
+}
+
 /// The driver call a `GatedDriver` holds.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Gate {
