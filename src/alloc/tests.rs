@@ -1727,6 +1727,53 @@ fn with_several_shards_only_a_threads_own_shard_keeps_its_large_blocks_in_a_fron
     );
 }
 
+/// Per-stream shards where S1's four 16 MiB blocks set the device's peaks (64 MiB in 4
+/// blocks) and S0 then caches 48 MiB. A statistics read balances: of the 64 MiB below the
+/// peak, half stays unassigned and each shard may rise 16 MiB (unassigned headroom
+/// shared whole, S0 would have 32 MiB).
+fn peaks_set_on_s1_while_s0_caches() -> (Arc<SimDriver>, DeviceAllocator) {
+    let (sim, a) = paged(1 << 30, "per_stream_shards:True,thread_cache:False");
+    let blocks: Vec<u64> = (0..4).map(|_| a.malloc(16 * MIB, S1).unwrap()).collect();
+    for p in blocks {
+        a.free(p).unwrap();
+    }
+    a.free(a.malloc(48 * MIB, S0).unwrap()).unwrap();
+    assert_eq!(
+        a.stats().unwrap().allocated_bytes.all().peak,
+        64 * MIB as i64
+    );
+    (sim, a)
+}
+
+/// Allocates `size` on S0 from a thread of its own while this one holds the peak book, and
+/// returns the block; fails, naming `waited_for`, if the allocation has not returned within
+/// 10 s. `release` runs once the wait is over, before any failure, so that an allocation
+/// waiting on what the caller holds can finish and its thread end.
+fn malloc_on_s0_beside_held_book(
+    a: &DeviceAllocator,
+    size: u64,
+    release: impl FnOnce(),
+    waited_for: &str,
+) -> u64 {
+    std::thread::scope(|t| {
+        let (go, went) = std::sync::mpsc::channel();
+        let (sent, done) = std::sync::mpsc::channel();
+        t.spawn(move || {
+            went.recv().unwrap();
+            sent.send(a.malloc(size, S0).unwrap()).unwrap();
+        });
+        let waited = a.with_peak_book_held(|| {
+            go.send(()).unwrap();
+            done.recv_timeout(std::time::Duration::from_secs(10))
+        });
+        release();
+        waited.unwrap_or_else(|_| {
+            a.free(done.recv().unwrap()).unwrap();
+            panic!("the lift waited for {waited_for}")
+        })
+    })
+}
+
 /// With several shards, a lift that the unassigned headroom covers settles under the
 /// lifter's own lock alone: a shard whose thread is busy (here, its lock held) delays no
 /// other stream's lift, nor does another settlement holding the peak book. Before, the
@@ -1734,40 +1781,12 @@ fn with_several_shards_only_a_threads_own_shard_keeps_its_large_blocks_in_a_fron
 /// every shard to balance, waiting for that one.
 #[test]
 fn a_lift_the_unassigned_headroom_covers_waits_for_no_other_lock() {
-    let (_sim, a) = paged(1 << 30, "per_stream_shards:True,thread_cache:False");
-    // S1's four blocks set the device's peaks (64 MiB in 4 blocks); S0 then caches 48 MiB.
-    let blocks: Vec<u64> = (0..4).map(|_| a.malloc(16 * MIB, S1).unwrap()).collect();
-    for p in blocks {
-        a.free(p).unwrap();
-    }
-    a.free(a.malloc(48 * MIB, S0).unwrap()).unwrap();
-    // A statistics read balances: of the 64 MiB below the peak, half is shared (16 MiB
-    // each) and half stays unassigned (shared whole, S0 would have 32 MiB).
-    let before = a.stats().unwrap();
-    assert_eq!(before.allocated_bytes.all().peak, 64 * MIB as i64);
+    let (_sim, a) = peaks_set_on_s1_while_s0_caches();
     let (_, busy) = a.shard(S1).unwrap();
     let held = busy.lock().unwrap();
-    std::thread::scope(|t| {
-        let (go, went) = std::sync::mpsc::channel();
-        let (sent, done) = std::sync::mpsc::channel();
-        let a = &a;
-        t.spawn(move || {
-            went.recv().unwrap();
-            // 40 MiB from S0's cache lifts its ceiling by 24 MiB, which is unassigned.
-            sent.send(a.malloc(40 * MIB, S0).unwrap()).unwrap();
-        });
-        let waited = a.with_peak_book_held(|| {
-            go.send(()).unwrap();
-            done.recv_timeout(std::time::Duration::from_secs(10))
-        });
-        // Released before any failure, so that the lift can finish and the thread end.
-        drop(held);
-        let p = waited.unwrap_or_else(|_| {
-            a.free(done.recv().unwrap()).unwrap();
-            panic!("the lift waited for another lock")
-        });
-        a.free(p).unwrap();
-    });
+    // 40 MiB from S0's cache lifts its ceiling by 24 MiB, which is unassigned.
+    let p = malloc_on_s0_beside_held_book(&a, 40 * MIB, || drop(held), "another lock");
+    a.free(p).unwrap();
     // The peaks are still exact: nothing was live beside the 40 MiB.
     let after = a.stats().unwrap();
     assert_eq!(after.allocated_bytes.all().peak, 64 * MIB as i64);
@@ -1781,38 +1800,10 @@ fn a_lift_the_unassigned_headroom_covers_waits_for_no_other_lock() {
 /// their time there). A new high still settles through the book, and exactly.
 #[test]
 fn a_lift_another_shards_headroom_covers_waits_for_no_book() {
-    let (_sim, a) = paged(1 << 30, "per_stream_shards:True,thread_cache:False");
-    // S1's four blocks set the device's peaks (64 MiB in 4 blocks); S0 then caches 48 MiB.
-    let blocks: Vec<u64> = (0..4).map(|_| a.malloc(16 * MIB, S1).unwrap()).collect();
-    for p in blocks {
-        a.free(p).unwrap();
-    }
-    a.free(a.malloc(48 * MIB, S0).unwrap()).unwrap();
-    // A statistics read balances: of the 64 MiB below the peak, 32 MiB stay unassigned and
-    // each shard may rise 16 MiB.
-    assert_eq!(
-        a.stats().unwrap().allocated_bytes.all().peak,
-        64 * MIB as i64
-    );
-    std::thread::scope(|t| {
-        let (go, went) = std::sync::mpsc::channel();
-        let (sent, done) = std::sync::mpsc::channel();
-        let a = &a;
-        t.spawn(move || {
-            went.recv().unwrap();
-            // 56 MiB lifts S0's ceiling by 40 MiB: 32 unassigned, 8 more from S1's 16.
-            sent.send(a.malloc(56 * MIB, S0).unwrap()).unwrap();
-        });
-        let waited = a.with_peak_book_held(|| {
-            go.send(()).unwrap();
-            done.recv_timeout(std::time::Duration::from_secs(10))
-        });
-        let p = waited.unwrap_or_else(|_| {
-            a.free(done.recv().unwrap()).unwrap();
-            panic!("the lift waited for the peak book")
-        });
-        a.free(p).unwrap();
-    });
+    let (_sim, a) = peaks_set_on_s1_while_s0_caches();
+    // 56 MiB lifts S0's ceiling by 40 MiB: 32 unassigned, 8 more from S1's 16.
+    let p = malloc_on_s0_beside_held_book(&a, 56 * MIB, || {}, "the peak book");
+    a.free(p).unwrap();
     let after = a.stats().unwrap();
     assert_eq!(after.allocated_bytes.all().peak, 64 * MIB as i64);
     assert_eq!(after.allocation.all().peak, 4);
