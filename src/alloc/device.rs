@@ -860,7 +860,7 @@ impl DeviceAllocator {
             let before = book.assigned[j];
             let assigned = &mut book.assigned[j];
             for q in 0..PEAKED {
-                if need[q] > 0 && highs[j][q] == 0 {
+                if need[q] > 0 {
                     let spare = spares[q];
                     let mut take = spare.min(need[q]);
                     need[q] -= take;
