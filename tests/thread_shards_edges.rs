@@ -11,14 +11,14 @@ use common::{on_new_thread, sim_allocator};
 use std::sync::{Arc, Barrier};
 
 const MIB: u64 = 1 << 20;
-/// `MAX_SHARDS` in src/alloc/device.rs.
+/// `MAX_SHARDS` in src/alloc/device/mod.rs.
 const MAX_SHARDS: u64 = 32;
 
 fn allocator(conf: &str) -> Arc<DeviceAllocator> {
     sim_allocator(1 << 30, conf).1
 }
 
-/// The slot a stream past `MAX_SHARDS` shares (`shared_slot` in src/alloc/device.rs).
+/// The slot a stream past `MAX_SHARDS` shares (`shared_slot` in src/alloc/device/mod.rs).
 fn shared_slot(stream: u64) -> u64 {
     stream.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - MAX_SHARDS.trailing_zeros())
 }

@@ -99,6 +99,7 @@ impl LiveMap {
         self.len += 1;
     }
 
+    #[inline]
     fn place(&mut self, slot: Slot) {
         let mask = self.mask();
         let mut i = self.home(slot.tag);
@@ -109,6 +110,8 @@ impl LiveMap {
         self.slots[i] = slot;
     }
 
+    #[cold]
+    #[inline(never)]
     fn grow(&mut self) {
         let old = std::mem::replace(self, Self::with_slots(self.slots.len() * 2));
         for slot in old.slots.into_iter().filter(|s| s.id != EMPTY) {

@@ -271,7 +271,7 @@ impl State {
     }
 
     /// What the device's peak book assigns this shard (the true figure: the book's own may
-    /// be lower, see `device.rs`).
+    /// be lower, see `device::peaks`).
     #[inline]
     pub fn book_assigned(&self) -> Peaks {
         self.book_assigned
