@@ -1,6 +1,6 @@
 //! The same-size loop through the PyTorch entry points (`ccalloc_torch_alloc`/`free`), as
 //! the GPU harness calls them, on the sim device: what the C boundary adds to `pair_loop`.
-//! `CCALLOC_BACKEND=sim cargo run --release --features sim --example ffi_pair_loop [SIZE]`.
+//! `CCALLOC_BACKEND=sim cargo run --release --features sim --example ffi_pair_loop [SIZE] [ITERS]`.
 use ccalloc::capi::{ccalloc_torch_alloc, ccalloc_torch_free};
 use std::time::Instant;
 
@@ -9,7 +9,10 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(4096);
-    let iters = 20_000_000u64;
+    let iters: u64 = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_000_000);
     let stream = std::ptr::null_mut();
     let start = Instant::now();
     for _ in 0..iters {
