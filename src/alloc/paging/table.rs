@@ -332,6 +332,10 @@ impl PagedSegment {
     /// loses a mapped page), so only those are tried, the first `MAX_RUNS` runs at most.
     pub fn best_place(&self, start: DevicePtr, end: DevicePtr, len: u64) -> (usize, DevicePtr) {
         const MAX_RUNS: usize = 64;
+        // Most requests land on mapped pages: that needs no count.
+        if self.all_mapped(start, len) {
+            return (0, start);
+        }
         let mut best = (self.unmapped_pages(start, len), start);
         if best.0 == 0 || end - start == len {
             return best;
