@@ -9,10 +9,14 @@ fn main() {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(4096);
-    let iters: u64 = std::env::args()
-        .nth(2)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20_000_000);
+    let iters: u64 = match std::env::args().nth(2) {
+        None => 20_000_000,
+        Some(text) => text
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| panic!("ITERS {text:?} is not a count of at least 1")),
+    };
     let stream = std::ptr::null_mut();
     let start = Instant::now();
     for _ in 0..iters {
