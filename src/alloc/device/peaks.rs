@@ -195,13 +195,13 @@ impl DeviceAllocator {
         let shares = self.shards.filled() as i64;
         let ceilings = st.stats().peaked_peaks();
         let before = st.book_assigned();
+        let need = st.unsettled_need();
         let mut took = [0; PEAKED];
         for q in 0..PEAKED {
-            let need = ceilings[q] - before[q];
-            if need <= 0 {
+            if need[q] == 0 {
                 continue;
             }
-            match unassigned.take(q, need, shares) {
+            match unassigned.take(q, need[q], shares) {
                 Some(t) => took[q] = t,
                 None => {
                     for (r, &t) in took.iter().enumerate().take(q) {
