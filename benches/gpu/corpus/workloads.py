@@ -1,4 +1,5 @@
-"""The corpus's own GPU workloads (issue 17): fourteen real training and inference shapes.
+"""The corpus's own GPU workloads (issue 17): twenty real training and inference shapes, the
+last six held out (added after the paging policy's constants were set).
 
 Each workload is a function ``f(c: Ctx) -> loop``: it builds its model (random init, from a
 config: nothing is downloaded) and returns ``loop``, a callable that runs the steady-state part
@@ -825,6 +826,286 @@ def multistream_pipeline(c: Ctx):
                     torch.stack(results).cpu()
                     results.clear()
         sync(c)
+
+    return loop
+
+
+# ---------------------------------------------------------------------------------------------
+# Held out: workloads added after the policy's constants were set (session 27), to check that
+# its figures carry over to shapes it was never looked at on.
+
+
+@workload("vision transformer training, bf16 autocast, gradient accumulation", "~12 GiB", 8)
+def vit_train_amp(c: Ctx):
+    """ViT-B/16 (torchvision, random init, 86M) trained on fixed 224x224 batches of 48 under
+    bf16 autocast, two micro-batches accumulated per optimizer step: fixed shapes, the
+    common case that every allocator should hold near 1.0."""
+    from torchvision.models import VisionTransformer
+
+    side, patch, layers, heads, hidden, mlp, batch = c.pick((224, 16, 12, 12, 768, 3072, 48), (32, 16, 2, 2, 32, 64, 2))
+    with torch.device(c.dev):
+        m = VisionTransformer(image_size=side, patch_size=patch, num_layers=layers, num_heads=heads,
+                              hidden_dim=hidden, mlp_dim=mlp, num_classes=1000)
+    opt = c.adamw(m.parameters())
+
+    def loop():
+        c.seed(31)
+        for step in range(c.pick(8, 2)):
+            x = torch.randn(batch, 3, side, side, device=c.dev)
+            y = torch.randint(0, 1000, (batch,), device=c.dev)
+            with c.autocast():
+                loss = F.cross_entropy(m(x).float(), y, label_smoothing=0.1) / 2
+            loss.backward()
+            if step % 2 == 1:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    return loop
+
+
+@workload("text encoder-decoder training (T5), variable source and target lengths", "~10 GiB", 8)
+def t5_train_varlen(c: Ctx):
+    """T5-small-sized (d=512, 6+6 layers, 60M) seq2seq training with dynamic padding: batches
+    of 8-32 pairs, sources of 64-512 tokens and targets of 16-128, each batch padded to its
+    longest, as a summarisation or translation fine-tune runs."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    full = dict(d_model=512, d_ff=2048, d_kv=64, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128)
+    tiny = dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_decoder_layers=2, num_heads=2, vocab_size=256)
+    cfg = T5Config(decoder_start_token_id=0, pad_token_id=0, **c.pick(full, tiny))
+    with torch.device(c.dev):
+        m = T5ForConditionalGeneration(cfg)
+    m.train()
+    opt = c.adamw(m.parameters())
+
+    def loop():
+        rng = c.seed(32)
+        for _ in range(c.pick(10, 2)):
+            b = rng.choice(c.pick([8, 16, 24, 32], [1, 2]))
+            src_lens = [rng.randint(*c.pick((64, 512), (4, 16))) for _ in range(b)]
+            tgt_lens = [rng.randint(*c.pick((16, 128), (2, 8))) for _ in range(b)]
+            src = torch.randint(1, cfg.vocab_size, (b, max(src_lens)), device=c.dev)
+            mask = torch.zeros_like(src)
+            labels = torch.randint(1, cfg.vocab_size, (b, max(tgt_lens)), device=c.dev)
+            for i, (n, t) in enumerate(zip(src_lens, tgt_lens)):
+                mask[i, :n] = 1
+                labels[i, t:] = -100
+            with c.autocast():
+                loss = m(input_ids=src, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return loop
+
+
+class DiTBlock(nn.Module):
+    """A DiT block with adaLN-Zero: the conditioning sets each sublayer's shift, scale and gate."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.n1 = nn.LayerNorm(d, elementwise_affine=False)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.o = nn.Linear(d, d)
+        self.n2 = nn.LayerNorm(d, elementwise_affine=False)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+        self.ada = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))
+
+    def forward(self, x, cond):
+        b, l, d = x.shape
+        s1, c1, g1, s2, c2, g2 = self.ada(cond)[:, None].chunk(6, dim=-1)
+        h = self.n1(x) * (1 + c1) + s1
+        q, k, v = self.qkv(h).view(b, l, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        x = x + g1 * self.o(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, l, d))
+        return x + g2 * self.mlp(self.n2(x) * (1 + c2) + s2)
+
+
+class DiT(nn.Module):
+    """A latent diffusion transformer over 4-channel latents, patch 2, class-conditioned."""
+
+    def __init__(self, d: int, heads: int, layers: int, classes: int = 1000, patch: int = 2):
+        super().__init__()
+        self.d, self.patch = d, patch
+        self.inp = nn.Conv2d(4, d, patch, patch)
+        self.temb = nn.Sequential(nn.Linear(256, d), nn.SiLU(), nn.Linear(d, d))
+        self.cemb = nn.Embedding(classes + 1, d)  # the last class: unconditional
+        self.blocks = nn.ModuleList([DiTBlock(d, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+        self.out = nn.Linear(d, patch * patch * 4)
+
+    def forward(self, x, t, y):
+        b, _, hh, ww = x.shape
+        p = self.patch
+        h = self.inp(x).flatten(2).transpose(1, 2)
+        pos = timestep_embedding(torch.arange(h.shape[1], device=x.device), self.d).to(h.dtype)
+        h = h + pos[None]
+        cond = self.temb(timestep_embedding(t, 256).to(h.dtype)) + self.cemb(y)
+        for block in self.blocks:
+            h = block(h, cond)
+        h = self.out(self.norm(h))
+        return h.view(b, hh // p, ww // p, p, p, 4).permute(0, 5, 1, 3, 2, 4).reshape(b, 4, hh, ww)
+
+
+@workload("diffusion (DiT) inference, variable resolution and batch", "~6 GiB", 8)
+def dit_infer_varres(c: Ctx):
+    """Class-conditional sampling with a DiT-L-sized transformer (d=1024, 24 layers, fp16) with
+    classifier-free guidance (the batch doubled): each request asks for 1-8 images at 256,
+    384 or 512 pixels (latents of 32-64 a side: 256-1,024 tokens), 8 Euler steps each, as an
+    image-generation service runs."""
+    d, heads, layers = c.pick((1024, 16, 24), (32, 2, 2))
+    with torch.device(c.dev):
+        m = DiT(d, heads, layers)
+    m = m.to(c.half).eval()
+
+    def loop():
+        rng = c.seed(33)
+        with torch.no_grad():
+            for _ in range(c.pick(4, 2)):
+                b = rng.choice(c.pick([1, 2, 4, 8], [1, 2]))
+                side = rng.choice(c.pick([32, 48, 64], [4, 8]))
+                x = torch.randn(b, 4, side, side, device=c.dev, dtype=c.half)
+                y = torch.randint(0, 1000, (b,), device=c.dev)
+                y2 = torch.cat([y, torch.full_like(y, 1000)])
+                for s in torch.linspace(999, 0, 9).tolist()[:-1]:
+                    t = torch.full((2 * b,), s, device=c.dev)
+                    eps_c, eps_u = m(torch.cat([x, x]), t, y2).float().chunk(2)
+                    eps = eps_u + 4.0 * (eps_c - eps_u)
+                    x = (x.float() - eps / 8).to(c.half)
+                x.float().clamp(-1, 1).cpu()  # the images go back to the caller
+
+    return loop
+
+
+@workload("graph network training, variable graph sizes", "~8 GiB", 8)
+def gnn_train_varsize(c: Ctx):
+    """A 3-layer GCN-style network (hidden 256) trained on random graphs of 20-150K nodes and
+    8-16 edges a node, one graph a step: messages gathered per edge and summed per node with
+    index_add_, so every activation's size follows the graph's node or edge count."""
+    feat, hidden, classes = c.pick((128, 256, 40), (8, 16, 4))
+    with torch.device(c.dev):
+        layers = nn.ModuleList([nn.Linear(feat, hidden), nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)])
+        head = nn.Linear(hidden, classes)
+    params = list(layers.parameters()) + list(head.parameters())
+    opt = c.adamw(params)
+
+    def loop():
+        rng = c.seed(34)
+        for _ in range(c.pick(12, 2)):
+            n = rng.randint(*c.pick((20000, 150000), (20, 50)))
+            e = n * rng.randint(8, 16)
+            src = torch.randint(0, n, (e,), device=c.dev)
+            dst = torch.randint(0, n, (e,), device=c.dev)
+            deg = torch.zeros(n, device=c.dev).index_add_(0, dst, torch.ones(e, device=c.dev)).clamp(min=1)
+            norm = deg.rsqrt()
+            h = torch.randn(n, feat, device=c.dev)
+            labels = torch.randint(0, classes, (n,), device=c.dev)
+            for lin in layers:
+                msg = (h * norm[:, None])[src]
+                agg = torch.zeros(n, h.shape[1], device=c.dev, dtype=msg.dtype).index_add_(0, dst, msg)
+                h = F.relu(lin(agg * norm[:, None]))
+            loss = F.cross_entropy(head(h), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return loop
+
+
+@workload("recommendation (DLRM-style) training, variable batch", "~10 GiB", 8)
+def dlrm_train_varbatch(c: Ctx):
+    """Eight embedding-bag tables (500K x 128 each) with dense gradients, bottom and top MLPs,
+    pairwise dot interactions; batches of 1-16K samples with 1-20 lookups per bag: each
+    backward makes full-size gradients of every table (256 MB each) and activations that
+    scale with the batch."""
+    tables, rows, dim, dense = c.pick((8, 500000, 128, 13), (2, 100, 8, 4))
+    with torch.device(c.dev):
+        bags = nn.ModuleList([nn.EmbeddingBag(rows, dim, mode="sum") for _ in range(tables)])
+        bottom = nn.Sequential(nn.Linear(dense, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, dim))
+        pairs = (tables + 1) * tables // 2
+        top = nn.Sequential(nn.Linear(dim + pairs, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 1))
+    params = list(bags.parameters()) + list(bottom.parameters()) + list(top.parameters())
+    opt = c.adamw(params)
+    iu = torch.triu_indices(tables + 1, tables + 1, offset=1, device=c.dev)
+
+    def loop():
+        rng = c.seed(35)
+        for _ in range(c.pick(10, 2)):
+            b = rng.choice(c.pick([1024, 2048, 4096, 8192, 16384], [2, 4]))
+            x = torch.randn(b, dense, device=c.dev)
+            feats = [bottom(x)]
+            for bag in bags:
+                counts = torch.randint(1, 21, (b,), device=c.dev)
+                offsets = torch.cumsum(counts, 0) - counts
+                idx = torch.randint(0, rows, (int(counts.sum()),), device=c.dev)
+                feats.append(bag(idx, offsets))
+            z = torch.stack(feats, 1)
+            inter = torch.bmm(z, z.transpose(1, 2))[:, iu[0], iu[1]]
+            logit = top(torch.cat([feats[0], inter], 1)).squeeze(1)
+            loss = F.binary_cross_entropy_with_logits(logit, torch.rand(b, device=c.dev).round())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return loop
+
+
+@workload("serving: continuous batching, per-request KV caches grown by concatenation", "~4 GiB", 8)
+def llm_serve_contbatch(c: Ctx):
+    """A decoder (8 layers, d=1024, 8 heads, fp16) served with continuous batching: up to 16
+    requests in flight; a new one is admitted with a prompt of 32-512 tokens (its prefill makes
+    its caches), every step decodes one token for each, appending to each request's own K and
+    V with torch.cat (a new, slightly larger block per layer per token), and a request leaves
+    after 16-256 tokens, freeing its caches: the allocation pattern of simple serving code."""
+    d, heads, layers, vocab = c.pick((1024, 8, 8, 32000), (32, 2, 2, 256))
+    hd = d // heads
+    with torch.device(c.dev):
+        emb = nn.Embedding(vocab, d)
+        qkv = nn.ModuleList([nn.Linear(d, 3 * d, bias=False) for _ in range(layers)])
+        out = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(layers)])
+        mlp = nn.ModuleList([nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(layers)])
+        head = nn.Linear(d, vocab, bias=False)
+    for mod in (emb, qkv, out, mlp, head):
+        mod.to(c.half)
+
+    def step(x, caches):
+        """x: (B, L, d) for B requests of L new tokens each; caches[i][layer] = (K, V) or None."""
+        b, l, _ = x.shape
+        for j in range(layers):
+            q, k, v = qkv[j](F.layer_norm(x, (d,))).view(b, l, 3, heads, hd).permute(2, 0, 3, 1, 4)
+            outs = []
+            for i in range(b):
+                kv = caches[i][j]
+                ki = k[i] if kv is None else torch.cat([kv[0], k[i]], 1)
+                vi = v[i] if kv is None else torch.cat([kv[1], v[i]], 1)
+                caches[i][j] = (ki, vi)
+                outs.append(F.scaled_dot_product_attention(q[i : i + 1], ki[None], vi[None], is_causal=kv is None and l > 1))
+            x = x + out[j](torch.cat(outs).transpose(1, 2).reshape(b, l, d))
+            x = x + mlp[j](F.layer_norm(x, (d,)))
+        return head(x[:, -1]).argmax(-1)
+
+    def loop():
+        rng = c.seed(36)
+        active = []  # [tokens left, caches, last token]
+        with torch.no_grad():
+            for _ in range(c.pick(160, 6)):
+                while len(active) < c.pick(16, 2) and rng.random() < 0.5:
+                    prompt = torch.randint(0, vocab, (1, rng.randint(*c.pick((32, 512), (2, 8)))), device=c.dev)
+                    caches = [[None] * layers]
+                    tok = step(emb(prompt), caches)
+                    active.append([rng.randint(*c.pick((16, 256), (2, 4))), caches[0], tok])
+                if not active:
+                    continue
+                x = emb(torch.cat([a[2] for a in active])[:, None])
+                caches = [a[1] for a in active]
+                toks = step(x, caches)
+                for a, t in zip(active, toks.split(1)):
+                    a[0] -= 1
+                    a[2] = t
+                done = [a for a in active if a[0] <= 0]
+                if done:
+                    torch.cat([a[2] for a in done]).cpu()  # the finished answers go back
+                active = [a for a in active if a[0] > 0]
 
     return loop
 
