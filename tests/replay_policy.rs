@@ -83,14 +83,14 @@ const GPT2: &str = "gpt2_generate_dynamic";
 #[test]
 fn variable_batch_inference_at_the_default_lag() {
     let r = replay_trace(RESNET, 2);
-    // Today: 1.047, 676 maps + 528 unmaps.
+    // Today: 1.047, 675 maps + 528 unmaps.
     within(&r, 2, 1.05, 1250);
     assert!(r.unmaps > 100, "the batch changes every call: pages move");
 }
 
 #[test]
 fn variable_batch_inference_with_the_gpu_at_once_done_or_far_behind() {
-    // Today: lag 0: 1.047, 745 + 595; lag 16: 1.047, 872 + 722.
+    // Today: lag 0: 1.047, 769 + 622; lag 16: 1.047, 736 + 588.
     within(&replay_trace(RESNET, 0), 0, 1.05, 1400);
     within(&replay_trace(RESNET, 16), 16, 1.05, 1650);
 }
@@ -108,9 +108,9 @@ fn kv_cache_generation_at_the_default_lag() {
 
 #[test]
 fn kv_cache_generation_with_the_gpu_at_once_done_or_far_behind() {
-    // Today: lag 0: as at lag 2; lag 16: 1.030, 266 + 29.
+    // Today: as at lag 2 (1.027, 266 + 30) at both.
     within(&replay_trace(GPT2, 0), 0, 1.03, 310);
-    within(&replay_trace(GPT2, 16), 16, 1.031, 310);
+    within(&replay_trace(GPT2, 16), 16, 1.03, 310);
 }
 
 /// Inference on 43.5 GiB (batch 4-40 x 1-4K tokens, eager attention): single tensors of
@@ -151,9 +151,36 @@ fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
 #[test]
 fn long_context_training_moves_its_small_chunks_in_few_calls() {
     const LONGCTX: &str = "llama_longctx_ckpt_train";
-    // Today: lag 0: 1.050, 1,807 + 1,264; lag 2: 1.043, 1,952 + 1,297; lag 16: 1.054,
-    // 1,788 + 1,078.
+    // Today: lag 0: 1.044, 1,671 + 1,120; lag 2: 1.045, 1,740 + 1,133; lag 16: 1.043,
+    // 1,737 + 1,115.
     for lag in [0, 2, 16] {
-        within(&replay_trace(LONGCTX, lag), lag, 1.055, 3400);
+        within(&replay_trace(LONGCTX, lag), lag, 1.046, 3100);
+    }
+}
+
+/// Six workloads recorded after the policy's constants were set (session 27: ViT training,
+/// T5 with dynamic padding, DiT sampling at varying resolutions, a GCN on graphs of varying
+/// size, DLRM with dense embedding gradients, serving with per-request KV caches grown by
+/// concatenation). Each ends within the slack's bound, the 3% target, except the GCN,
+/// whose excess at lags 2 and 16 is pages pinned by live blocks (274-284 MiB in 7 chunks),
+/// not cached memory. Bounds per trace: (name, ratio, maps + unmaps), today's figures
+/// rounded up, over lags 0, 2 and 16.
+#[test]
+fn held_out_workloads_stay_within_the_target() {
+    // Today, worst over the lags: vit 1.0299, 2,034 calls; t5 1.0255, 3,078; dit 1.0069,
+    // 876; gnn 1.0325 (lag 16; 1.0285 at lag 0), 967; dlrm 1.0167, 1,217; llm_serve 1.0278,
+    // 435.
+    let bounds = [
+        ("vit_train_amp", 1.03, 2200),
+        ("t5_train_varlen", 1.027, 3300),
+        ("dit_infer_varres", 1.008, 950),
+        ("gnn_train_varsize", 1.033, 1050),
+        ("dlrm_train_varbatch", 1.018, 1300),
+        ("llm_serve_contbatch", 1.029, 480),
+    ];
+    for (name, ratio, calls) in bounds {
+        for lag in [0, 2, 16] {
+            within(&replay_trace(name, lag), lag, ratio, calls);
+        }
     }
 }
