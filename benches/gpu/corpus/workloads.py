@@ -94,6 +94,14 @@ def workload(family: str, footprint: str, est_s: float):
     return register
 
 
+def optimize(loss, opt) -> None:
+    """One optimizer step on ``loss``: gradients made, applied, then freed (``set_to_none``), as
+    training loops do, so every step allocates its gradients anew."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def sync(c: Ctx) -> None:
     if c.cuda:
         torch.cuda.synchronize(c.dev)
@@ -318,9 +326,7 @@ def moe_train(c: Ctx):
             with c.autocast():
                 logits = head(blocks(emb(x[:, :-1])))
                 loss = F.cross_entropy(logits.float().view(-1, vocab), x[:, 1:].reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -434,9 +440,7 @@ def unet_diffusion_train(c: Ctx):
             a = abar[t][:, None, None, None]
             with c.autocast():
                 loss = F.mse_loss(m(a.sqrt() * x0 + (1 - a).sqrt() * noise, t).float(), noise)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
             if step % sample_every == sample_every - 1:
                 with torch.no_grad(), c.autocast():
                     x = images(c.pick(16, 1))
@@ -487,9 +491,7 @@ def wav2vec2_ctc_train_varlen(c: Ctx):
                 labels[i, n // c.pick(1600, 40):] = -100
             with c.autocast():
                 loss = m(audio, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -523,9 +525,7 @@ def whisper_train_varlen(c: Ctx):
             labels = torch.randint(0, cfg.vocab_size, (b, t), device=c.dev)
             with c.autocast():
                 loss = m(input_features=feats, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -568,9 +568,7 @@ def maskrcnn_train_varsize(c: Ctx):
             images = [torch.rand(3, h, w, device=c.dev) for h, w in shapes]
             targets = [target(h, w, rng) for h, w in shapes]
             loss = sum(m(images, targets).values())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -629,9 +627,7 @@ def llama_longctx_ckpt_train(c: Ctx):
             x = torch.randint(0, cfg.vocab_size, (1, n), device=c.dev)
             with c.autocast():
                 loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -706,9 +702,7 @@ def llama_lora_finetune(c: Ctx):
             x = torch.randint(0, cfg.vocab_size, (b, n), device=c.dev)
             with c.autocast():
                 loss = m(input_ids=x, labels=x).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -892,9 +886,7 @@ def t5_train_varlen(c: Ctx):
                 labels[i, t:] = -100
             with c.autocast():
                 loss = m(input_ids=src, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -1005,9 +997,7 @@ def gnn_train_varsize(c: Ctx):
                 agg = torch.zeros(n, h.shape[1], device=c.dev, dtype=msg.dtype).index_add_(0, dst, msg)
                 h = F.relu(lin(agg * norm[:, None]))
             loss = F.cross_entropy(head(h), labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
@@ -1043,9 +1033,7 @@ def dlrm_train_varbatch(c: Ctx):
             inter = torch.bmm(z, z.transpose(1, 2))[:, iu[0], iu[1]]
             logit = top(torch.cat([feats[0], inter], 1)).squeeze(1)
             loss = F.binary_cross_entropy_with_logits(logit, torch.rand(b, device=c.dev).round())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimize(loss, opt)
 
     return loop
 
