@@ -806,8 +806,7 @@ impl DeviceAllocator {
         }
         let mut sum = DeviceStats::default();
         // Reserved bytes change only under a shard's lock, so the device-wide count is read
-        // with the shard still held: the same moment as its allocated bytes. (A second
-        // shard's making activates the book before that shard can allocate.)
+        // with the shard still held: the same moment as its allocated bytes.
         let mut last = None;
         for shard in self.shards() {
             drop(last.take());
@@ -817,6 +816,14 @@ impl DeviceAllocator {
             last = Some(st);
         }
         sum.reserved_bytes = self.device_reserved.read()?;
+        drop(last);
+        // A second shard's making activates the book before that shard can allocate. Made
+        // since the check above, it may have been read here one shard at a time, each
+        // shard's figures from another moment than the device's reserved bytes (allocated
+        // above reserved, in `stress.rs`): read again with every shard held.
+        if self.peak_book.is_active() {
+            return self.stats_of_shards();
+        }
         Ok(sum)
     }
 
