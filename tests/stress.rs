@@ -260,6 +260,21 @@ fn freeing_each_others_blocks(conf: &str, steps: usize) -> Arc<DeviceAllocator> 
     alloc
 }
 
+/// Reads `a`'s statistics and checks that no more bytes read as allocated than reserved
+/// (`what` names the read in the failure).
+fn read_allocated_within_reserved(a: &DeviceAllocator, what: &str) -> ccalloc::DeviceStats {
+    let s = a.stats().unwrap();
+    let (allocated, reserved) = (
+        s.allocated_bytes.all().current,
+        s.reserved_bytes.all().current,
+    );
+    assert!(
+        allocated <= reserved,
+        "{what}: {allocated} bytes allocated, {reserved} reserved"
+    );
+    s
+}
+
 /// Statistics read while other threads make and release segments stay consistent: no more
 /// bytes allocated than reserved. On one shard (`thread_shards:False`), read under its lock,
 /// and with the default settings, where each thread's stream has a shard of its own and a
@@ -300,17 +315,9 @@ fn stats_read_mid_run_never_show_more_allocated_than_reserved() {
             std::thread::spawn(move || {
                 let mut reads = 0u64;
                 while !done.load(Ordering::Relaxed) {
-                    let s = a.stats().unwrap();
-                    let (allocated, reserved) = (
-                        s.allocated_bytes.all().current,
-                        s.reserved_bytes.all().current,
-                    );
+                    let s = read_allocated_within_reserved(&a, &format!("{conf}: read {reads}"));
                     assert!(
-                        allocated <= reserved,
-                        "{conf}: read {reads}: {allocated} bytes allocated, {reserved} reserved"
-                    );
-                    assert!(
-                        s.reserved_bytes.all().peak >= reserved,
+                        s.reserved_bytes.all().peak >= s.reserved_bytes.all().current,
                         "{conf}: peak below current"
                     );
                     reads += 1;
@@ -346,15 +353,7 @@ fn stats_read_while_shards_are_made_never_show_more_allocated_than_reserved() {
             let (a, done) = (a.clone(), done.clone());
             std::thread::spawn(move || {
                 while !done.load(Ordering::Relaxed) {
-                    let s = a.stats().unwrap();
-                    let (allocated, reserved) = (
-                        s.allocated_bytes.all().current,
-                        s.reserved_bytes.all().current,
-                    );
-                    assert!(
-                        allocated <= reserved,
-                        "run {run}: {allocated} bytes allocated, {reserved} reserved"
-                    );
+                    read_allocated_within_reserved(&a, &format!("run {run}"));
                 }
             })
         };
