@@ -804,23 +804,21 @@ impl DeviceAllocator {
         if self.peak_book.is_active() {
             return self.stats_of_shards();
         }
+        // Without the book the device has one shard, or none yet. Reserved bytes change only
+        // under a shard's lock, so the device-wide count is read with it held: the same
+        // moment as its allocated bytes.
         let mut sum = DeviceStats::default();
-        // Reserved bytes change only under a shard's lock, so the device-wide count is read
-        // with the shard still held: the same moment as its allocated bytes.
-        let mut last = None;
-        for shard in self.shards() {
-            drop(last.take());
-            let st = shard.lock()?;
+        let first = self.shards().next();
+        let held = first.map(Shard::lock).transpose()?;
+        if let (Some(shard), Some(st)) = (first, &held) {
             // Each shard's fronts move counts only under its lock: read with its figures.
-            sum.add(&shard.stats_with_fronts_locked(&st)?);
-            last = Some(st);
+            sum.add(&shard.stats_with_fronts_locked(st)?);
         }
         sum.reserved_bytes = self.device_reserved.read()?;
-        drop(last);
+        drop(held);
         // A second shard's making activates the book before that shard can allocate. Made
-        // since the check above, it may have been read here one shard at a time, each
-        // shard's figures from another moment than the device's reserved bytes (allocated
-        // above reserved, in `stress.rs`): read again with every shard held.
+        // since the check above, it went unread here while its reservations counted in the
+        // device's bytes: read again with every shard held.
         if self.peak_book.is_active() {
             return self.stats_of_shards();
         }
