@@ -464,9 +464,11 @@ fn paged(capacity: u64, conf: &str) -> (Arc<SimDriver>, DeviceAllocator) {
     (sim, alloc)
 }
 
-/// The default bound of paged segments: live bytes plus 3%, with 4 pages (8 MiB) at least.
+/// The default bound of paged segments: live bytes plus the default slack, with 4 pages
+/// (8 MiB) at least.
 fn within_default_slack(reserved: u64, live: u64) -> bool {
-    reserved <= live + live * 3 / 100 + 8 * MIB
+    let slack = (live as f64 * crate::config::DEFAULT_PAGE_SLACK) as u64;
+    reserved <= live + slack + 8 * MIB
 }
 
 #[test]
