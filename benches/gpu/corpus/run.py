@@ -8,7 +8,9 @@ usage:
 NAME: a workload of workloads.py (this folder) or one of the four shared ones
 (shared/bench/workloads.py: gpt2_train_varlen resnet50_train bert_infer_varlen mlp_sidestream).
 ALLOCATOR: native | expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) | ccalloc |
-ccalloc@CONF (ccalloc with CCALLOC_CONF=CONF, e.g. ccalloc@page_slack:0).
+ccalloc@CONF (ccalloc with CCALLOC_CONF=CONF, e.g. ccalloc@page_slack:0) | ccalloc:BUILD or
+ccalloc:BUILD@CONF (the library <repo>/gpu/BUILD/libccalloc.so: a second build, for a paired
+A/B of a code change in one call).
 
 What is timed: the steady state. Our workloads build their model and return a loop
 (workloads.py); the loop runs once to warm up, then --reps times (default 2), each between two
@@ -69,9 +71,12 @@ def set_allocator(allocator: str, cpu: bool):
         return None
     if allocator == "expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    elif allocator == "ccalloc" or allocator.startswith("ccalloc@"):
-        if allocator.startswith("ccalloc@"):
-            os.environ["CCALLOC_CONF"] = allocator[len("ccalloc@"):]
+    elif allocator == "ccalloc" or allocator.startswith(("ccalloc@", "ccalloc:")):
+        build, _, conf = allocator.partition("@")
+        if conf:
+            os.environ["CCALLOC_CONF"] = conf
+        if build.startswith("ccalloc:"):
+            os.environ["CCALLOC_LIBRARY"] = os.path.join(REPO, "gpu", build[len("ccalloc:"):], "libccalloc.so")
         os.environ.setdefault("CCALLOC_LIBRARY", os.path.join(REPO, "gpu", "libccalloc.so"))
         os.environ["CCALLOC_BACKEND"] = "cuda"
         sys.path.insert(0, os.path.join(REPO, "python"))  # the checkout's package is the one measured
@@ -81,7 +86,7 @@ def set_allocator(allocator: str, cpu: bool):
         ccalloc.torch.enable()
         return ccalloc
     elif allocator != "native":
-        sys.exit(f"run.py: unknown allocator {allocator!r} (native | expandable | ccalloc | ccalloc@CONF)")
+        sys.exit(f"run.py: unknown allocator {allocator!r} (native | expandable | ccalloc[:BUILD][@CONF])")
     import torch
 
     return torch.cuda
