@@ -121,20 +121,22 @@ fn kv_cache_generation_with_the_gpu_at_once_done_or_far_behind() {
 #[test]
 fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
     const EAGER: &str = "eager_attn_infer_40g";
-    // Today: up to 1.024 at the default slack, 1.020 at 0.02, 1.0013 at 0, at lags 0, 2,
-    // 64, with up to 2,387 maps + 1,668 unmaps.
+    // Today: up to 1.022 at 1/32, 1.020 at 0.02, 1.0022 at 0, at lags 0, 2, 64, with up to
+    // 3,290 maps + 2,176 unmaps (at 0: chunks are at most an eighth of the slack, so a
+    // 256th of each 20 GiB block).
     for lag in [0, 2, 64] {
         let mut last = f64::INFINITY;
-        for (slack, bound) in [("0.03125", 1.025), ("0.02", 1.02), ("0", 1.002)] {
+        for (slack, bound) in [("0.03125", 1.025), ("0.02", 1.02), ("0", 1.003)] {
             let r = replay_with(EAGER, lag, &format!("page_slack:{slack}"));
-            within(&r, lag, bound, 4200);
+            within(&r, lag, bound, 5600);
             assert_eq!(
                 r.device_allocs, 0,
                 "{EAGER} lag {lag} slack {slack}: plain segments"
             );
-            // Within one growth's placement (lag 64: 1.014 at 1/32, 1.017 at 0.02).
+            // Within one growth's placement and the chunk sizes each slack caps (lag 0:
+            // 1.0146 at 1/32, 1.0193 at 0.02); a plain segment's fallback is 1.46.
             assert!(
-                r.ratio <= last + 0.004,
+                r.ratio <= last + 0.005,
                 "{EAGER} lag {lag}: less slack, more reserved"
             );
             last = r.ratio;
@@ -151,31 +153,32 @@ fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
 #[test]
 fn long_context_training_moves_its_small_chunks_in_few_calls() {
     const LONGCTX: &str = "llama_longctx_ckpt_train";
-    // Today: lag 0: 1.044, 1,671 + 1,120; lag 2: 1.045, 1,740 + 1,133; lag 16: 1.043,
-    // 1,737 + 1,115.
+    // Today: lag 0: 1.0298, 2,053 + 1,241; lag 2: 1.0304, 2,227 + 1,370; lag 16: 1.0296,
+    // 2,112 + 1,263. (1.043-1.045 and 2,800-2,900 calls with chunks of up to a sixteenth
+    // of the run: 62 MiB chunks pinned by edges of live blocks, against a slack of 281 MiB;
+    // chunks are now at most an eighth of it.)
     for lag in [0, 2, 16] {
-        within(&replay_trace(LONGCTX, lag), lag, 1.046, 3100);
+        within(&replay_trace(LONGCTX, lag), lag, 1.031, 3700);
     }
 }
 
 /// Six workloads recorded after the policy's constants were set (session 27: ViT training,
 /// T5 with dynamic padding, DiT sampling at varying resolutions, a GCN on graphs of varying
 /// size, DLRM with dense embedding gradients, serving with per-request KV caches grown by
-/// concatenation). Each ends within the slack's bound, the 3% target, except the GCN,
-/// whose excess at lags 2 and 16 is pages pinned by live blocks (274-284 MiB in 7 chunks),
-/// not cached memory. Bounds per trace: (name, ratio, maps + unmaps), today's figures
+/// concatenation). Each ends within the slack's bound, the 3% target. Bounds per trace: (name, ratio, maps + unmaps), today's figures
 /// rounded up, over lags 0, 2 and 16.
 #[test]
 fn held_out_workloads_stay_within_the_target() {
-    // Today, worst over the lags: vit 1.0299, 2,034 calls; t5 1.0255, 3,078; dit 1.0069,
-    // 876; gnn 1.0325 (lag 16; 1.0285 at lag 0), 967; dlrm 1.0167, 1,217; llm_serve 1.0278,
-    // 435.
+    // Today, worst over the lags: vit 1.0299, 2,034 calls; t5 1.0251, 3,111; dit 1.0069,
+    // 876; gnn 1.0176 (lag 16), 2,366; dlrm 1.0268 (lag 0), 1,402; llm_serve 1.0278, 435.
+    // With chunks of up to a sixteenth of the run (uncapped by the slack), gnn's pinned
+    // pages took it to 1.0325 for 967 calls, and dlrm was at 1.0167 for 1,217.
     let bounds = [
         ("vit_train_amp", 1.03, 2200),
         ("t5_train_varlen", 1.027, 3300),
         ("dit_infer_varres", 1.008, 950),
-        ("gnn_train_varsize", 1.033, 1050),
-        ("dlrm_train_varbatch", 1.018, 1300),
+        ("gnn_train_varsize", 1.019, 2500),
+        ("dlrm_train_varbatch", 1.028, 1500),
         ("llm_serve_contbatch", 1.029, 480),
     ];
     for (name, ratio, calls) in bounds {

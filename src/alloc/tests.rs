@@ -828,10 +828,11 @@ fn all_given_back(sim: &SimDriver, a: &DeviceAllocator, blocks: &[DevicePtr]) {
 fn small_chunks_a_move_takes_are_made_anew_in_fewer_larger_ones() {
     use super::paging::table::chunk_pages_for;
     let (sim, a) = paged(1 << 30, "");
-    // A 48 MiB hole of 24 one-page chunks, then 256 MiB (128 pages, chunks of 8): past the
-    // slack, so the hole's chunks move. Mapped again they would cost 24 grants; released,
-    // their pages come back in 8-page chunks: 16 maps for the whole run instead of 24 + 13.
-    assert_eq!(chunk_pages_for(128, 4, false), 8);
+    // A 48 MiB hole of 24 one-page chunks, then 256 MiB (128 pages, chunks of 4: a
+    // sixteenth of the run is 8, capped at 4 by the small slack): past the slack, so the
+    // hole's chunks move. Mapped again they would cost 24 grants; released, their pages
+    // come back in 4-page chunks: 32 maps for the whole run instead of 24 + 26.
+    assert_eq!(chunk_pages_for(128, 4, false), 4);
     let hole = a.malloc(48 * MIB, S0).unwrap();
     let keep = a.malloc(4 * MIB, S0).unwrap();
     a.free(hole).unwrap();
@@ -849,7 +850,7 @@ fn small_chunks_a_move_takes_are_made_anew_in_fewer_larger_ones() {
             c.maps - before.maps,
             c.physical_creates - before.physical_creates
         ),
-        (16, 16),
+        (32, 32),
         "{c:?}"
     );
     let reserved = stats(&a).reserved_bytes.all().current as u64;
@@ -922,28 +923,68 @@ fn a_large_jobs_small_requests_get_chunks_of_a_sixteenth_of_its_slack() {
 #[test]
 fn a_large_block_is_backed_by_few_large_chunks() {
     use super::paging::table::{chunk_pages_for, CHUNK_PAGES, MAX_CHUNK_PAGES};
+    // A sixteenth of the run (a quarter when coarse), within the limits; a slack of 1,024
+    // pages neither raises nor caps it.
     assert_eq!(chunk_pages_for(1, 0, false), CHUNK_PAGES);
     assert_eq!(chunk_pages_for(15, 0, false), CHUNK_PAGES);
     assert_eq!(chunk_pages_for(40, 0, false), 2);
-    assert_eq!(chunk_pages_for(1 << 20, 0, false), MAX_CHUNK_PAGES);
+    assert_eq!(chunk_pages_for(1 << 20, 1024, false), MAX_CHUNK_PAGES);
     assert_eq!(chunk_pages_for(1, 0, true), 4);
-    assert_eq!(chunk_pages_for(40, 0, true), 10);
-    assert_eq!(chunk_pages_for(1 << 20, 0, true), MAX_CHUNK_PAGES);
-    let (sim, a) = paged(4 << 30, "");
+    assert_eq!(chunk_pages_for(40, 80, true), 10);
+    assert_eq!(chunk_pages_for(1 << 20, 1024, true), MAX_CHUNK_PAGES);
+    // A slack of half the live high-water mark: a 512 MiB block's chunks are capped at 16
+    // pages, a sixteenth of its run.
+    let (sim, a) = paged(4 << 30, "page_slack:0.5");
     // 512 MiB = 256 pages: sixteen chunks of 16 pages, not 256 of one.
     let p = a.malloc(512 * MIB, S0).unwrap();
     let c = sim.counters(0);
     assert_eq!((c.maps, c.physical_creates), (16, 16), "{c:?}");
-    // 20 MiB = 10 pages: a sixteenth is under a page, so one page each.
+    // 20 MiB = 10 pages: a sixteenth of the run is under a page, but a chunk is at least a
+    // sixteenth of the slack (266 MiB, 133 pages): one chunk of 8 pages, one of the 2 left.
     let q = a.malloc(20 * MIB, S0).unwrap();
     let c = sim.counters(0);
-    assert_eq!((c.maps, c.physical_creates), (16 + 10, 16 + 10), "{c:?}");
+    assert_eq!((c.maps, c.physical_creates), (16 + 2, 16 + 2), "{c:?}");
     let reserved = stats(&a).reserved_bytes.all().current as u64;
     assert_eq!(reserved, 532 * MIB, "chunks end where the run does");
     a.free(p).unwrap();
     a.free(q).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(sim.counters(0).bytes_in_use, 0);
+}
+
+#[test]
+fn a_chunk_is_at_most_an_eighth_of_the_slack() {
+    use super::paging::table::chunk_pages_for;
+    // A large run in a job whose slack is 160 pages: 20-page chunks, not 64.
+    assert_eq!(chunk_pages_for(1024, 160, false), 20);
+    assert_eq!(chunk_pages_for(1024, 160, true), 20);
+    // Never under 4 pages: a small job's chunks stay as they were.
+    assert_eq!(chunk_pages_for(1024, 16, false), 4);
+    assert_eq!(chunk_pages_for(40, 16, false), 2);
+    // With 4 GiB live, a 1 GiB block (512 pages, a sixteenth of which is 32) takes the live
+    // high-water mark to 5 GiB and the slack to 153 MiB (76 pages): chunks of 9 pages.
+    let (sim, a) = paged(16 << 30, "");
+    let base = a.malloc(4 << 30, S0).unwrap();
+    let before = sim.counters(0);
+    let big = a.malloc(1 << 30, S0).unwrap();
+    let c = sim.counters(0);
+    assert_eq!(c.maps - before.maps, 512usize.div_ceil(9) as u64, "{c:?}");
+    // What a later, smaller block on its pages pins is at most one such chunk per edge,
+    // within the slack: here one 2 MiB block at the far end of the freed run.
+    a.free(big).unwrap();
+    let rest = a.malloc(1022 * MIB, S0).unwrap();
+    let tail = a.malloc(2 * MIB, S0).unwrap();
+    a.free(rest).unwrap();
+    a.empty_cache().unwrap();
+    let reserved = stats(&a).reserved_bytes.all().current as u64;
+    let live = (4 << 30) + 2 * MIB;
+    assert!(
+        reserved <= live + 2 * 9 * 2 * MIB,
+        "{} MiB reserved for {} MiB live",
+        reserved / MIB,
+        live / MIB
+    );
+    all_given_back(&sim, &a, &[base, tail]);
 }
 
 /// A 128 MiB block (64 pages, mapped as 16 chunks of 4) freed, then a 66 MiB one (33
