@@ -121,7 +121,7 @@ fn kv_cache_generation_with_the_gpu_at_once_done_or_far_behind() {
 #[test]
 fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
     const EAGER: &str = "eager_attn_infer_40g";
-    // Today: up to 1.022 at 1/32, 1.020 at 0.02, 1.0022 at 0, at lags 0, 2, 64, with up to
+    // Today: up to 1.019 at 1/32, 1.019 at 0.02, 1.0022 at 0, at lags 0, 2, 64, with up to
     // 3,290 maps + 2,176 unmaps (at 0: chunks are at most an eighth of the slack, so a
     // 256th of each 20 GiB block).
     for lag in [0, 2, 64] {
@@ -165,8 +165,8 @@ fn long_context_training_moves_its_small_chunks_in_few_calls() {
 /// Six workloads recorded after the policy's constants were set (session 27: ViT training,
 /// T5 with dynamic padding, DiT sampling at varying resolutions, a GCN on graphs of varying
 /// size, DLRM with dense embedding gradients, serving with per-request KV caches grown by
-/// concatenation). Each ends within the slack's bound, the 3% target. Bounds per trace: (name, ratio, maps + unmaps), today's figures
-/// rounded up, over lags 0, 2 and 16.
+/// concatenation). Each ends within the slack's bound, the 3% target. Bounds per trace:
+/// (name, ratio, maps + unmaps), today's figures rounded up, over lags 0, 2 and 16.
 #[test]
 fn held_out_workloads_stay_within_the_target() {
     // Today, worst over the lags: vit 1.0299, 2,034 calls; t5 1.0251, 3,111; dit 1.0069,

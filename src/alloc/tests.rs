@@ -958,9 +958,13 @@ fn a_chunk_is_at_most_an_eighth_of_the_slack() {
     // A large run in a job whose slack is 160 pages: 20-page chunks, not 64.
     assert_eq!(chunk_pages_for(1024, 160, false), 20);
     assert_eq!(chunk_pages_for(1024, 160, true), 20);
-    // Never under 4 pages: a small job's chunks stay as they were.
-    assert_eq!(chunk_pages_for(1024, 16, false), 4);
+    // Never under 4 pages (2 without the floor), and a small job's chunks for runs under
+    // 80 pages stay as they were.
+    assert_eq!(chunk_pages_for(512, 16, false), 4);
+    assert_eq!(chunk_pages_for(64, 16, false), 4);
     assert_eq!(chunk_pages_for(40, 16, false), 2);
+    // Nor under a 256th of the run, rounded up: at most 256 chunks for a growth.
+    assert_eq!(chunk_pages_for(1279, 0, false), 5);
     // With 4 GiB live, a 1 GiB block (512 pages, a sixteenth of which is 32) takes the live
     // high-water mark to 5 GiB and the slack to 153 MiB (76 pages): chunks of 9 pages.
     let (sim, a) = paged(16 << 30, "");

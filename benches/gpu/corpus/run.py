@@ -28,10 +28,10 @@ records the allocator's history from before the model is built to the end with
 torch.cuda.memory._record_memory_history and writes DIR/NAME.trace.csv.gz, ``action,addr,size,
 stream`` per event: the shared traces' format, which `ccalloc replay` reads.
 
-Environment: CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so), CCALLOC_CONF (for plain
-"ccalloc"; overridden by ccalloc@CONF), CORPUS_ROUND / CORPUS_SESSION (copied into the record:
-corpus.sh's round and call), CORPUS_DEVICE=cpu (the smoke mode: tiny sizes on the CPU, native
-allocator only, no figures worth reading).
+Environment: CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so; ccalloc:BUILD overrides
+it), CCALLOC_CONF (for plain "ccalloc"; overridden by ccalloc@CONF), CORPUS_ROUND /
+CORPUS_SESSION (copied into the record: corpus.sh's round and call), CORPUS_DEVICE=cpu (the
+smoke mode: tiny sizes on the CPU, native allocator only, no figures worth reading).
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ def set_allocator(allocator: str, cpu: bool):
         if conf:
             os.environ["CCALLOC_CONF"] = conf
         if build.startswith("ccalloc:"):
-            os.environ["CCALLOC_LIBRARY"] = os.path.join(REPO, "gpu", build[len("ccalloc:"):], "libccalloc.so")
+            name = build[len("ccalloc:"):]
+            if not name or "/" in name or name in (".", ".."):
+                sys.exit(f"run.py: {allocator!r}: BUILD must name a folder of <repo>/gpu/")
+            os.environ["CCALLOC_LIBRARY"] = os.path.join(REPO, "gpu", name, "libccalloc.so")
         os.environ.setdefault("CCALLOC_LIBRARY", os.path.join(REPO, "gpu", "libccalloc.so"))
         os.environ["CCALLOC_BACKEND"] = "cuda"
         sys.path.insert(0, os.path.join(REPO, "python"))  # the checkout's package is the one measured

@@ -32,10 +32,10 @@ const MAX_CHUNKS_PER_RUN: usize = 256;
 
 /// Pages per new chunk when growth maps a run of `run` missing pages, with `slack_pages` the
 /// pages the policy may keep mapped beyond the live high-water mark: a sixteenth of the
-/// run, within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. A block is so backed by at most about 16
-/// chunks (16 creates and maps however large it is), and when blocks smaller than it later
-/// live on its pages, each pins at most a sixteenth of it beyond its own pages. Swept on the
-/// 18 replayed traces (docs/paging.md): quarters pinned up to 0.08 of peak live more than
+/// run, within `CHUNK_PAGES..=MAX_CHUNK_PAGES`. A block is so backed by about 16 chunks
+/// where the slack allows (see the cap below), and when blocks smaller than it later live
+/// on its pages, each pins at most a sixteenth of it beyond its own pages. Swept on the 18
+/// replayed traces (docs/paging.md): quarters pinned up to 0.08 of peak live more than
 /// sixteenths (generation, variable-batch inference), and sixteenths were nowhere worse;
 /// thirty-seconds gained little more for twice the calls.
 ///
@@ -51,20 +51,21 @@ const MAX_CHUNKS_PER_RUN: usize = 256;
 /// of the run and at least 4 pages: each later move of the chunk then costs a quarter of
 /// the calls, for more pinned memory, the same trade the added slack makes.
 ///
-/// Either way a chunk is at most an eighth of the slack (but may be 4 pages, and a 256th of
-/// the run: a growth then makes at most 256 chunks, about 17 ms of calls). A chunk that
-/// one live block still touches keeps all its pages, and the slack is all the memory the
-/// target allows beyond live, so a sixteenth of a large run (up to 64 pages) could let two
-/// or three pinned chunks take the whole margin: long-context training's 62 MiB chunks
-/// against a slack of 281 MiB. The floor keeps small jobs' chunks as they were: below 4
-/// pages each chunk moved costs a map and grant for less memory, and capped at one page,
-/// varlen BERT inference (slack about 11 pages) doubled its maps, overran its move budget
-/// and reserved 1.21-1.25x live on an H200. The run's share matters only for a slack far
-/// under the default (at 3% an eighth of the slack is at least a 267th of any run): with
-/// `page_slack:0`, 40 GiB inference made its 20 GiB blocks of 4-page chunks, 30,000 maps
-/// and unmaps in its replay, 5,400 with it (2,500 uncapped). On the 24 replayed traces
-/// the cap took those
-/// over 1.03 from 4/3/5 to 1/2/1 at lags 0/2/16, for 7-9% more priced driver time
+/// Either way a chunk is at most an eighth of the slack, unless that is under 4 pages or
+/// under a 256th of the run (so a growth of up to 16,384 pages, 32 GiB, makes at most 256
+/// chunks, about 17 ms of calls). A chunk that one live block still touches keeps all its
+/// pages, and the slack is all the memory the target allows beyond live, so a sixteenth of
+/// a large run (up to 64 pages) could let two or three pinned chunks take the whole margin:
+/// long-context training's 62 MiB chunks against a slack of 281 MiB. The 4-page floor
+/// keeps a small job's chunks for runs under 160 MiB as they were (a larger run's drop to
+/// 4 pages): below 4 pages each chunk moved costs a map and grant for less memory, and
+/// capped at one page, varlen BERT inference (slack about 11 pages) doubled its maps,
+/// overran its move budget and reserved 1.21-1.25x live on an H200. The run's share
+/// matters only for a slack far under the default (at 3% an eighth of the slack is at
+/// least a 267th of any run, so it differs by at most 3 pages): with `page_slack:0`, 40 GiB
+/// inference made its 20 GiB blocks of 4-page chunks, 30,000 maps and unmaps in its
+/// replay, 5,400 with it (2,500 uncapped). On the 24 replayed traces the cap took the
+/// traces over 1.03 from 4/3/5 to 1/2/1 at lags 0/2/16, for 7-9% more priced driver time
 /// (docs/paging.md).
 pub fn chunk_pages_for(run: usize, slack_pages: usize, coarse: bool) -> usize {
     let share = if coarse {
@@ -77,7 +78,7 @@ pub fn chunk_pages_for(run: usize, slack_pages: usize, coarse: bool) -> usize {
         .min(
             (slack_pages / PINNED_CHUNKS_PER_SLACK)
                 .max(COARSE_CHUNK_PAGES)
-                .max(run / MAX_CHUNKS_PER_RUN),
+                .max(run.div_ceil(MAX_CHUNKS_PER_RUN)),
         )
         .clamp(CHUNK_PAGES, MAX_CHUNK_PAGES)
 }
