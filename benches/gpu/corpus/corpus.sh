@@ -13,8 +13,7 @@
 #
 # Settings (environment):
 #   WORKLOADS    names (default: all: the corpus's 14 (workloads.py) and the 4 shared ones)
-#   ALLOCATORS   default "native expandable ccalloc"; ccalloc@CONF runs ccalloc with CCALLOC_CONF,
-#                ccalloc:BUILD the build in <repo>/gpu/BUILD/ (run.py), for a paired A/B of code
+#   ALLOCATORS   default "native expandable ccalloc"; ccalloc@CONF runs ccalloc with CCALLOC_CONF
 #   ROUNDS       default 3. Round r runs each workload's allocators back to back, the list
 #                rotated by r-1 (A B C, B C A, C A B), so no allocator always runs first.
 #   REPS         timed loops per process after one warm-up loop (default 2)
@@ -129,23 +128,11 @@ print(json.dumps(r))' >>"$JSONL"
         "$(tail -n 1 "$JSONL" | grep -o '"error": "[^"]\{0,120\}' || tail -n 1 "$JSONL" | grep -o '"loop_seconds": \[[^]]*\]')"
 }
 
-# The adapter is built per library (its cache key holds the library's path): once for
-# $CCALLOC_LIBRARY and once for each ccalloc:BUILD's gpu/BUILD/libccalloc.so.
 prebuild_ccalloc() {
-    local a lib libs=()
-    for a in $ALLOCATORS; do
-        case "$a" in
-        ccalloc:*) a="${a#ccalloc:}" && lib="$ROOT/gpu/${a%%@*}/libccalloc.so" ;;
-        ccalloc*) lib="$CCALLOC_LIBRARY" ;;
-        *) continue ;;
-        esac
-        case " ${libs[*]} " in *" $lib "*) ;; *) libs+=("$lib") ;; esac
-    done
-    for lib in "${libs[@]}"; do
-        [ -f "$lib" ] || echo "corpus.sh: warning: $lib not found; its ccalloc runs will fail" >&2
-        echo "[prep] ccalloc.torch adapter for $lib (built once, untimed)"
-        CCALLOC_LIBRARY="$lib" timeout 300 "$PYTHON" "$HERE/prebuild.py" 2>&1 | tail -n 3
-    done
+    case " $ALLOCATORS " in *" ccalloc"*) ;; *) return 0 ;; esac
+    [ -f "$CCALLOC_LIBRARY" ] || echo "corpus.sh: warning: $CCALLOC_LIBRARY not found; ccalloc runs will fail" >&2
+    echo "[prep] ccalloc.torch adapter (built once, untimed)"
+    timeout 300 "$PYTHON" "$HERE/prebuild.py" 2>&1 | tail -n 3
 }
 
 run_corpus() {

@@ -8,9 +8,7 @@ usage:
 NAME: a workload of workloads.py (this folder) or one of the four shared ones
 (shared/bench/workloads.py: gpt2_train_varlen resnet50_train bert_infer_varlen mlp_sidestream).
 ALLOCATOR: native | expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) | ccalloc |
-ccalloc@CONF (ccalloc with CCALLOC_CONF=CONF, e.g. ccalloc@page_slack:0) | ccalloc:BUILD or
-ccalloc:BUILD@CONF (the library <repo>/gpu/BUILD/libccalloc.so: a second build, for a paired
-A/B of a code change in one call).
+ccalloc@CONF (ccalloc with CCALLOC_CONF=CONF, e.g. ccalloc@page_slack:0).
 
 What is timed: the steady state. Our workloads build their model and return a loop
 (workloads.py); the loop runs once to warm up, then --reps times (default 2), each between two
@@ -28,10 +26,10 @@ records the allocator's history from before the model is built to the end with
 torch.cuda.memory._record_memory_history and writes DIR/NAME.trace.csv.gz, ``action,addr,size,
 stream`` per event: the shared traces' format, which `ccalloc replay` reads.
 
-Environment: CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so; ccalloc:BUILD overrides
-it), CCALLOC_CONF (for plain "ccalloc"; overridden by ccalloc@CONF), CORPUS_ROUND /
-CORPUS_SESSION (copied into the record: corpus.sh's round and call), CORPUS_DEVICE=cpu (the
-smoke mode: tiny sizes on the CPU, native allocator only, no figures worth reading).
+Environment: CCALLOC_LIBRARY (default <repo>/gpu/libccalloc.so), CCALLOC_CONF (for plain
+"ccalloc"; overridden by ccalloc@CONF), CORPUS_ROUND / CORPUS_SESSION (copied into the record:
+corpus.sh's round and call), CORPUS_DEVICE=cpu (the smoke mode: tiny sizes on the CPU, native
+allocator only, no figures worth reading).
 """
 
 from __future__ import annotations
@@ -71,15 +69,9 @@ def set_allocator(allocator: str, cpu: bool):
         return None
     if allocator == "expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    elif allocator == "ccalloc" or allocator.startswith(("ccalloc@", "ccalloc:")):
-        build, _, conf = allocator.partition("@")
-        if conf:
-            os.environ["CCALLOC_CONF"] = conf
-        if build.startswith("ccalloc:"):
-            name = build[len("ccalloc:"):]
-            if not name or "/" in name or name in (".", ".."):
-                sys.exit(f"run.py: {allocator!r}: BUILD must name a folder of <repo>/gpu/")
-            os.environ["CCALLOC_LIBRARY"] = os.path.join(REPO, "gpu", name, "libccalloc.so")
+    elif allocator == "ccalloc" or allocator.startswith("ccalloc@"):
+        if allocator.startswith("ccalloc@"):
+            os.environ["CCALLOC_CONF"] = allocator[len("ccalloc@"):]
         os.environ.setdefault("CCALLOC_LIBRARY", os.path.join(REPO, "gpu", "libccalloc.so"))
         os.environ["CCALLOC_BACKEND"] = "cuda"
         sys.path.insert(0, os.path.join(REPO, "python"))  # the checkout's package is the one measured
@@ -89,7 +81,7 @@ def set_allocator(allocator: str, cpu: bool):
         ccalloc.torch.enable()
         return ccalloc
     elif allocator != "native":
-        sys.exit(f"run.py: unknown allocator {allocator!r} (native | expandable | ccalloc[:BUILD][@CONF])")
+        sys.exit(f"run.py: unknown allocator {allocator!r} (native | expandable | ccalloc | ccalloc@CONF)")
     import torch
 
     return torch.cuda
