@@ -159,6 +159,30 @@ typedef struct {
   uint64_t growths_past_slack;
 } ccalloc_paging_stats;
 
+// What a device's reserved memory is made of (`ccalloc_get_memory_breakdown`): live bytes
+// and the excess over them by cause. The six byte counts from `live_bytes` on add up to
+// `reserved_bytes`.
+typedef struct {
+  uint64_t reserved_bytes;
+  // Blocks handed out, or freed while other streams' work on them is still pending.
+  uint64_t live_bytes;
+  // Mapped chunks of paged segments holding no live byte: cached memory that growth
+  // elsewhere may move.
+  uint64_t free_chunk_bytes;
+  // Whole pages without a live byte in chunks that hold some: kept mapped because a
+  // chunk (one physical allocation) is unmapped only whole.
+  uint64_t pinned_bytes;
+  // The chunks holding `pinned_bytes`.
+  uint64_t pinning_chunks;
+  // The free part of pages that hold some live bytes (2 MiB pages on current GPUs).
+  uint64_t rounding_bytes;
+  // Reserved physical memory not mapped anywhere, kept for later growth.
+  uint64_t parked_bytes;
+  // The free part of plain (not paged) segments: cached memory as in PyTorch's native
+  // allocator.
+  uint64_t plain_bytes;
+} ccalloc_memory_breakdown;
+
 // Names a private pool; identical in layout to PyTorch's `c10::cuda::MempoolId_t`
 // (`std::pair<unsigned long long, unsigned long long>`, passed in two registers).
 typedef struct {
@@ -305,6 +329,16 @@ ccalloc_status ccalloc_get_stats(int32_t device, ccalloc_stats *out_stats);
 
 // Copies what paged segments' growth has cost on `device` into `*out_stats`.
 ccalloc_status ccalloc_get_paging_stats(int32_t device, ccalloc_paging_stats *out_stats);
+
+// Copies what `device`'s reserved memory is made of into `*out_breakdown`: now, or with
+// `at_peak`, right after the allocation that took reserved to its highest since the
+// `record_peak_breakdown` setting was turned on or `ccalloc_reset_peak_stats` ran. A
+// breakdown walks every block, after the blocks threads keep for reuse
+// (`thread_cache`) go back to the device's cache. `at_peak` with `record_peak_breakdown`
+// off is a `CCALLOC_CONFIG_ERROR`.
+ccalloc_status ccalloc_get_memory_breakdown(int32_t device,
+                                            bool at_peak,
+                                            ccalloc_memory_breakdown *out_breakdown);
 
 // Sets every peak statistic of `device` (-1: all) to its current value.
 ccalloc_status ccalloc_reset_peak_stats(int32_t device);

@@ -47,6 +47,10 @@ pub struct Config {
     /// size and stream, and frees them without the device lock (`alloc::front`). Only with
     /// paged segments; with several shards, per shard. On by default.
     pub thread_cache: bool,
+    /// Take the breakdown of reserved memory (live bytes, free chunks, pinned pages, page
+    /// rounding) right after each allocation that raises reserved's peak, for
+    /// `DeviceAllocator::peak_breakdown`. Off by default: each new peak walks every block.
+    pub record_peak_breakdown: bool,
 }
 
 impl Default for Config {
@@ -63,6 +67,7 @@ impl Default for Config {
             per_stream_shards: false,
             thread_shards: true,
             thread_cache: true,
+            record_peak_breakdown: false,
         }
     }
 }
@@ -81,7 +86,7 @@ pub const DEFAULT_PAGE_SLACK: f64 = 0.03;
 pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.02;
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 11] = [
+pub const KEYS: [&str; 12] = [
     "expandable_segments",
     "page_slack",
     "page_move_budget",
@@ -93,6 +98,7 @@ pub const KEYS: [&str; 11] = [
     "per_stream_shards",
     "thread_shards",
     "thread_cache",
+    "record_peak_breakdown",
 ];
 
 fn config_error(message: String) -> Error {
@@ -190,6 +196,7 @@ impl Config {
             "per_stream_shards" => self.per_stream_shards = parse_bool(key, value)?,
             "thread_shards" => self.thread_shards = parse_bool(key, value)?,
             "thread_cache" => self.thread_cache = parse_bool(key, value)?,
+            "record_peak_breakdown" => self.record_peak_breakdown = parse_bool(key, value)?,
             _ => {
                 return Err(config_error(format!(
                     "unknown config key {} (known keys: {})",
@@ -287,6 +294,9 @@ impl std::fmt::Display for Config {
             yes_no(self.thread_shards),
             yes_no(self.thread_cache),
         )?;
+        if self.record_peak_breakdown {
+            write!(f, ",record_peak_breakdown:True")?;
+        }
         if self.max_split_size != u64::MAX {
             write!(f, ",max_split_size_mb:{}", self.max_split_size / MB)?;
         }

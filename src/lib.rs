@@ -24,7 +24,7 @@ mod sync;
 
 pub use alloc::blocks::BlockState;
 pub use alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};
-pub use alloc::{DeviceAllocator, MadeBlock, Restored, SavedBlock, SegmentView};
+pub use alloc::{DeviceAllocator, MadeBlock, MemoryBreakdown, Restored, SavedBlock, SegmentView};
 pub use config::Config;
 pub use driver::{
     Advice, DevicePtr, Driver, DriverError, DriverResult, EventId, HostKind, Location, PhysHandle,

@@ -85,6 +85,7 @@ __all__ = [
     "cache_info",
     # beyond PyTorch
     "paging_stats",
+    "memory_breakdown",
     # low level
     "malloc",
     "free",
@@ -410,6 +411,25 @@ def paging_stats(device: Any = None) -> Dict[str, Any]:
     """
     out = _lib.ccalloc_paging_stats()
     _call("ccalloc_get_paging_stats", _device_index(device), ctypes.byref(out))
+    return {name: getattr(out, name) for name, _ in out._fields_}
+
+
+def memory_breakdown(device: Any = None, at_peak: bool = False) -> Dict[str, int]:
+    """What ``device``'s reserved memory is made of: ``reserved_bytes``, ``live_bytes``
+    (blocks handed out, or freed with other streams' work on them pending), and the excess
+    by cause: ``free_chunk_bytes`` (mapped chunks with no live byte, which growth may move),
+    ``pinned_bytes`` (free whole pages kept because their chunk holds live bytes;
+    ``pinning_chunks`` such chunks), ``rounding_bytes`` (the free part of pages holding live
+    bytes), ``parked_bytes`` (reserved, not mapped) and ``plain_bytes`` (the free part of
+    plain segments). The byte counts from ``live_bytes`` on add up to ``reserved_bytes``.
+
+    Now, or with ``at_peak`` right after the allocation that took reserved to its highest
+    since ``record_peak_breakdown:True`` was set (``CCALLOC_CONF`` or :func:`set_config`) or
+    :func:`reset_peak_memory_stats` ran; without that setting ``at_peak`` raises
+    :class:`ConfigError`. Either walks every block.
+    """
+    out = _lib.ccalloc_memory_breakdown()
+    _call("ccalloc_get_memory_breakdown", _device_index(device), bool(at_peak), ctypes.byref(out))
     return {name: getattr(out, name) for name, _ in out._fields_}
 
 

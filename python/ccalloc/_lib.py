@@ -318,6 +318,21 @@ class ccalloc_paging_stats(ctypes.Structure):
     ]
 
 
+class ccalloc_memory_breakdown(ctypes.Structure):
+    """``ccalloc_memory_breakdown``: what a device's reserved memory is made of."""
+
+    _fields_ = [
+        ("reserved_bytes", c_uint64),
+        ("live_bytes", c_uint64),
+        ("free_chunk_bytes", c_uint64),
+        ("pinned_bytes", c_uint64),
+        ("pinning_chunks", c_uint64),
+        ("rounding_bytes", c_uint64),
+        ("parked_bytes", c_uint64),
+        ("plain_bytes", c_uint64),
+    ]
+
+
 class ccalloc_pool_id(ctypes.Structure):
     """``ccalloc_pool_id``: names a private pool (PyTorch's ``MempoolId_t`` layout)."""
 
@@ -434,6 +449,7 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_set_config": ([c_char_p], _status),
     "ccalloc_get_stats": ([c_int32, POINTER(ccalloc_stats)], _status),
     "ccalloc_get_paging_stats": ([c_int32, POINTER(ccalloc_paging_stats)], _status),
+    "ccalloc_get_memory_breakdown": ([c_int32, c_bool, POINTER(ccalloc_memory_breakdown)], _status),
     "ccalloc_reset_peak_stats": ([c_int32], _status),
     "ccalloc_reset_accumulated_stats": ([c_int32], _status),
     "ccalloc_sim_pause_stream": ([c_int32, _stream, c_bool], _status),

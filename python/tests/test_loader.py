@@ -207,6 +207,7 @@ _C_TO_CTYPES = {
     "void**": ctypes.POINTER(ctypes.c_void_p),
     "ccalloc_stats*": ctypes.POINTER(_lib.ccalloc_stats),
     "ccalloc_paging_stats*": ctypes.POINTER(_lib.ccalloc_paging_stats),
+    "ccalloc_memory_breakdown*": ctypes.POINTER(_lib.ccalloc_memory_breakdown),
     "ccalloc_pool_id": _lib.ccalloc_pool_id,
     "uint32_t*": ctypes.POINTER(ctypes.c_uint32),
     "uint64_t": ctypes.c_uint64,
@@ -285,7 +286,14 @@ _FIELD_TYPES = {
 
 @pytest.mark.parametrize(
     "struct",
-    [_lib.ccalloc_stat, _lib.ccalloc_stat_array, _lib.ccalloc_stats, _lib.ccalloc_paging_stats, _lib.ccalloc_pool_id],
+    [
+        _lib.ccalloc_stat,
+        _lib.ccalloc_stat_array,
+        _lib.ccalloc_stats,
+        _lib.ccalloc_paging_stats,
+        _lib.ccalloc_memory_breakdown,
+        _lib.ccalloc_pool_id,
+    ],
 )
 def test_structs_mirror_header_field_by_field(struct):
     header = _header_struct(struct.__name__)
@@ -303,6 +311,7 @@ def test_struct_layout_matches_a_c_compiler(tmp_path):
         _lib.ccalloc_stat_array,
         _lib.ccalloc_stats,
         _lib.ccalloc_paging_stats,
+        _lib.ccalloc_memory_breakdown,
         _lib.ccalloc_pool_id,
     ):
         name = struct.__name__

@@ -273,3 +273,33 @@ def test_chunks_borrowed_between_streams_read_through_the_struct():
     assert 0 < int(borrowed) <= int(unmapped) <= int(mapped)
     assert float(slack) == pytest.approx(0.03)
     assert int(reserved) <= 64 + 8, "stream 2 reused stream 1's pages"
+
+
+BREAKDOWN_PARTS = ("live_bytes", "free_chunk_bytes", "pinned_bytes", "rounding_bytes", "parked_bytes",
+                   "plain_bytes")
+
+
+def test_memory_breakdown_now_and_at_the_peak(alloc, fresh_stats):
+    with pytest.raises(ccalloc.ConfigError, match="record_peak_breakdown"):
+        ccalloc.memory_breakdown(at_peak=True)
+    ccalloc.set_config("record_peak_breakdown:True")
+    kept = [alloc(n * 300 * 1024) for n in range(1, 30)]
+    spike = ccalloc.malloc(500 * MiB)
+    live_at_spike = ccalloc.memory_allocated()
+    ccalloc.free(spike)
+    peak = ccalloc.memory_breakdown(at_peak=True)
+    now = ccalloc.memory_breakdown()
+    for b in (peak, now):
+        assert set(b) == set(BREAKDOWN_PARTS) | {"reserved_bytes", "pinning_chunks"}
+        assert sum(b[k] for k in BREAKDOWN_PARTS) == b["reserved_bytes"], b
+        assert b["plain_bytes"] == 0, "paged segments by default"
+    assert peak["reserved_bytes"] == ccalloc.max_memory_reserved()
+    assert peak["live_bytes"] == live_at_spike
+    assert now["reserved_bytes"] == ccalloc.memory_reserved()
+    assert now["live_bytes"] == ccalloc.memory_allocated() < live_at_spike
+    assert len(kept) == 29
+
+
+def test_memory_breakdown_bad_device():
+    with pytest.raises(ccalloc.InvalidDeviceError):
+        ccalloc.memory_breakdown(7)

@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::driver::{DevicePtr, DriverError, StreamId};
 use crate::error::{Error, ErrorKind};
 use blocks::{BlockState, PoolId};
+pub use device::breakdown::MemoryBreakdown;
 pub use device::DeviceAllocator;
 pub use shard::restore::{MadeBlock, Restored, SavedBlock};
 use shard::Shard;

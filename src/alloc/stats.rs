@@ -2,6 +2,7 @@
 
 use super::sizing::PoolKind;
 use crate::error::Result;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
@@ -124,6 +125,9 @@ pub struct DeviceReserved {
     /// only where memory is mapped or released, under this lock, so that a read sees one
     /// moment: all = small + large and allocated - freed = current, whatever the shards do.
     bytes: Mutex<StatArray>,
+    /// Whether the peak of all reserved bytes rose since `take_new_peak` last looked, or
+    /// peaks were reset (`DeviceAllocator`'s peak breakdown is taken then).
+    new_peak: AtomicBool,
 }
 
 impl DeviceReserved {
@@ -138,8 +142,23 @@ impl DeviceReserved {
     /// poisoning.
     pub fn increase(&self, pool: PoolKind, bytes: u64) {
         if let Ok(mut counts) = self.bytes() {
+            let before = counts.all().peak;
             counts.increase(pool, bytes);
+            if counts.all().peak > before {
+                self.new_peak.store(true, Ordering::Relaxed);
+            }
         }
+    }
+
+    /// Whether the peak of all reserved bytes rose since the last call, or peaks were reset
+    /// (and forgets it).
+    pub fn take_new_peak(&self) -> bool {
+        self.new_peak.swap(false, Ordering::Relaxed)
+    }
+
+    /// Makes the next `take_new_peak` true.
+    pub fn note_new_peak(&self) {
+        self.new_peak.store(true, Ordering::Relaxed);
     }
 
     /// Counts memory a shard just released (as `increase`, nothing with the counters
@@ -161,6 +180,7 @@ impl DeviceReserved {
 
     pub fn reset_peaks(&self) -> Result<()> {
         self.bytes()?.for_each(Stat::reset_peak);
+        self.note_new_peak();
         Ok(())
     }
 

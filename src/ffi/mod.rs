@@ -17,8 +17,8 @@ use boundary::{guard, invalid, require_out, write_out};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::io::Write;
 use types::{
-    ccalloc_paging_stats, ccalloc_pool_id, ccalloc_release_fn, ccalloc_stats, ccalloc_status,
-    ccalloc_stream_filter, cudaStream_t,
+    ccalloc_memory_breakdown, ccalloc_paging_stats, ccalloc_pool_id, ccalloc_release_fn,
+    ccalloc_stats, ccalloc_status, ccalloc_stream_filter, cudaStream_t,
 };
 
 fn stream_of(stream: cudaStream_t) -> StreamId {
@@ -288,6 +288,35 @@ pub extern "C" fn ccalloc_get_paging_stats(
         let d = runtime::global()?.device(device as i64)?;
         let stats = ccalloc_paging_stats::new(&d.stats()?.paging, d.page_slack()?);
         write_out(out_stats, "out_stats", stats)
+    })
+}
+
+/// Copies what `device`'s reserved memory is made of into `*out_breakdown`: now, or with
+/// `at_peak`, right after the allocation that took reserved to its highest since the
+/// `record_peak_breakdown` setting was turned on or `ccalloc_reset_peak_stats` ran. A
+/// breakdown walks every block, after the blocks threads keep for reuse
+/// (`thread_cache`) go back to the device's cache. `at_peak` with `record_peak_breakdown`
+/// off is a `CCALLOC_CONFIG_ERROR`.
+#[no_mangle]
+pub extern "C" fn ccalloc_get_memory_breakdown(
+    device: i32,
+    at_peak: bool,
+    out_breakdown: *mut ccalloc_memory_breakdown,
+) -> ccalloc_status {
+    guard(|| {
+        require_out(out_breakdown, "out_breakdown")?;
+        let d = runtime::global()?.device(device as i64)?;
+        let b = if at_peak {
+            d.peak_breakdown()?.ok_or_else(|| {
+                Error::new(
+                    ErrorKind::Config,
+                    "no breakdown at the peak is recorded: set record_peak_breakdown:True",
+                )
+            })?
+        } else {
+            d.memory_breakdown()?
+        };
+        write_out(out_breakdown, "out_breakdown", b.into())
     })
 }
 

@@ -144,6 +144,47 @@ impl ccalloc_paging_stats {
     }
 }
 
+/// What a device's reserved memory is made of (`ccalloc_get_memory_breakdown`): live bytes
+/// and the excess over them by cause. The six byte counts from `live_bytes` on add up to
+/// `reserved_bytes`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ccalloc_memory_breakdown {
+    pub reserved_bytes: u64,
+    /// Blocks handed out, or freed while other streams' work on them is still pending.
+    pub live_bytes: u64,
+    /// Mapped chunks of paged segments holding no live byte: cached memory that growth
+    /// elsewhere may move.
+    pub free_chunk_bytes: u64,
+    /// Whole pages without a live byte in chunks that hold some: kept mapped because a
+    /// chunk (one physical allocation) is unmapped only whole.
+    pub pinned_bytes: u64,
+    /// The chunks holding `pinned_bytes`.
+    pub pinning_chunks: u64,
+    /// The free part of pages that hold some live bytes (2 MiB pages on current GPUs).
+    pub rounding_bytes: u64,
+    /// Reserved physical memory not mapped anywhere, kept for later growth.
+    pub parked_bytes: u64,
+    /// The free part of plain (not paged) segments: cached memory as in PyTorch's native
+    /// allocator.
+    pub plain_bytes: u64,
+}
+
+impl From<crate::MemoryBreakdown> for ccalloc_memory_breakdown {
+    fn from(b: crate::MemoryBreakdown) -> Self {
+        Self {
+            reserved_bytes: b.reserved_bytes,
+            live_bytes: b.live_bytes,
+            free_chunk_bytes: b.free_chunk_bytes,
+            pinned_bytes: b.pinned_bytes,
+            pinning_chunks: b.pinning_chunks,
+            rounding_bytes: b.rounding_bytes,
+            parked_bytes: b.parked_bytes,
+            plain_bytes: b.plain_bytes,
+        }
+    }
+}
+
 /// Opaque CUDA stream, declared as the CUDA runtime does (`cudaStream_t`). cbindgen.toml
 /// replaces its definition with a forward declaration.
 #[repr(C)]

@@ -1,18 +1,16 @@
 //! Trace replay: drives a `DeviceAllocator` on the simulated device with a recorded workload
 //! (allocate at `alloc`, free at `free_completed`, same streams) and measures what it reserved.
 
-mod breakdown;
 mod pickle_depth;
 pub mod plot;
 mod snapshot;
 pub mod trace;
 
-use crate::alloc::DeviceAllocator;
+use crate::alloc::{DeviceAllocator, MemoryBreakdown};
 use crate::config::Config;
 use crate::driver::sim::{SimCounters, SimDriver};
 use crate::driver::StreamId;
 use crate::error::{ErrorKind, Result};
-pub use breakdown::PeakBreakdown;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -97,7 +95,7 @@ pub struct ReplayReport {
     /// With `ReplayOptions::breakdown`: reserved memory by cause at the allocation that
     /// set its peak.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub at_peak: Option<PeakBreakdown>,
+    pub at_peak: Option<MemoryBreakdown>,
     /// (event index, live bytes, reserved bytes), evenly sampled; in `--json` only with
     /// `--stats`.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -223,7 +221,7 @@ fn replay_pass(
     } else {
         &trace.events[..]
     };
-    let mut peak_breakdown: Option<PeakBreakdown> = None;
+    let mut peak_breakdown: Option<MemoryBreakdown> = None;
     let (mut highest, mut peak_event) = (0u64, None);
     for (i, e) in events_to_replay.iter().enumerate() {
         match e.action {
@@ -281,10 +279,7 @@ fn replay_pass(
                 }
             }
             Pass::BreakdownAt(event) if event == i => {
-                let reserved = allocator.stats()?.reserved_bytes.all().current as u64;
-                // Paged segments' page size (none without them: every byte is then plain).
-                let page = crate::driver::Driver::vmm_granularity(sim.as_ref(), 0).unwrap_or(1);
-                peak_breakdown = Some(breakdown::breakdown(&allocator, reserved, page)?);
+                peak_breakdown = Some(allocator.memory_breakdown()?);
                 break;
             }
             _ => {}

@@ -484,6 +484,13 @@ static void test_before_init(void) {
         CHECK(!memcmp(&ps, &pattern, sizeof ps), "get_paging_stats' out param untouched");
     }
     {
+        ccalloc_memory_breakdown b, pattern;
+        memset(&b, 0xab, sizeof b);
+        memset(&pattern, 0xab, sizeof pattern);
+        EXPECT_STATUS(ccalloc_get_memory_breakdown(0, false, &b), CCALLOC_NOT_INITIALIZED);
+        CHECK(!memcmp(&b, &pattern, sizeof b), "get_memory_breakdown's out param untouched");
+    }
+    {
         ccalloc_stats pattern;
         memset(&pattern, 0xab, sizeof pattern);
         CHECK(stats_equal(&s, &pattern), "get_stats' out param untouched");
@@ -719,6 +726,29 @@ static void test_sizes_and_stats(void) {
         }
     }
 
+    section("memory breakdown (device 0)");
+    {
+        ccalloc_memory_breakdown b, pattern;
+        memset(&b, 0xab, sizeof b);
+        memset(&pattern, 0xab, sizeof pattern);
+        EXPECT_STATUS(ccalloc_get_memory_breakdown(0, false, NULL), CCALLOC_INVALID_ARGUMENT);
+        EXPECT_STATUS(ccalloc_get_memory_breakdown(0, true, &b), CCALLOC_CONFIG_ERROR);
+        CHECK(!memcmp(&b, &pattern, sizeof b), "out param untouched when not recording");
+        CHECK(strstr(ccalloc_last_error(), "record_peak_breakdown") != NULL,
+              "the error names the setting: %s", ccalloc_last_error());
+        EXPECT_STATUS(ccalloc_get_memory_breakdown(99, false, &b), CCALLOC_INVALID_DEVICE);
+        EXPECT_STATUS(ccalloc_get_memory_breakdown(0, false, &b), CCALLOC_OK);
+        CHECK_EQ_I64("breakdown: reserved is reserved_bytes.all.current", (int64_t)b.reserved_bytes,
+                     res_b[0] + res_b[1]);
+        CHECK_EQ_I64("breakdown: nothing is live", (int64_t)b.live_bytes, 0);
+        CHECK_EQ_I64("breakdown: the parts add up to reserved",
+                     (int64_t)(b.live_bytes + b.free_chunk_bytes + b.pinned_bytes + b.rounding_bytes +
+                               b.parked_bytes + b.plain_bytes),
+                     (int64_t)b.reserved_bytes);
+        CHECK((b.plain_bytes == 0) == g_paged, "plain bytes only with plain segments (%llu)",
+              (unsigned long long)b.plain_bytes);
+    }
+
     section("reset_peak_stats / reset_accumulated_stats / empty_cache (device 0)");
     EXPECT_STATUS(ccalloc_reset_peak_stats(0), CCALLOC_OK);
     s = get_stats(0);
@@ -760,6 +790,19 @@ static void test_sizes_and_stats(void) {
     EXPECT_STATUS(ccalloc_reset_peak_stats(-1), CCALLOC_OK);
     EXPECT_STATUS(ccalloc_reset_accumulated_stats(-1), CCALLOC_OK);
     EXPECT_STATUS(ccalloc_empty_cache(-1), CCALLOC_OK);
+
+    section("memory breakdown at the peak (device 0)");
+    {
+        ccalloc_memory_breakdown b;
+        EXPECT_STATUS(ccalloc_set_config("record_peak_breakdown:True"), CCALLOC_OK);
+        void *p = NULL;
+        EXPECT_STATUS(ccalloc_malloc(3 << 20, 0, S_A, &p), CCALLOC_OK);
+        EXPECT_STATUS(ccalloc_free(p, 0), CCALLOC_OK);
+        EXPECT_STATUS(ccalloc_get_memory_breakdown(0, true, &b), CCALLOC_OK);
+        CHECK_EQ_I64("breakdown at peak: the block was live", (int64_t)b.live_bytes, 3 << 20);
+        EXPECT_STATUS(ccalloc_set_config("record_peak_breakdown:False"), CCALLOC_OK);
+        EXPECT_STATUS(ccalloc_empty_cache(0), CCALLOC_OK);
+    }
 }
 
 static void test_bad_calls(void) {

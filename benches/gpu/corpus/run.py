@@ -8,7 +8,8 @@ usage:
 NAME: a workload of workloads.py (this folder) or one of the four shared ones
 (shared/bench/workloads.py: gpt2_train_varlen resnet50_train bert_infer_varlen mlp_sidestream).
 ALLOCATOR: native | expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) | ccalloc |
-ccalloc@CONF (ccalloc with CCALLOC_CONF=CONF, e.g. ccalloc@page_slack:0).
+ccalloc@CONF (ccalloc with CCALLOC_CONF=CONF, e.g. ccalloc@page_slack:0; with
+record_peak_breakdown:True the record has "peak_breakdown", ccalloc.memory_breakdown(at_peak=True)).
 
 What is timed: the steady state. Our workloads build their model and return a loop
 (workloads.py); the loop runs once to warm up, then --reps times (default 2), each between two
@@ -246,6 +247,9 @@ def main() -> int:
         if hasattr(stats, "paging_stats"):
             record["paging"] = stats.paging_stats()
             record["ccalloc_conf"] = os.environ.get("CCALLOC_CONF", "")
+            if "record_peak_breakdown" in record["ccalloc_conf"]:
+                # What reserved memory was made of right after the allocation that set its peak.
+                record["peak_breakdown"] = stats.memory_breakdown(at_peak=True)
             if loop_paging is not None and record["loop_seconds"] and "error" not in record:
                 record["loop_paging"] = loop_paging
     if args.trace:

@@ -21,6 +21,7 @@
 // lookup reads the filled ones. A process with more streams than slots shares the last
 // slots' shards among the extra streams (a shard serves any number of streams).
 
+pub mod breakdown;
 mod peaks;
 mod windows;
 
@@ -37,6 +38,7 @@ use crate::driver::{DevicePtr, Driver, StreamId};
 use crate::error::{Error, ErrorKind, Result};
 use crate::sync::{lock, poisoned};
 use crate::DeviceStats;
+use breakdown::{MemoryBreakdown, PeakRecorder};
 use once_cell::sync::OnceCell;
 use peaks::PeakBook;
 use std::collections::HashMap;
@@ -193,6 +195,8 @@ pub struct DeviceAllocator {
     /// one has, no thread has a block in a front of the device: the fast paths (`malloc`,
     /// `free`) skip looking in the thread's fronts.
     fronts_adopted: Arc<AtomicBool>,
+    /// The breakdown of reserved memory at its peak, with `record_peak_breakdown`.
+    peak_breakdown: PeakRecorder,
 }
 
 impl DeviceAllocator {
@@ -208,7 +212,10 @@ impl DeviceAllocator {
             total_memory,
         ));
         let sharding = AtomicU8::new(Sharding::of(&config) as u8);
+        let peak_breakdown = PeakRecorder::default();
+        peak_breakdown.set_recording(config.record_peak_breakdown);
         Ok(Self {
+            peak_breakdown,
             sharding,
             peak_book: PeakBook::default(),
             key: front::new_key(),
@@ -396,10 +403,53 @@ impl DeviceAllocator {
         if let Some(ptr) = front.and_then(|front| front::take(front, size, stream)) {
             return Ok(ptr);
         }
-        if self.routing.load(Ordering::Acquire) {
-            return self.malloc_routed(size, stream);
+        let result = if self.routing.load(Ordering::Acquire) {
+            self.malloc_routed(size, stream)
+        } else {
+            self.malloc_in_shard(size, stream)
+        };
+        if self.peak_breakdown.recording() && result.is_ok() {
+            self.record_if_new_peak();
         }
-        self.malloc_in_shard(size, stream)
+        result
+    }
+
+    /// Takes the breakdown of reserved memory if reserved reached a new high since the last
+    /// look (`breakdown`); never fails the allocation that called it.
+    #[cold]
+    fn record_if_new_peak(&self) {
+        if !self.device_reserved.take_new_peak() {
+            return;
+        }
+        match self.memory_breakdown() {
+            Ok(b) => self.peak_breakdown.store(b),
+            Err(e) => tracing::debug!(device = self.device, "peak breakdown not taken: {e}"),
+        }
+    }
+
+    /// What reserved memory is made of now: live bytes, and the excess by cause
+    /// (`MemoryBreakdown`). Walks every block; thread fronts' blocks go back to the cache.
+    pub fn memory_breakdown(&self) -> Result<MemoryBreakdown> {
+        let segments = self.segments()?;
+        let reserved = self.device_reserved.all()?;
+        let page = self.driver.vmm_granularity(self.device).unwrap_or(1);
+        Ok(MemoryBreakdown::of(&segments, reserved, page))
+    }
+
+    /// The breakdown right after the allocation that took reserved to its highest since
+    /// `record_peak_breakdown` was set or peaks were reset (now, if none has raised it
+    /// since). `None` when the setting is off.
+    pub fn peak_breakdown(&self) -> Result<Option<MemoryBreakdown>> {
+        self.check_open()?;
+        if !self.peak_breakdown.recording() {
+            return Ok(None);
+        }
+        if let Some(b) = self.peak_breakdown.recorded() {
+            return Ok(Some(b));
+        }
+        let now = self.memory_breakdown()?;
+        self.peak_breakdown.store(now);
+        Ok(Some(now))
     }
 
     /// `malloc` past the thread's front.
@@ -676,6 +726,12 @@ impl DeviceAllocator {
         self.sharding
             .store(Sharding::of(&next) as u8, Ordering::Relaxed);
         setup.config = next.clone();
+        if next.record_peak_breakdown && !self.peak_breakdown.recording() {
+            // The first allocation from now on takes the breakdown, and later new highs.
+            self.device_reserved.note_new_peak();
+        }
+        self.peak_breakdown
+            .set_recording(next.record_peak_breakdown);
         self.limit.set_limit(limit_for(&next, self.total_memory));
         self.set_fronts_open(setup);
         // Each shard takes its fronts' held blocks back first (sized under the old settings).
@@ -834,6 +890,7 @@ impl DeviceAllocator {
     pub fn reset_peak_stats(&self) -> Result<()> {
         self.check_open()?;
         self.device_reserved.reset_peaks()?;
+        self.peak_breakdown.forget();
         self.reset_peaks_of_shards()
     }
 
