@@ -122,7 +122,7 @@ fn kv_cache_generation_with_the_gpu_at_once_done_or_far_behind() {
 fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
     const EAGER: &str = "eager_attn_infer_40g";
     // Today: up to 1.019 at 1/32, 1.019 at 0.02, 1.0022 at 0, at lags 0, 2, 64, with up to
-    // 3,290 maps + 2,176 unmaps (at 0: chunks are at most an eighth of the slack, so a
+    // 3,290 maps + 2,176 unmaps (at 0: chunks are at most a sixteenth of the slack, so a
     // 256th of each 20 GiB block).
     for lag in [0, 2, 64] {
         let mut last = f64::INFINITY;
@@ -153,12 +153,13 @@ fn large_footprint_inference_reserves_no_more_as_the_slack_shrinks() {
 #[test]
 fn long_context_training_moves_its_small_chunks_in_few_calls() {
     const LONGCTX: &str = "llama_longctx_ckpt_train";
-    // Today: lag 0: 1.0298, 2,053 + 1,241; lag 2: 1.0304, 2,227 + 1,370; lag 16: 1.0296,
-    // 2,112 + 1,263. (1.043-1.045 and 2,800-2,900 calls with chunks of up to a sixteenth
+    // Today: lag 0: 1.0212, 2,508 + 1,281; lag 2: 1.0298, 2,967 + 1,715; lag 16: 1.0298,
+    // 2,544 + 1,322. (1.043-1.045 and 2,800-2,900 calls with chunks of up to a sixteenth
     // of the run: 62 MiB chunks pinned by edges of live blocks, against a slack of 281 MiB;
-    // chunks are now at most an eighth of it.)
+    // 1.030 and 3,300-3,600 calls with chunks of up to an eighth of the slack. Chunks are
+    // now a sixteenth of it: live on an H200, 1.020-1.021 against 1.030-1.040.)
     for lag in [0, 2, 16] {
-        within(&replay_trace(LONGCTX, lag), lag, 1.031, 3700);
+        within(&replay_trace(LONGCTX, lag), lag, 1.031, 4800);
     }
 }
 
@@ -169,16 +170,18 @@ fn long_context_training_moves_its_small_chunks_in_few_calls() {
 /// (name, ratio, maps + unmaps), today's figures rounded up, over lags 0, 2 and 16.
 #[test]
 fn held_out_workloads_stay_within_the_target() {
-    // Today, worst over the lags: vit 1.0299, 2,034 calls; t5 1.0251, 3,111; dit 1.0069,
-    // 876; gnn 1.0176 (lag 16), 2,366; dlrm 1.0268 (lag 0), 1,402; llm_serve 1.0278, 435.
+    // Today, worst over the lags: vit 1.0299, 2,034 calls; t5 1.0239, 3,234; dit 1.0069,
+    // 876; gnn 1.0246 (lag 16), 3,290; dlrm 1.0188 (lag 2), 1,601; llm_serve 1.0278, 435.
     // With chunks of up to a sixteenth of the run (uncapped by the slack), gnn's pinned
-    // pages took it to 1.0325 for 967 calls, and dlrm was at 1.0167 for 1,217.
+    // pages took it to 1.0325 for 967 calls, and dlrm was at 1.0167 for 1,217; with chunks
+    // of up to an eighth of the slack, gnn 1.0176 for 2,366 and dlrm 1.0268 for 1,402.
+    // (Live on an H200, gnn reserves 1.023-1.028 with a sixteenth, 1.030 with an eighth.)
     let bounds = [
         ("vit_train_amp", 1.03, 2200),
-        ("t5_train_varlen", 1.027, 3300),
+        ("t5_train_varlen", 1.025, 3300),
         ("dit_infer_varres", 1.008, 950),
-        ("gnn_train_varsize", 1.019, 2500),
-        ("dlrm_train_varbatch", 1.028, 1500),
+        ("gnn_train_varsize", 1.025, 3400),
+        ("dlrm_train_varbatch", 1.019, 1650),
         ("llm_serve_contbatch", 1.029, 480),
     ];
     for (name, ratio, calls) in bounds {

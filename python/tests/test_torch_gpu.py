@@ -103,3 +103,31 @@ def test_enable_after_cuda_init_is_refused():
         """
     )
     assert "refused: ccalloc.torch.enable() must run before PyTorch initialises CUDA" in out
+
+
+def test_memory_breakdown_on_the_gpu():
+    # On CUDA pages are the driver's granularity (2 MiB): the breakdown's parts must still add
+    # up to reserved, and the peak's must hold a spike freed before anyone looked.
+    out = run_gpu(
+        """
+        ccalloc.torch.enable()
+        ccalloc.set_config("record_peak_breakdown:True")
+        parts = ("live_bytes", "free_chunk_bytes", "pinned_bytes", "rounding_bytes", "parked_bytes",
+                 "plain_bytes")
+        kept = [torch.empty(n * 77 * 1024, dtype=torch.uint8, device="cuda") for n in range(1, 40)]
+        spike = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
+        live_at_spike = ccalloc.memory_allocated()
+        del spike
+        torch.cuda.synchronize()
+        peak = ccalloc.memory_breakdown(at_peak=True)
+        now = ccalloc.memory_breakdown()
+        for b in (peak, now):
+            assert sum(b[k] for k in parts) == b["reserved_bytes"], b
+        assert peak["reserved_bytes"] == ccalloc.max_memory_reserved(), peak
+        assert peak["live_bytes"] == live_at_spike, (peak, live_at_spike)
+        assert now["live_bytes"] == ccalloc.memory_allocated() < live_at_spike, now
+        print(peak, now)
+        print("ok")
+        """
+    )
+    assert out.rstrip().endswith("ok")

@@ -891,8 +891,8 @@ fn a_large_jobs_small_requests_get_chunks_of_a_sixteenth_of_its_slack() {
     assert_eq!(chunk_pages_for(24, 64, false), 4);
     assert_eq!(
         chunk_pages_for(128, 64, false),
-        8,
-        "a sixteenth of the run is larger"
+        4,
+        "a sixteenth of the run is larger, but a chunk is at most a sixteenth of the slack"
     );
     assert_eq!(
         chunk_pages_for(1, 64, false),
@@ -930,20 +930,20 @@ fn a_large_block_is_backed_by_few_large_chunks() {
     assert_eq!(chunk_pages_for(40, 0, false), 2);
     assert_eq!(chunk_pages_for(1 << 20, 1024, false), MAX_CHUNK_PAGES);
     assert_eq!(chunk_pages_for(1, 0, true), 4);
-    assert_eq!(chunk_pages_for(40, 80, true), 10);
+    assert_eq!(chunk_pages_for(40, 160, true), 10);
     assert_eq!(chunk_pages_for(1 << 20, 1024, true), MAX_CHUNK_PAGES);
-    // A slack of half the live high-water mark: a 512 MiB block's chunks are capped at 16
-    // pages, a sixteenth of its run.
-    let (sim, a) = paged(4 << 30, "page_slack:0.5");
+    // A slack of the live high-water mark: a 512 MiB block's chunks are a sixteenth of its
+    // run and of the slack, 16 pages.
+    let (sim, a) = paged(4 << 30, "page_slack:1");
     // 512 MiB = 256 pages: sixteen chunks of 16 pages, not 256 of one.
     let p = a.malloc(512 * MIB, S0).unwrap();
     let c = sim.counters(0);
     assert_eq!((c.maps, c.physical_creates), (16, 16), "{c:?}");
-    // 20 MiB = 10 pages: a sixteenth of the run is under a page, but a chunk is at least a
-    // sixteenth of the slack (266 MiB, 133 pages): one chunk of 8 pages, one of the 2 left.
+    // 20 MiB = 10 pages: a sixteenth of the run is under a page, but a chunk is a sixteenth
+    // of the slack (532 MiB, 266 pages), 16 pages: one chunk, ending where the run does.
     let q = a.malloc(20 * MIB, S0).unwrap();
     let c = sim.counters(0);
-    assert_eq!((c.maps, c.physical_creates), (16 + 2, 16 + 2), "{c:?}");
+    assert_eq!((c.maps, c.physical_creates), (16 + 1, 16 + 1), "{c:?}");
     let reserved = stats(&a).reserved_bytes.all().current as u64;
     assert_eq!(reserved, 532 * MIB, "chunks end where the run does");
     a.free(p).unwrap();
@@ -953,11 +953,11 @@ fn a_large_block_is_backed_by_few_large_chunks() {
 }
 
 #[test]
-fn a_chunk_is_at_most_an_eighth_of_the_slack() {
+fn a_chunk_is_at_most_a_sixteenth_of_the_slack() {
     use super::paging::table::chunk_pages_for;
-    // A large run in a job whose slack is 160 pages: 20-page chunks, not 64.
-    assert_eq!(chunk_pages_for(1024, 160, false), 20);
-    assert_eq!(chunk_pages_for(1024, 160, true), 20);
+    // A large run in a job whose slack is 160 pages: 10-page chunks, not 64.
+    assert_eq!(chunk_pages_for(1024, 160, false), 10);
+    assert_eq!(chunk_pages_for(1024, 160, true), 10);
     // Never under 4 pages (2 without the floor), and a small job's chunks for runs under
     // 80 pages stay as they were.
     assert_eq!(chunk_pages_for(512, 16, false), 4);
@@ -966,13 +966,13 @@ fn a_chunk_is_at_most_an_eighth_of_the_slack() {
     // Nor under a 256th of the run, rounded up: at most 256 chunks for a growth.
     assert_eq!(chunk_pages_for(1279, 0, false), 5);
     // With 4 GiB live, a 1 GiB block (512 pages, a sixteenth of which is 32) takes the live
-    // high-water mark to 5 GiB and the slack to 153 MiB (76 pages): chunks of 9 pages.
+    // high-water mark to 5 GiB and the slack to 153 MiB (76 pages): chunks of 4 pages.
     let (sim, a) = paged(16 << 30, "");
     let base = a.malloc(4 << 30, S0).unwrap();
     let before = sim.counters(0);
     let big = a.malloc(1 << 30, S0).unwrap();
     let c = sim.counters(0);
-    assert_eq!(c.maps - before.maps, 512usize.div_ceil(9) as u64, "{c:?}");
+    assert_eq!(c.maps - before.maps, 512usize.div_ceil(4) as u64, "{c:?}");
     // What a later, smaller block on its pages pins is at most one such chunk per edge,
     // within the slack: here one 2 MiB block at the far end of the freed run.
     a.free(big).unwrap();
@@ -983,7 +983,7 @@ fn a_chunk_is_at_most_an_eighth_of_the_slack() {
     let reserved = stats(&a).reserved_bytes.all().current as u64;
     let live = (4 << 30) + 2 * MIB;
     assert!(
-        reserved <= live + 2 * 9 * 2 * MIB,
+        reserved <= live + 2 * 4 * 2 * MIB,
         "{} MiB reserved for {} MiB live",
         reserved / MIB,
         live / MIB

@@ -13,6 +13,8 @@
 #   ROUNDS       default 2;  REPS  timed loops per process after a warm-up loop, default 3
 #   PIN_CPUS     a taskset CPU list every process is bound to (default 2-3; empty: unbound)
 #   RUN_TIMEOUT  seconds per process (default 150)
+#   CONF         CCALLOC_CONF for both builds' runs (default none), e.g. record_peak_breakdown:True
+#                to have each record's "peak_breakdown"
 #   OUT          $OUT/ab.jsonl (one record a run, run.py's with the build's folder as "lib")
 #                and $OUT/ab.md (the table); $OUT/last_run.log, the last process's output;
 #                default /tmp/ab
@@ -58,7 +60,7 @@ run_one() {
     local w=$1 lib=$2 round=$3 rc
     CCALLOC_LIBRARY="$(cd "$lib" && pwd)/libccalloc.so" CORPUS_ROUND="$round" \
         timeout -k 10 "$RUN_TIMEOUT" ${PIN[@]+"${PIN[@]}"} \
-        "$PYTHON" "$HERE/run.py" "$w" ccalloc --reps "$REPS" >"$LOG" 2>&1
+        "$PYTHON" "$HERE/run.py" "$w" "ccalloc${CONF:+@$CONF}" --reps "$REPS" >"$LOG" 2>&1
     rc=$?
     "$PYTHON" - "$lib" "$round" "$w" "$rc" "$RUN_TIMEOUT" "$LOG" >>"$JSONL" <<'PY'
 import json, sys

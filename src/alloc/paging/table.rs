@@ -23,11 +23,10 @@ const CHUNKS_PER_RUN: usize = 16;
 /// this many pages ...
 const COARSE_CHUNKS_PER_RUN: usize = 4;
 const COARSE_CHUNK_PAGES: usize = 4;
-/// ... and never smaller than this share of the page slack ...
+/// ... and neither smaller nor larger than this share of the page slack, unless that is
+/// under `COARSE_CHUNK_PAGES` or would cut the run into more than `MAX_CHUNKS_PER_RUN`
+/// chunks.
 const CHUNKS_PER_SLACK: usize = 16;
-/// ... nor larger than this share of it, unless that is under `COARSE_CHUNK_PAGES` or
-/// would cut the run into more than `MAX_CHUNKS_PER_RUN` chunks.
-const PINNED_CHUNKS_PER_SLACK: usize = 8;
 const MAX_CHUNKS_PER_RUN: usize = 256;
 
 /// Pages per new chunk when growth maps a run of `run` missing pages, with `slack_pages` the
@@ -39,44 +38,48 @@ const MAX_CHUNKS_PER_RUN: usize = 256;
 /// sixteenths (generation, variable-batch inference), and sixteenths were nowhere worse;
 /// thirty-seconds gained little more for twice the calls.
 ///
-/// A chunk is also at least a sixteenth of the slack. A sixteenth of a small run in a large
-/// job is one page, and each such chunk costs a whole map and access grant every time a
-/// move takes it (the driver charges per mapping, not per byte), while a pinned chunk of a
-/// sixteenth of the slack costs at most that share of the memory the policy allows beyond
-/// live. Jobs whose slack is under 32 pages (about 2 GiB live at the default slack) keep
-/// one-page chunks. On the 18 replayed traces this cut the priced driver time by 29% at
-/// lags 0, 2 and 16, for peaks within 0.006 (docs/paging.md).
-///
 /// With `coarse` (the move budget has had to add slack: moves cost the job time), a quarter
 /// of the run and at least 4 pages: each later move of the chunk then costs a quarter of
 /// the calls, for more pinned memory, the same trade the added slack makes.
 ///
-/// Either way a chunk is at most an eighth of the slack, unless that is under 4 pages or
-/// under a 256th of the run (so a growth of up to 16,384 pages, 32 GiB, makes at most 256
-/// chunks, about 17 ms of calls). A chunk that one live block still touches keeps all its
-/// pages, and the slack is all the memory the target allows beyond live, so a sixteenth of
-/// a large run (up to 64 pages) could let two or three pinned chunks take the whole margin:
-/// long-context training's 62 MiB chunks against a slack of 281 MiB. The 4-page floor
-/// keeps a small job's chunks for runs under 160 MiB as they were (a larger run's drop to
-/// 4 pages): below 4 pages each chunk moved costs a map and grant for less memory, and
+/// Either way a chunk is a sixteenth of the slack, neither smaller nor larger, unless that is
+/// under 4 pages or under a 256th of the run (so a growth of up to 16,384 pages, 32 GiB,
+/// makes at most 256 chunks, about 17 ms of calls).
+///
+/// Not smaller: a sixteenth of a small run in a large job is one page, and each such chunk
+/// costs a whole map and access grant every time a move takes it (the driver charges per
+/// mapping, not per byte). On the 18 replayed traces this floor cut the priced driver time
+/// by 29% at lags 0, 2 and 16, for peaks within 0.006 (docs/paging.md).
+///
+/// Not larger: a chunk that one live block still touches keeps all its pages, and the
+/// slack is all the memory the target allows beyond live. The policy spends the slack on
+/// cached chunks wherever growth finds it cheaper than moving, so at a job's peak the
+/// pinned pages come on top of what the slack already holds: a sixteenth of a large run
+/// (up to 64 pages) let long-context training pin 372 MiB in 16 chunks against a slack of
+/// 281 MiB, and an eighth of the slack still 244-342 MiB in 28-37 chunks (1.030-1.040x live
+/// on an H200; `ccalloc.memory_breakdown(at_peak=True)`). With a sixteenth, each pinned
+/// chunk holds at most that share of the margin: 1.020-1.021x, MoE training 1.029 against
+/// 1.036, and no workload of the A/B worse (docs/benchmarks.md, session 29). The price is
+/// calls: 6-10% more priced driver time over the 24 replayed traces.
+///
+/// The 4-page floor keeps a small job's chunks (slack under 64 pages, about 4 GiB live) as
+/// they were: below 4 pages each chunk moved costs a map and grant for less memory, and
 /// capped at one page, varlen BERT inference (slack about 11 pages) doubled its maps,
 /// overran its move budget and reserved 1.21-1.25x live on an H200. The run's share
-/// matters only for a slack far under the default (at 3% an eighth of the slack is at
-/// least a 267th of any run, so it differs by at most 3 pages): with `page_slack:0`, 40 GiB
-/// inference made its 20 GiB blocks of 4-page chunks, 30,000 maps and unmaps in its
-/// replay, 5,400 with it (2,500 uncapped). On the 24 replayed traces the cap took the
-/// traces over 1.03 from 4/3/5 to 1/2/1 at lags 0/2/16, for 7-9% more priced driver time
-/// (docs/paging.md).
+/// matters only for a slack far under the default (at 3% a sixteenth of the slack is at
+/// least a 534th of any run): with `page_slack:0`, 40 GiB inference made its 20 GiB blocks
+/// of 4-page chunks, 30,000 maps and unmaps in its replay, 5,400 with it.
 pub fn chunk_pages_for(run: usize, slack_pages: usize, coarse: bool) -> usize {
     let share = if coarse {
         (run / COARSE_CHUNKS_PER_RUN).max(COARSE_CHUNK_PAGES)
     } else {
         run / CHUNKS_PER_RUN
     };
+    let slack_share = slack_pages / CHUNKS_PER_SLACK;
     share
-        .max(slack_pages / CHUNKS_PER_SLACK)
+        .max(slack_share)
         .min(
-            (slack_pages / PINNED_CHUNKS_PER_SLACK)
+            slack_share
                 .max(COARSE_CHUNK_PAGES)
                 .max(run.div_ceil(MAX_CHUNKS_PER_RUN)),
         )
