@@ -332,7 +332,9 @@ ccalloc_status ccalloc_get_paging_stats(int32_t device, ccalloc_paging_stats *ou
 
 // Copies what `device`'s reserved memory is made of into `*out_breakdown`: now, or with
 // `at_peak`, right after the allocation that took reserved to its highest since the
-// `record_peak_breakdown` setting was turned on or `ccalloc_reset_peak_stats` ran. A
+// `record_peak_breakdown` setting was turned on or `ccalloc_reset_peak_stats` ran (the
+// memory at that moment if none has raised it since; with other threads freeing
+// meanwhile, possibly a moment later, whose `reserved_bytes` is then under the peak). A
 // breakdown walks every block, after the blocks threads keep for reuse
 // (`thread_cache`) go back to the device's cache. `at_peak` with `record_peak_breakdown`
 // off is a `CCALLOC_CONFIG_ERROR`.

@@ -57,40 +57,112 @@ fn a_spike_between_two_looks_is_recorded() {
     }
 }
 
-/// Off by default; set at run time, it starts from the memory then. A reset of the peaks
-/// restarts it from the memory at the reset.
+/// Off by default; set at run time, it starts from the memory then, whatever peak came
+/// before. A reset of the peaks restarts it from the memory at the reset, which a lower
+/// moment after it does not replace.
 #[test]
 fn recording_starts_when_set_and_restarts_at_a_reset() {
     let a = device("");
     let big = a.malloc(600 * MIB, S0).unwrap();
     a.free(big).unwrap();
     assert_eq!(a.peak_breakdown().unwrap(), None);
+    a.empty_cache().unwrap();
 
     a.apply_config("record_peak_breakdown:True").unwrap();
+    let started = a.peak_breakdown().unwrap().unwrap();
+    assert_eq!((started.reserved_bytes, started.live_bytes), (0, 0));
     let small = a.malloc(4 * MIB, S0).unwrap();
     let first = a.peak_breakdown().unwrap().unwrap();
-    assert_eq!(
-        first.live_bytes,
-        4 * MIB,
-        "taken at the first allocation: {first:?}"
-    );
+    assert_eq!(first.live_bytes, 4 * MIB, "{first:?}");
+    // Under the 600 MiB of before recording: the highest since it began all the same.
+    let mid = a.malloc(300 * MIB, S0).unwrap();
+    a.free(mid).unwrap();
+    let since = a.peak_breakdown().unwrap().unwrap();
+    assert_eq!(since.live_bytes, 304 * MIB, "{since:?}");
 
     let big = a.malloc(700 * MIB, S0).unwrap();
     a.free(big).unwrap();
     let peak = a.peak_breakdown().unwrap().unwrap();
     assert_eq!(peak.live_bytes, 704 * MIB, "{peak:?}");
+    assert_eq!(peak.reserved_bytes, reserved(&a).1);
 
-    a.empty_cache().unwrap();
     a.reset_peak_stats().unwrap();
     let reset = a.peak_breakdown().unwrap().unwrap();
     assert_eq!(reset, a.memory_breakdown().unwrap());
-    assert_eq!(reset.live_bytes, 4 * MIB, "{reset:?}");
+    assert_eq!(reset.reserved_bytes, reserved(&a).1, "{reset:?}");
+    a.empty_cache().unwrap();
+    let again = a.malloc(2 * MIB, S0).unwrap();
+    assert_eq!(
+        a.peak_breakdown().unwrap().unwrap(),
+        reset,
+        "lower than at the reset"
+    );
+    assert_eq!(
+        reset.reserved_bytes,
+        reserved(&a).1,
+        "the device's peak too"
+    );
 
     a.apply_config("record_peak_breakdown:False").unwrap();
     assert_eq!(a.peak_breakdown().unwrap(), None);
     a.free(small).unwrap();
+    a.free(again).unwrap();
     a.shutdown().unwrap();
     assert!(a.peak_breakdown().is_err(), "after shutdown");
+}
+
+/// Threads allocating and freeing on several streams while another reads: every breakdown
+/// is one moment's (its parts add up to its reserved bytes, which never exceed the peak),
+/// and the record at the peak is never above the device's peak.
+#[test]
+fn breakdowns_are_one_moments_while_threads_allocate() {
+    for conf in [
+        "record_peak_breakdown:True",
+        "record_peak_breakdown:True,per_stream_shards:True",
+        "record_peak_breakdown:True,thread_shards:False",
+    ] {
+        let a = Arc::new(device(conf));
+        let workers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ t;
+                    let mut live = Vec::new();
+                    for _ in 0..3000 {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        if live.len() < 40 && !seed.is_multiple_of(3) {
+                            let size = 4096 + (seed >> 20) % (48 * MIB);
+                            live.push(a.malloc(size, StreamId(t % 2)).unwrap());
+                        } else if let Some(p) = live.pop() {
+                            a.free(p).unwrap();
+                        }
+                        if seed.is_multiple_of(997) {
+                            a.empty_cache().unwrap();
+                        }
+                    }
+                    for p in live {
+                        a.free(p).unwrap();
+                    }
+                })
+            })
+            .collect();
+        let mut looks = 0;
+        while looks < 50 || workers.iter().any(|w| !w.is_finished()) {
+            let b = a.memory_breakdown().unwrap();
+            assert_eq!(parts(&b), b.reserved_bytes, "{conf}: {b:?}");
+            assert!(b.reserved_bytes <= reserved(&a).1, "{conf}: {b:?}");
+            looks += 1;
+        }
+        for w in workers {
+            w.join().unwrap();
+        }
+        let peak = a.peak_breakdown().unwrap().unwrap();
+        assert_eq!(parts(&peak), peak.reserved_bytes, "{conf}: {peak:?}");
+        assert!(peak.reserved_bytes <= reserved(&a).1, "{conf}: {peak:?}");
+        assert!(peak.reserved_bytes > 0, "{conf}");
+    }
 }
 
 /// Replaying a real trace with recording on, the recorded breakdown is the one at the

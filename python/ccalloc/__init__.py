@@ -425,8 +425,9 @@ def memory_breakdown(device: Any = None, at_peak: bool = False) -> Dict[str, int
 
     Now, or with ``at_peak`` right after the allocation that took reserved to its highest
     since ``record_peak_breakdown:True`` was set (``CCALLOC_CONF`` or :func:`set_config`) or
-    :func:`reset_peak_memory_stats` ran; without that setting ``at_peak`` raises
-    :class:`ConfigError`. Either walks every block.
+    :func:`reset_peak_memory_stats` ran (the memory at that moment if none has raised it
+    since); without that setting ``at_peak`` raises :class:`ConfigError`. Either walks
+    every block.
     """
     out = _lib.ccalloc_memory_breakdown()
     _call("ccalloc_get_memory_breakdown", _device_index(device), bool(at_peak), ctypes.byref(out))

@@ -2,7 +2,7 @@
 
 use super::sizing::PoolKind;
 use crate::error::Result;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// One counter: its current value, high-water mark, and the totals ever added and removed.
@@ -125,9 +125,9 @@ pub struct DeviceReserved {
     /// only where memory is mapped or released, under this lock, so that a read sees one
     /// moment: all = small + large and allocated - freed = current, whatever the shards do.
     bytes: Mutex<StatArray>,
-    /// Whether the peak of all reserved bytes rose since `take_new_peak` last looked, or
-    /// peaks were reset (`DeviceAllocator`'s peak breakdown is taken then).
-    new_peak: AtomicBool,
+    /// All reserved bytes now, as the counters last said: read without their lock, by a
+    /// check that may be a moment late (`DeviceAllocator`'s peak breakdown).
+    all_now: AtomicU64,
 }
 
 impl DeviceReserved {
@@ -142,23 +142,16 @@ impl DeviceReserved {
     /// poisoning.
     pub fn increase(&self, pool: PoolKind, bytes: u64) {
         if let Ok(mut counts) = self.bytes() {
-            let before = counts.all().peak;
             counts.increase(pool, bytes);
-            if counts.all().peak > before {
-                self.new_peak.store(true, Ordering::Relaxed);
-            }
+            self.all_now
+                .store(counts.all().current as u64, Ordering::Relaxed);
         }
     }
 
-    /// Whether the peak of all reserved bytes rose since the last call, or peaks were reset
-    /// (and forgets it).
-    pub fn take_new_peak(&self) -> bool {
-        self.new_peak.swap(false, Ordering::Relaxed)
-    }
-
-    /// Makes the next `take_new_peak` true.
-    pub fn note_new_peak(&self) {
-        self.new_peak.store(true, Ordering::Relaxed);
+    /// All reserved bytes, without taking the counters' lock: exact when no shard is
+    /// changing them, a moment late otherwise.
+    pub fn all_hint(&self) -> u64 {
+        self.all_now.load(Ordering::Relaxed)
     }
 
     /// Counts memory a shard just released (as `increase`, nothing with the counters
@@ -166,6 +159,8 @@ impl DeviceReserved {
     pub fn decrease(&self, pool: PoolKind, bytes: u64) {
         if let Ok(mut counts) = self.bytes() {
             counts.decrease(pool, bytes);
+            self.all_now
+                .store(counts.all().current as u64, Ordering::Relaxed);
         }
     }
 
@@ -180,7 +175,6 @@ impl DeviceReserved {
 
     pub fn reset_peaks(&self) -> Result<()> {
         self.bytes()?.for_each(Stat::reset_peak);
-        self.note_new_peak();
         Ok(())
     }
 

@@ -5,19 +5,26 @@
 // Why at the peak: the figure users and the memory target care about is peak reserved, and
 // the moment that sets it is often a spike (one large activation) between two calls a
 // user could make. So the device records the breakdown itself, right after an allocation
-// that took reserved to a new high: an allocation, not a free, since only growth raises
-// reserved. The walk reads every block (`segments`), so it runs only when asked for and
-// only at new highs: a job's reserved rises through its warm-up and then stays, so the
-// walks are a few per growth of the warm-up and none in the steady state.
+// that left reserved above the breakdown it keeps: an allocation, not a free, since only
+// growth raises reserved. A breakdown is one moment's: every shard is held while it is
+// taken, as for `stats`. Taken after the allocation returns, it is exact when one thread
+// allocates; with others freeing meanwhile it may be of a slightly later, lower moment,
+// and its `reserved_bytes` says so against the reserved peak.
 //
-// The walk hands each thread front's blocks back to its shard's cache first (as every
-// `segments` does): they are free, and counted so. Growth, which comes just before a new
-// high, has done so already, so recording changes the allocator's state in nothing.
+// The cost: each walk reads every block and page. A job's reserved rises through its
+// warm-up and then stays, so the walks come in the warm-up, one per growth that raises
+// the high; a warm-up of thousands of one-page growths over thousands of blocks costs
+// seconds (16,000 growths of 2 MiB took 10 s on the sim, 0.16 s without recording). Hence
+// a setting, off by default.
+//
+// The walk hands each shard's thread fronts' blocks back to its cache first (as every
+// `segments` does): they are free, and counted so. Growth has just done so for its own
+// shard; the other shards' blocks go back a little early.
 
 use crate::alloc::SegmentView;
 use crate::BlockState;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 /// The excess of reserved over live bytes at one moment, by cause. Paged segments only: the
 /// free memory of plain segments counts as `plain_bytes`.
@@ -112,9 +119,17 @@ fn overlap(live: &[(u64, u64)], start: u64, end: u64) -> u64 {
 pub(super) struct PeakRecorder {
     /// `record_peak_breakdown`: read on every allocation that reached a shard.
     recording: AtomicBool,
-    /// `None` until an allocation raised reserved's peak since recording began or peaks
-    /// were reset; reading it then takes the breakdown of that moment's memory.
-    at_peak: Mutex<Option<MemoryBreakdown>>,
+    /// `reserved_bytes` of the breakdown kept (0 with none): an allocation that leaves
+    /// reserved above it takes a new one.
+    kept_reserved: AtomicU64,
+    kept: Mutex<Kept>,
+}
+
+#[derive(Default)]
+struct Kept {
+    /// Counts starts and resets: a walk begun before one must not be kept after it.
+    epoch: u64,
+    breakdown: Option<MemoryBreakdown>,
 }
 
 impl PeakRecorder {
@@ -123,28 +138,59 @@ impl PeakRecorder {
         self.recording.load(Ordering::Relaxed)
     }
 
-    /// Starts or stops recording; a start forgets what an earlier recording kept.
-    pub(super) fn set_recording(&self, on: bool) {
-        if on && !self.recording.swap(true, Ordering::Relaxed) {
-            self.forget();
-        }
-        self.recording.store(on, Ordering::Relaxed);
+    /// Whether an allocation that left `reserved` bytes reserved should take a breakdown.
+    #[inline]
+    pub(super) fn wants(&self, reserved: u64) -> bool {
+        self.recording() && reserved > self.kept_reserved.load(Ordering::Relaxed)
     }
 
-    pub(super) fn forget(&self) {
-        if let Ok(mut at_peak) = self.at_peak.lock() {
-            *at_peak = None;
+    fn kept(&self) -> Option<MutexGuard<'_, Kept>> {
+        self.kept.lock().ok()
+    }
+
+    /// The epoch a walk starts in, for `offer`.
+    pub(super) fn epoch(&self) -> u64 {
+        self.kept().map_or(0, |k| k.epoch)
+    }
+
+    /// Keeps `b`, taken in `epoch`, unless a start or reset came since or a breakdown
+    /// with more reserved is kept (a slower walk of an earlier peak may end later).
+    pub(super) fn offer(&self, epoch: u64, b: MemoryBreakdown) {
+        if let Some(mut kept) = self.kept() {
+            let higher = kept
+                .breakdown
+                .is_none_or(|k| b.reserved_bytes > k.reserved_bytes);
+            if kept.epoch == epoch && higher {
+                kept.breakdown = Some(b);
+                self.kept_reserved
+                    .store(b.reserved_bytes, Ordering::Relaxed);
+            }
         }
     }
 
-    pub(super) fn store(&self, b: MemoryBreakdown) {
-        if let Ok(mut at_peak) = self.at_peak.lock() {
-            *at_peak = Some(b);
+    /// Records from now on, starting from `now` (the memory when recording starts or
+    /// peaks are reset): later allocations replace it only with more reserved.
+    pub(super) fn restart(&self, now: MemoryBreakdown) {
+        if let Some(mut kept) = self.kept() {
+            kept.epoch += 1;
+            kept.breakdown = Some(now);
+            self.kept_reserved
+                .store(now.reserved_bytes, Ordering::Relaxed);
+            self.recording.store(true, Ordering::Relaxed);
+        }
+    }
+
+    pub(super) fn stop(&self) {
+        if let Some(mut kept) = self.kept() {
+            kept.epoch += 1;
+            kept.breakdown = None;
+            self.kept_reserved.store(0, Ordering::Relaxed);
+            self.recording.store(false, Ordering::Relaxed);
         }
     }
 
     pub(super) fn recorded(&self) -> Option<MemoryBreakdown> {
-        self.at_peak.lock().ok().and_then(|b| *b)
+        self.kept().and_then(|k| k.breakdown)
     }
 }
 
@@ -219,18 +265,31 @@ mod tests {
         assert_eq!((b.live_bytes, b.plain_bytes), (300, (1 << 20) - 300));
     }
 
-    #[test]
-    fn starting_to_record_forgets_the_last_recording() {
-        let r = PeakRecorder::default();
-        r.set_recording(true);
-        r.store(MemoryBreakdown {
-            reserved_bytes: 5,
+    fn with_reserved(reserved_bytes: u64) -> MemoryBreakdown {
+        MemoryBreakdown {
+            reserved_bytes,
             ..Default::default()
-        });
-        r.set_recording(true);
-        assert!(r.recorded().is_some(), "already on: kept");
-        r.set_recording(false);
-        r.set_recording(true);
-        assert!(r.recorded().is_none());
+        }
+    }
+
+    #[test]
+    fn a_walk_is_kept_only_if_higher_and_of_this_epoch() {
+        let r = PeakRecorder::default();
+        assert!(!r.wants(10), "off");
+        r.restart(with_reserved(5));
+        assert!(r.wants(6) && !r.wants(5));
+        let before = r.epoch();
+        r.offer(before, with_reserved(9));
+        r.offer(before, with_reserved(7));
+        assert_eq!(r.recorded(), Some(with_reserved(9)), "a slower, lower walk");
+        r.restart(with_reserved(3));
+        r.offer(before, with_reserved(20));
+        assert_eq!(
+            r.recorded(),
+            Some(with_reserved(3)),
+            "begun before the reset"
+        );
+        r.stop();
+        assert!(r.recorded().is_none() && !r.wants(100));
     }
 }

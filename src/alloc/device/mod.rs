@@ -213,7 +213,10 @@ impl DeviceAllocator {
         ));
         let sharding = AtomicU8::new(Sharding::of(&config) as u8);
         let peak_breakdown = PeakRecorder::default();
-        peak_breakdown.set_recording(config.record_peak_breakdown);
+        if config.record_peak_breakdown {
+            // Nothing is reserved yet.
+            peak_breakdown.restart(MemoryBreakdown::default());
+        }
         Ok(Self {
             peak_breakdown,
             sharding,
@@ -408,48 +411,61 @@ impl DeviceAllocator {
         } else {
             self.malloc_in_shard(size, stream)
         };
-        if self.peak_breakdown.recording() && result.is_ok() {
-            self.record_if_new_peak();
+        if result.is_ok() && self.peak_breakdown.wants(self.device_reserved.all_hint()) {
+            self.record_peak_breakdown();
         }
         result
     }
 
-    /// Takes the breakdown of reserved memory if reserved reached a new high since the last
-    /// look (`breakdown`); never fails the allocation that called it.
+    /// Takes the breakdown of reserved memory for `peak_breakdown` (`breakdown`); never
+    /// fails the allocation that called it.
     #[cold]
-    fn record_if_new_peak(&self) {
-        if !self.device_reserved.take_new_peak() {
-            return;
-        }
+    #[inline(never)]
+    fn record_peak_breakdown(&self) {
+        let epoch = self.peak_breakdown.epoch();
         match self.memory_breakdown() {
-            Ok(b) => self.peak_breakdown.store(b),
+            Ok(b) => self.peak_breakdown.offer(epoch, b),
             Err(e) => tracing::debug!(device = self.device, "peak breakdown not taken: {e}"),
         }
     }
 
+    /// Starts `peak_breakdown`'s record from the memory now.
+    fn restart_peak_breakdown(&self) -> Result<()> {
+        let now = self.memory_breakdown()?;
+        self.peak_breakdown.restart(now);
+        Ok(())
+    }
+
     /// What reserved memory is made of now: live bytes, and the excess by cause
-    /// (`MemoryBreakdown`). Walks every block; thread fronts' blocks go back to the cache.
+    /// (`MemoryBreakdown`), one moment's (every shard held at once, as `stats`). Walks
+    /// every block; thread fronts' blocks go back to the cache first.
     pub fn memory_breakdown(&self) -> Result<MemoryBreakdown> {
-        let segments = self.segments()?;
-        let reserved = self.device_reserved.all()?;
+        self.check_open()?;
         let page = self.driver.vmm_granularity(self.device).unwrap_or(1);
-        Ok(MemoryBreakdown::of(&segments, reserved, page))
+        let taken = (|| {
+            let (shards, mut held) = self.lock_every_shard()?;
+            let mut segments = Vec::new();
+            for (shard, st) in shards.iter().zip(held.iter_mut()) {
+                shard.drain_fronts(st);
+                segments.extend(st.segment_views());
+            }
+            // Reserved bytes change only under a shard's lock: every one is held.
+            let reserved = self.device_reserved.all()?;
+            Ok(MemoryBreakdown::of(&segments, reserved, page))
+        })();
+        // Held blocks went back to the cache, which can lift a count.
+        self.settle_lifts(None);
+        taken
     }
 
     /// The breakdown right after the allocation that took reserved to its highest since
-    /// `record_peak_breakdown` was set or peaks were reset (now, if none has raised it
-    /// since). `None` when the setting is off.
+    /// `record_peak_breakdown` was set or peaks were reset, or at that moment if none has
+    /// raised it since. Taken once that allocation returns: with other threads allocating
+    /// and freeing meanwhile, a later moment (its `reserved_bytes` then falls short of the
+    /// peak). `None` when the setting is off.
     pub fn peak_breakdown(&self) -> Result<Option<MemoryBreakdown>> {
         self.check_open()?;
-        if !self.peak_breakdown.recording() {
-            return Ok(None);
-        }
-        if let Some(b) = self.peak_breakdown.recorded() {
-            return Ok(Some(b));
-        }
-        let now = self.memory_breakdown()?;
-        self.peak_breakdown.store(now);
-        Ok(Some(now))
+        Ok(self.peak_breakdown.recorded())
     }
 
     /// `malloc` past the thread's front.
@@ -726,16 +742,19 @@ impl DeviceAllocator {
         self.sharding
             .store(Sharding::of(&next) as u8, Ordering::Relaxed);
         setup.config = next.clone();
-        if next.record_peak_breakdown && !self.peak_breakdown.recording() {
-            // The first allocation from now on takes the breakdown, and later new highs.
-            self.device_reserved.note_new_peak();
-        }
-        self.peak_breakdown
-            .set_recording(next.record_peak_breakdown);
         self.limit.set_limit(limit_for(&next, self.total_memory));
         self.set_fronts_open(setup);
         // Each shard takes its fronts' held blocks back first (sized under the old settings).
-        self.each_shard(|s| s.set_config(next.clone()))
+        self.each_shard(|s| s.set_config(next.clone()))?;
+        match (next.record_peak_breakdown, self.peak_breakdown.recording()) {
+            // Settings, then shards: the order `each_shard` above takes them in.
+            (true, false) => self.restart_peak_breakdown(),
+            (false, true) => {
+                self.peak_breakdown.stop();
+                Ok(())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Whether fronts may be used now (see `front::Fronts::open`), in every shard; shards
@@ -890,8 +909,11 @@ impl DeviceAllocator {
     pub fn reset_peak_stats(&self) -> Result<()> {
         self.check_open()?;
         self.device_reserved.reset_peaks()?;
-        self.peak_breakdown.forget();
-        self.reset_peaks_of_shards()
+        self.reset_peaks_of_shards()?;
+        if self.peak_breakdown.recording() {
+            self.restart_peak_breakdown()?;
+        }
+        Ok(())
     }
 
     pub fn reset_accumulated_stats(&self) -> Result<()> {

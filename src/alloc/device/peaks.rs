@@ -411,7 +411,7 @@ impl DeviceAllocator {
     /// driver call for milliseconds) is waited for alone, with the others released, and
     /// then all are taken again: holding them meanwhile would stall every stream behind
     /// that one call. No other path holds a shard's lock while waiting for another's.
-    fn lock_every_shard(&self) -> Result<(Vec<&Shard>, Vec<Guard<'_, State>>)> {
+    pub(super) fn lock_every_shard(&self) -> Result<(Vec<&Shard>, Vec<Guard<'_, State>>)> {
         let shards: Vec<&Shard> = self.shards().collect();
         'again: loop {
             let mut held = Vec::with_capacity(shards.len());

@@ -38,9 +38,11 @@ const MAX_CHUNKS_PER_RUN: usize = 256;
 /// sixteenths (generation, variable-batch inference), and sixteenths were nowhere worse;
 /// thirty-seconds gained little more for twice the calls.
 ///
-/// With `coarse` (the move budget has had to add slack: moves cost the job time), a quarter
-/// of the run and at least 4 pages: each later move of the chunk then costs a quarter of
-/// the calls, for more pinned memory, the same trade the added slack makes.
+/// With `coarse` (moves have lately spent their budget), a quarter of the run and at least
+/// 4 pages: each later move of the chunk then costs a quarter of the calls, for more pinned
+/// memory. The cap below still holds, so in a job whose slack is 64 pages or more (about 4
+/// GiB live) `coarse` changes nothing: there the budget acts only by refusing moves
+/// (`growths_past_slack`), which keeps the pinned pages within a sixteenth of the slack.
 ///
 /// Either way a chunk is a sixteenth of the slack, neither smaller nor larger, unless that is
 /// under 4 pages or under a 256th of the run (so a growth of up to 16,384 pages, 32 GiB,
