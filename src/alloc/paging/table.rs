@@ -39,10 +39,11 @@ const MAX_CHUNKS_PER_RUN: usize = 256;
 /// thirty-seconds gained little more for twice the calls.
 ///
 /// With `coarse` (moves have lately spent their budget), a quarter of the run and at least
-/// 4 pages: each later move of the chunk then costs a quarter of the calls, for more pinned
-/// memory. The cap below still holds, so in a job whose slack is 64 pages or more (about 4
-/// GiB live) `coarse` changes nothing: there the budget acts only by refusing moves
-/// (`growths_past_slack`), which keeps the pinned pages within a sixteenth of the slack.
+/// 4 pages: each later move of the chunk then costs fewer calls, for more pinned memory.
+/// The cap below still holds, so what `coarse` changes is small runs: a chunk of fewer
+/// than 4 pages (a run under 64 pages in a job whose slack is under 64 pages) becomes 4
+/// pages; larger chunks stay as they are, and the budget acts on them only by refusing
+/// moves (`growths_past_slack`), which keeps pinned chunks within a sixteenth of the slack.
 ///
 /// Either way a chunk is a sixteenth of the slack, neither smaller nor larger, unless that is
 /// under 4 pages or under a 256th of the run (so a growth of up to 16,384 pages, 32 GiB,

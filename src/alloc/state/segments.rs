@@ -112,10 +112,9 @@ impl State {
     }
 
     /// Whether page moves have lately spent their allowance (`MoveClock`): moves here cost
-    /// more than `page_move_budget`, so growth makes fewer, larger chunks (`chunk_pages_for`:
-    /// a quarter of the run, but at most a sixteenth of the slack where that is 4 pages or
-    /// more, so only small jobs' chunks grow), and each later move of them takes fewer
-    /// calls.
+    /// more than `page_move_budget`, so growth makes chunks of at least 4 pages where they
+    /// would be smaller (`chunk_pages_for`; larger ones are capped by the slack as before),
+    /// and each later move of them takes fewer calls.
     pub fn moves_over_budget(&self) -> bool {
         self.config.page_move_budget > 0.0 && self.paging.moves.spent_lately()
     }
