@@ -77,13 +77,7 @@ fn the_peak_breakdown_accounts_for_every_reserved_byte() {
         let r = replay(&traces[0], &options, |_, _| {}).unwrap();
         let b = r.at_peak.expect("a breakdown was asked for");
         assert_eq!(b.reserved_bytes, r.peak_reserved_bytes, "{conf:?}");
-        let parts = b.live_bytes
-            + b.free_chunk_bytes
-            + b.pinned_bytes
-            + b.rounding_bytes
-            + b.parked_bytes
-            + b.plain_bytes;
-        assert_eq!(parts, b.reserved_bytes, "{conf:?}: {b:?}");
+        assert_eq!(b.accounted_bytes(), b.reserved_bytes, "{conf:?}: {b:?}");
         let paged = conf != "expandable_segments:False";
         assert_eq!(b.plain_bytes == 0, paged, "{conf:?}: {b:?}");
     }

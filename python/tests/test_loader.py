@@ -284,17 +284,18 @@ _FIELD_TYPES = {
 }
 
 
-@pytest.mark.parametrize(
-    "struct",
-    [
-        _lib.ccalloc_stat,
-        _lib.ccalloc_stat_array,
-        _lib.ccalloc_stats,
-        _lib.ccalloc_paging_stats,
-        _lib.ccalloc_memory_breakdown,
-        _lib.ccalloc_pool_id,
-    ],
+# The plain-data structs the header declares and _lib mirrors.
+_STRUCTS = (
+    _lib.ccalloc_stat,
+    _lib.ccalloc_stat_array,
+    _lib.ccalloc_stats,
+    _lib.ccalloc_paging_stats,
+    _lib.ccalloc_memory_breakdown,
+    _lib.ccalloc_pool_id,
 )
+
+
+@pytest.mark.parametrize("struct", _STRUCTS)
 def test_structs_mirror_header_field_by_field(struct):
     header = _header_struct(struct.__name__)
     assert [(n, _FIELD_TYPES[t]) for n, t in header] == list(struct._fields_)
@@ -306,14 +307,7 @@ def test_struct_layout_matches_a_c_compiler(tmp_path):
         pytest.skip("no C compiler")
     lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "ccalloc.h"', "int main(void) {"]
     expected = []
-    for struct in (
-        _lib.ccalloc_stat,
-        _lib.ccalloc_stat_array,
-        _lib.ccalloc_stats,
-        _lib.ccalloc_paging_stats,
-        _lib.ccalloc_memory_breakdown,
-        _lib.ccalloc_pool_id,
-    ):
+    for struct in _STRUCTS:
         name = struct.__name__
         lines.append(f'printf("%zu\\n", sizeof({name}));')
         expected.append(ctypes.sizeof(struct))

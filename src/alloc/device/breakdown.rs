@@ -50,6 +50,17 @@ pub struct MemoryBreakdown {
 }
 
 impl MemoryBreakdown {
+    /// The bytes the parts account for (live, free chunks, pinned pages, rounding, parked
+    /// and plain memory): `reserved_bytes` in every breakdown taken.
+    pub fn accounted_bytes(&self) -> u64 {
+        self.live_bytes
+            + self.free_chunk_bytes
+            + self.pinned_bytes
+            + self.rounding_bytes
+            + self.parked_bytes
+            + self.plain_bytes
+    }
+
     /// The breakdown of `segments` (`DeviceAllocator::segments`) with `reserved_bytes`
     /// reserved, paged segments mapping pages of `page` bytes.
     pub fn of(segments: &[SegmentView], reserved_bytes: u64, page: u64) -> Self {
@@ -248,13 +259,7 @@ mod tests {
         assert_eq!(b.rounding_bytes, 70 + 40);
         assert_eq!(b.free_chunk_bytes, 200);
         assert_eq!(b.parked_bytes, 200, "reserved but not mapped");
-        let parts = b.live_bytes
-            + b.free_chunk_bytes
-            + b.pinned_bytes
-            + b.rounding_bytes
-            + b.parked_bytes
-            + b.plain_bytes;
-        assert_eq!(parts, b.reserved_bytes);
+        assert_eq!(b.accounted_bytes(), b.reserved_bytes);
     }
 
     #[test]
