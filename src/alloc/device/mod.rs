@@ -411,7 +411,10 @@ impl DeviceAllocator {
         } else {
             self.malloc_in_shard(size, stream)
         };
-        if result.is_ok() && self.peak_breakdown.wants(self.device_reserved.all_hint()) {
+        if self.peak_breakdown.recording()
+            && result.is_ok()
+            && self.peak_breakdown.wants(self.device_reserved.all_hint())
+        {
             self.record_peak_breakdown();
         }
         result
