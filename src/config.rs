@@ -47,9 +47,10 @@ pub struct Config {
     /// size and stream, and frees them without the device lock (`alloc::front`). Only with
     /// paged segments; with several shards, per shard. On by default.
     pub thread_cache: bool,
-    /// Take the breakdown of reserved memory (live bytes, free chunks, pinned pages, page
-    /// rounding) right after each allocation that raises reserved's peak, for
-    /// `DeviceAllocator::peak_breakdown`. Off by default: each new peak walks every block.
+    /// Keep the breakdown of reserved memory (live bytes, free chunks, pinned pages, page
+    /// rounding) at its highest since set or since peaks were reset: taken then, and right
+    /// after each allocation that takes reserved higher, for
+    /// `DeviceAllocator::peak_breakdown`. Off by default: each new high walks every block.
     pub record_peak_breakdown: bool,
 }
 

@@ -149,10 +149,11 @@ impl PeakRecorder {
         self.recording.load(Ordering::Relaxed)
     }
 
-    /// Whether an allocation that left `reserved` bytes reserved should take a breakdown.
+    /// Whether an allocation that left `reserved()` bytes reserved should take a
+    /// breakdown; `reserved` is read only while recording.
     #[inline]
-    pub(super) fn wants(&self, reserved: u64) -> bool {
-        self.recording() && reserved > self.kept_reserved.load(Ordering::Relaxed)
+    pub(super) fn wants(&self, reserved: impl FnOnce() -> u64) -> bool {
+        self.recording() && reserved() > self.kept_reserved.load(Ordering::Relaxed)
     }
 
     fn kept(&self) -> Option<MutexGuard<'_, Kept>> {
@@ -280,9 +281,9 @@ mod tests {
     #[test]
     fn a_walk_is_kept_only_if_higher_and_of_this_epoch() {
         let r = PeakRecorder::default();
-        assert!(!r.wants(10), "off");
+        assert!(!r.wants(|| 10), "off");
         r.restart(with_reserved(5));
-        assert!(r.wants(6) && !r.wants(5));
+        assert!(r.wants(|| 6) && !r.wants(|| 5));
         let before = r.epoch();
         r.offer(before, with_reserved(9));
         r.offer(before, with_reserved(7));
@@ -295,6 +296,6 @@ mod tests {
             "begun before the reset"
         );
         r.stop();
-        assert!(r.recorded().is_none() && !r.wants(100));
+        assert!(r.recorded().is_none() && !r.wants(|| 100));
     }
 }

@@ -411,9 +411,10 @@ impl DeviceAllocator {
         } else {
             self.malloc_in_shard(size, stream)
         };
-        if self.peak_breakdown.recording()
-            && result.is_ok()
-            && self.peak_breakdown.wants(self.device_reserved.all_hint())
+        if result.is_ok()
+            && self
+                .peak_breakdown
+                .wants(|| self.device_reserved.all_hint())
         {
             self.record_peak_breakdown();
         }
