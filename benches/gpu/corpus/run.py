@@ -133,7 +133,8 @@ def write_trace(torch, path: str) -> dict:
 # of the steady state's time went to growing (driver calls, moves, waits on fences) and how
 # many growths moved or were refused their moves there. What is left of a time difference
 # against native is not the paging policy.
-LOOP_PAGING_KEYS = ("growths", "moving_growths", "growths_past_slack", "growth_ns", "moving_ns", "wait_ns")
+LOOP_PAGING_KEYS = ("growths", "moving_growths", "growths_past_slack", "growth_ns", "moving_ns", "wait_ns",
+                    "host_waits")
 
 
 def paging_now(stats):
@@ -141,7 +142,8 @@ def paging_now(stats):
     if stats is None or not hasattr(stats, "paging_stats"):
         return None
     p = stats.paging_stats()
-    return {k: p[k] for k in LOOP_PAGING_KEYS}
+    # (A build older than the package reads 0 for counters it does not have.)
+    return {k: p.get(k, 0) for k in LOOP_PAGING_KEYS}
 
 
 def main() -> int:
