@@ -14,6 +14,8 @@
  * PROBE_PAIRS=SIZE instead times 200,000 alloc+free pairs of SIZE bytes on the main thread,
  * first alone, then after a helper thread has allocated on a stream of its own (a batch
  * prefetcher: with the default settings, a second shard).
+ * PROBE_ONE_STREAM=1 has every thread churn on one stream (PyTorch's forward and autograd
+ * threads share the current stream): two threads should do at least one thread's work.
  * PROBE_CPUS=a,b,... pins thread t of each run to CPU number t modulo the list's length, and
  * PROBE_MAIN_CPU=c the main thread (which spins while the run is timed, as the harness's does):
  * whether threads sharing a core's hyperthreads, or the main thread's spin, set the figures.
@@ -102,13 +104,19 @@ static void usage_now(long* faults, long* switches) {
     *switches = u.ru_nvcsw;
 }
 
+/* PROBE_ONE_STREAM: every thread churns on the same stream (PyTorch's forward and autograd
+ * threads), not each on its own. */
+static bool one_stream = false;
+
 static double run(int threads, long steps, bool sim) {
     const long live = 1000;
+    const int made = one_stream ? 1 : threads;
     std::vector<cudaStream_t> streams(threads);
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; t < made; ++t) {
         if (sim) streams[t] = (cudaStream_t)(uintptr_t)(0x1000 * (t + 1));
         else if (cudaStreamCreateWithFlags(&streams[t], cudaStreamNonBlocking) != cudaSuccess) return -1;
     }
+    for (int t = made; t < threads; ++t) streams[t] = streams[0];
     std::vector<Plan> plans;
     for (int t = 0; t < threads; ++t) plans.push_back(plan(live, steps, t + 1));
     std::atomic<int> ready{0}, bad{0};
@@ -155,7 +163,7 @@ static double run(int threads, long steps, bool sim) {
     for (auto& th : pool) th.join();
     if (!sim) {
         cudaDeviceSynchronize();
-        for (auto s : streams) cudaStreamDestroy(s);
+        for (int t = 0; t < made; ++t) cudaStreamDestroy(streams[t]);
     }
     return bad.load() ? -1 : ns;
 }
@@ -238,7 +246,9 @@ int main(int argc, char** argv) {
     std::vector<int> counts;
     for (int i = 2; i < argc; ++i) counts.push_back(atoi(argv[i]));
     if (counts.empty()) counts = {1, 4, 8};
-    printf("backend %s, %ld steps per thread:", sim ? "sim" : "cuda", steps);
+    one_stream = getenv("PROBE_ONE_STREAM") != nullptr;
+    printf("backend %s, %ld steps per thread, %s:", sim ? "sim" : "cuda", steps,
+           one_stream ? "one stream" : "a stream each");
     if (const char* n = getenv("PROBE_SEGMENTS")) segments = atoi(n) > 0 && atoi(n) <= 100 ? atoi(n) : 0;
     for (int t : counts) {
         double ns = run(t, steps, sim);
