@@ -856,7 +856,7 @@ fn threads_churning_large_blocks_in_their_fronts_beside_device_wide_calls() {
         let (driver, a) = allocator(2 << 30, conf);
         let conf_name = conf.to_string();
         let a2 = a.clone();
-        within(Duration::from_secs(60), move || {
+        within(move || {
             let a = a2;
             let stop = Arc::new(AtomicBool::new(false));
             let watcher = {

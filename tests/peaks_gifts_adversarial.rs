@@ -166,9 +166,7 @@ fn restore_held_while_another_shard_lifts(in_settlement: bool) {
 /// lifter finds no gift there and settles through the book, whose balance counts L's lift.
 #[test]
 fn a_shard_with_an_unsettled_lift_gives_none_of_it() {
-    within(Duration::from_secs(30), || {
-        restore_held_while_another_shard_lifts(false)
-    });
+    within(|| restore_held_while_another_shard_lifts(false));
 }
 
 /// A lift the book is settling keeps its high until the book has backed it: `settle`'s
@@ -178,9 +176,7 @@ fn a_shard_with_an_unsettled_lift_gives_none_of_it() {
 /// peak would read 16 MiB against the carve's 20 (as at a200db3; `BookHighs` since).
 #[test]
 fn a_gift_from_a_lift_the_book_is_settling_keeps_the_lift() {
-    within(Duration::from_secs(30), || {
-        restore_held_while_another_shard_lifts(true)
-    });
+    within(|| restore_held_while_another_shard_lifts(true));
 }
 
 /// The caller's live blocks and the device's true high-water marks since the last reset
@@ -418,7 +414,7 @@ fn seesaw(threads: usize, conf: &'static str, reader: bool, seed: u64) {
 
 #[test]
 fn seesaw_stream_shards() {
-    within(Duration::from_secs(60), || {
+    within(|| {
         for (threads, conf, reader) in [
             (2, "per_stream_shards:True,thread_cache:False", false),
             (4, "per_stream_shards:True", true),
@@ -432,7 +428,5 @@ fn seesaw_stream_shards() {
 
 #[test]
 fn seesaw_thread_shards() {
-    within(Duration::from_secs(60), || {
-        (1..=2).for_each(|seed| seesaw(8, "", true, seed))
-    });
+    within(|| (1..=2).for_each(|seed| seesaw(8, "", true, seed)));
 }

@@ -149,7 +149,7 @@ macro_rules! churn_test {
     ($name:ident, $threads:expr, $conf:expr, $reader:expr, $reset:expr, $empty:expr, $cross:expr) => {
         #[test]
         fn $name() {
-            within(Duration::from_secs(60), || {
+            within(|| {
                 for seed in 1..=2 {
                     churn(Churn {
                         threads: $threads,
@@ -237,7 +237,7 @@ churn_test!(
 /// freed again (after the round's resets, finished before the barrier) is exact.
 #[test]
 fn resets_racing_lifts_from_a_thread_of_their_own() {
-    within(Duration::from_secs(60), || {
+    within(|| {
         const CAP: u64 = 2 * MIB;
         const N: u64 = 4;
         let (_sim, a) = sim_allocator(16 << 30, "per_stream_shards:True");
@@ -315,7 +315,7 @@ fn resets_racing_lifts_from_a_thread_of_their_own() {
 /// `a_restore_carving_its_segment_counts_in_the_device_peak_as_with_one_shard`).
 #[test]
 fn a_lift_that_fell_before_settling_survives_a_balance_by_a_reader() {
-    within(Duration::from_secs(30), || {
+    within(|| {
         const POOL: (u64, u64) = (0, 7);
         let (s1, s2, s3) = (StreamId(1), StreamId(2), StreamId(3));
         let sim = Arc::new(SimDriver::new(1, 1 << 30));

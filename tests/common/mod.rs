@@ -12,12 +12,16 @@ use ccalloc::{DevicePtr, Driver, DriverResult, EventId, PhysHandle};
 use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// Runs `f` on a thread of its own and fails if it has not returned within `limit` (a
-/// deadlock), or passes its panic on.
-pub fn within<R: Send + 'static>(
-    limit: std::time::Duration,
-    f: impl FnOnce() -> R + Send + 'static,
-) -> R {
+/// How long `within` waits before it calls a test deadlocked. A guard, not a time budget:
+/// it only has to outlast a slow host, and a deadlocked test never ends. (Sixteen threads
+/// churning under a racing reader took 205 s on a 2-core AMD EPYC host where the same
+/// test had taken under 60 s on another 2-core host.)
+pub const DEADLOCK_GUARD: std::time::Duration = std::time::Duration::from_secs(900);
+
+/// Runs `f` on a thread of its own and fails if it has not returned within
+/// `DEADLOCK_GUARD` (a deadlock), or passes its panic on.
+pub fn within<R: Send + 'static>(f: impl FnOnce() -> R + Send + 'static) -> R {
+    let limit = DEADLOCK_GUARD;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
