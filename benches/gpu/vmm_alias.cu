@@ -27,6 +27,44 @@ static const char* err(CUresult r) {
     return r == CUDA_SUCCESS ? "ok" : s;
 }
 
+/* The sequence of a failure seen live (unet, session 30): a 3-page handle mapped at E, then
+ * at D (E kept), E unmapped; another 3-page handle at C, then unmapped; the first then mapped
+ * at C (D kept); then 8 more mappings of it. Offsets within a 1 GiB-aligned reservation as
+ * they were live. Returns 1 if a setup call failed. */
+static int live_failure_sequence(const Vmm& v, const CUmemAllocationProp& p, const char* label) {
+    CUdeviceptr g;
+    CHECK(cuMemAddressReserve(&g, 1ull << 31, 1ull << 30, 0, 0));
+    const size_t len = 3 * v.page;
+    CUdeviceptr E = g + 0x1ae00000, D = g + 0x1a800000, C = g + 0x19c00000;
+    CUmemGenericAllocationHandle hh, h2;
+    CHECK(cuMemCreate(&hh, len, &p, 0));
+    CHECK(cuMemCreate(&h2, len, &p, 0));
+    printf("%s, the live failure's sequence: E %s", label, err(cuMemMap(E, len, 0, hh, 0)));
+    printf(" (access %s)", err(cuMemSetAccess(E, len, &v.access, 1)));
+    printf(", D %s", err(cuMemMap(D, len, 0, hh, 0)));
+    printf(" (access %s)", err(cuMemSetAccess(D, len, &v.access, 1)));
+    printf(", unmap E %s", err(cuMemUnmap(E, len)));
+    printf(", other at C %s", err(cuMemMap(C, len, 0, h2, 0)));
+    printf(" (access %s)", err(cuMemSetAccess(C, len, &v.access, 1)));
+    printf(", unmap other %s", err(cuMemUnmap(C, len)));
+    CUresult mc = cuMemMap(C, len, 0, hh, 0);
+    printf(", first at C %s", err(mc));
+    int more = 0;
+    for (int k = 0; k < 8; k++) {
+        CUresult r = cuMemMap(g + 0x40000000 + k * 0x1000000, len, 0, hh, 0);
+        if (r != CUDA_SUCCESS) { printf(", mapping %d more: %s", k + 1, err(r)); break; }
+        more++;
+    }
+    printf(", %d more mappings\n", more);
+    for (int k = 0; k < more; k++) cuMemUnmap(g + 0x40000000 + k * 0x1000000, len);
+    if (mc == CUDA_SUCCESS) cuMemUnmap(C, len);
+    cuMemUnmap(D, len);
+    cuMemRelease(hh);
+    cuMemRelease(h2);
+    cuMemAddressFree(g, 1ull << 31);
+    return 0;
+}
+
 int main() {
     Vmm v;
     if (vmm_open(v)) return 1;
@@ -103,80 +141,16 @@ int main() {
         cuMemAddressFree(big, 2048 * page);
     }
 
-    // 4d. As ccalloc creates them where the device supports it: GPUDirect RDMA capable.
+    // 4c. A failure seen live (unet, session 30), with plain handles and with GPUDirect RDMA
+    //     capable ones (as ccalloc creates them where the device supports it).
+    if (live_failure_sequence(v, prop, "plain")) return 1;
     {
         int rdma = 0;
         cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev);
         CUmemAllocationProp rp = prop;
         rp.allocFlags.gpuDirectRDMACapable = 1;
-        CUdeviceptr g;
-        CHECK(cuMemAddressReserve(&g, 1ull << 31, 1ull << 30, 0, 0));
-        const size_t len = 3 * page;
-        CUdeviceptr E = g + 0x1ae00000, D = g + 0x1a800000, C = g + 0x19c00000;
-        CUmemGenericAllocationHandle hh, h2;
-        CHECK(cuMemCreate(&hh, len, &rp, 0));
-        CHECK(cuMemCreate(&h2, len, &rp, 0));
-        printf("RDMA-capable (supported: %d): E %s", rdma, err(cuMemMap(E, len, 0, hh, 0)));
-        printf(", D %s", err(cuMemMap(D, len, 0, hh, 0)));
-        printf(", unmap E %s", err(cuMemUnmap(E, len)));
-        printf(", other at C %s", err(cuMemMap(C, len, 0, h2, 0)));
-        printf(", unmap other %s", err(cuMemUnmap(C, len)));
-        CUresult mc = cuMemMap(C, len, 0, hh, 0);
-        printf(", first at C %s\n", err(mc));
-        int n2 = 0;
-        for (int k = 0; k < 8; k++) {
-            CUresult r = cuMemMap(g + 0x40000000 + k * 0x1000000, len, 0, hh, 0);
-            if (r != CUDA_SUCCESS) { printf("  extra mapping %d: %s\n", k + 1, err(r)); break; }
-            n2++;
-        }
-        printf("  %d extra mappings\n", n2);
-        for (int k = 0; k < n2; k++) cuMemUnmap(g + 0x40000000 + k * 0x1000000, len);
-        if (mc == CUDA_SUCCESS) cuMemUnmap(C, len);
-        cuMemUnmap(D, len);
-        cuMemRelease(hh);
-        cuMemRelease(h2);
-        cuMemAddressFree(g, 1ull << 31);
-    }
-
-    // 4c. A failure seen live (unet, session 30): a 3-page handle mapped at E, then at D
-    //     (E kept), E unmapped; another 3-page handle at C, unmapped; the first then mapped
-    //     at C (D kept). Offsets within a 1 GiB-aligned reservation as they were live.
-    {
-        CUdeviceptr g;
-        CHECK(cuMemAddressReserve(&g, 1ull << 31, 1ull << 30, 0, 0));
-        const size_t len = 3 * page;
-        CUdeviceptr E = g + 0x1ae00000, D = g + 0x1a800000, C = g + 0x19c00000;
-        CUmemGenericAllocationHandle hh, h2;
-        CHECK(cuMemCreate(&hh, len, &prop, 0));
-        CHECK(cuMemCreate(&h2, len, &prop, 0));
-        printf("replay of the live failure: E %s", err(cuMemMap(E, len, 0, hh, 0)));
-        printf(" (access %s)", err(cuMemSetAccess(E, len, &access, 1)));
-        printf(", D %s", err(cuMemMap(D, len, 0, hh, 0)));
-        printf(" (access %s)", err(cuMemSetAccess(D, len, &access, 1)));
-        printf(", unmap E %s", err(cuMemUnmap(E, len)));
-        printf(", other at C %s", err(cuMemMap(C, len, 0, h2, 0)));
-        printf(" (access %s)", err(cuMemSetAccess(C, len, &access, 1)));
-        printf(", unmap other %s", err(cuMemUnmap(C, len)));
-        CUresult mc = cuMemMap(C, len, 0, hh, 0);
-        printf(", first at C %s\n", err(mc));
-        if (mc == CUDA_SUCCESS) cuMemUnmap(C, len);
-        // Variations: without the other handle at C first; with 4-page handles.
-        CUresult v1 = cuMemMap(C, len, 0, hh, 0);
-        printf("  same without the other handle: %s\n", err(v1));
-        if (v1 == CUDA_SUCCESS) cuMemUnmap(C, len);
-        cuMemUnmap(D, len);
-        CUresult v2a = cuMemMap(D, len, 0, hh, 0), v2b = cuMemMap(C, len, 0, hh, 0);
-        printf("  fresh: at D %s, then at C %s\n", err(v2a), err(v2b));
-        for (CUdeviceptr y : {C, D}) cuMemUnmap(y, len);
-        for (long off : {0x0L, 0x200000L, 0x400000L, 0x600000L, 0x800000L}) {
-            CUresult a = cuMemMap(D, len, 0, hh, 0), b = cuMemMap(g + 0x10000000 + off, len, 0, hh, 0);
-            printf("  at D and at +%#lx: %s, %s\n", off, err(a), err(b));
-            cuMemUnmap(D, len);
-            if (b == CUDA_SUCCESS) cuMemUnmap(g + 0x10000000 + off, len);
-        }
-        cuMemRelease(hh);
-        cuMemRelease(h2);
-        cuMemAddressFree(g, 1ull << 31);
+        printf("(RDMA with VMM supported: %d) ", rdma);
+        if (live_failure_sequence(v, rp, "RDMA-capable")) return 1;
     }
 
     // 4. Many handles each mapped twice, side by side (a move of a run of chunks).
