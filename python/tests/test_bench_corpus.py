@@ -132,15 +132,17 @@ def test_plan_splits_over_calls():
 
 
 def test_ab_table_pairs_the_builds_round_by_round(tmp_path):
-    def run_of(lib, rnd, seconds, reserved, **paging):
+    def run_of(lib, rnd, seconds, reserved, loop=None, **paging):
         r = record("moe_train", "ccalloc", rnd, seconds, reserved)
         r.update(lib=lib, paging=dict(paging))
+        if loop:
+            r["loop_paging"] = {"growth_ns": loop[0] * 1e6, "wait_ns": loop[1] * 1e6}
         return r
 
     records = [
-        run_of("base", 1, 1.0, 1.04, growths_past_slack=7, chunks_mapped=800),
-        run_of("trial", 1, 1.1, 1.02, growths_past_slack=0, chunks_mapped=400),
-        run_of("trial", 2, 0.9, 1.03, growths_past_slack=0, chunks_mapped=420),
+        run_of("base", 1, 1.0, 1.04, (100, 60), growths_past_slack=7, chunks_mapped=800),
+        run_of("trial", 1, 1.1, 1.02, (40, 0), growths_past_slack=0, chunks_mapped=400),
+        run_of("trial", 2, 0.9, 1.03, (50, 2), growths_past_slack=0, chunks_mapped=420),
         run_of("base", 2, 1.0, 1.05, growths_past_slack=5, chunks_mapped=820),
         record("moe_train", "ccalloc", 3, 1.0, 1.0, error="no record (crash or timeout)"),
     ]
@@ -157,6 +159,8 @@ def test_ab_table_pairs_the_builds_round_by_round(tmp_path):
     assert cells[3] == "1.000 [0.900–1.100]"
     assert cells[4] == "6 / 0"
     assert cells[5] == "810 / 410"
+    # Medians of the runs that recorded their loops' growth (base's second did not).
+    assert cells[6] == "100 (60) / 45 (1)"
     assert "error: moe_train trial round 3: no record (crash or timeout)" in out.stdout
 
 

@@ -4,8 +4,9 @@
 usage: ab_table.py A B FILE.jsonl...   (A, B: the "lib" values of the records, A the base)
 
 Per workload: each build's peak reserved / peak requested in every run (in round order), the
-growths refused their moves and the chunks mapped (medians over runs), and B's loop time
-against A's: in every round the ratio of the two processes' median loop seconds, then the
+growths refused their moves and the chunks mapped (medians over runs), the time its timed
+loops spent growing and, of that, waiting for the device (ms, medians over runs; run.py's
+"loop_paging"), and B's loop time against A's: in every round the ratio of the two processes' median loop seconds, then the
 median of those ratios with their min-max spread. A failed run has no figures; its error is
 listed under the table.
 """
@@ -33,17 +34,30 @@ def ratio(r) -> float:
     return r["reserved_bytes.all.peak"] / r["requested_bytes.all.peak"]
 
 
-def median_of(runs, key):
-    values = [r.get("paging", {}).get(key) for r in runs if ok(r)]
+def median_of(runs, key, counters="paging"):
+    values = [(r.get(counters) or {}).get(key) for r in runs if ok(r)]
     values = [v for v in values if v is not None]
-    return f"{statistics.median(values):g}" if values else "-"
+    return statistics.median(values) if values else None
+
+
+def count(value) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def growth_ms(runs) -> str:
+    """The timed loops' growth and wait time, "growth (waits)" in ms."""
+    growth, waits = (median_of(runs, k, "loop_paging") for k in ("growth_ns", "wait_ns"))
+    if growth is None:
+        return "-"
+    return f"{growth / 1e6:.0f} ({(waits or 0) / 1e6:.0f})"
 
 
 def table(a: str, b: str, records) -> list:
     workloads = list(dict.fromkeys(r["workload"] for r in records))
     lines = [
-        f"| workload | {a} res/req | {b} res/req | {b} / {a} time | refused growths, {a} / {b} | chunks mapped, {a} / {b} |",
-        "|---|---|---|---:|---:|---:|",
+        f"| workload | {a} res/req | {b} res/req | {b} / {a} time | refused growths, {a} / {b} | chunks mapped, {a} / {b} "
+        f"| loop growth ms (waits), {a} / {b} |",
+        "|---|---|---|---:|---:|---:|---:|",
     ]
     errors = []
     for w in workloads:
@@ -57,9 +71,10 @@ def table(a: str, b: str, records) -> list:
                   for r in runs[b] if ok(r) and r["round"] in base]
         time = (f"{statistics.median(ratios):.3f} [{min(ratios):.3f}–{max(ratios):.3f}]"
                 if ratios else "-")
-        refused = " / ".join(median_of(runs[lib], "growths_past_slack") for lib in (a, b))
-        mapped = " / ".join(median_of(runs[lib], "chunks_mapped") for lib in (a, b))
-        lines.append(f"| {w} | {cells[0]} | {cells[1]} | {time} | {refused} | {mapped} |")
+        refused = " / ".join(count(median_of(runs[lib], "growths_past_slack")) for lib in (a, b))
+        mapped = " / ".join(count(median_of(runs[lib], "chunks_mapped")) for lib in (a, b))
+        growth = " / ".join(growth_ms(runs[lib]) for lib in (a, b))
+        lines.append(f"| {w} | {cells[0]} | {cells[1]} | {time} | {refused} | {mapped} | {growth} |")
     lines.append("")
     lines.append(f"{len(records)} runs. Time: per round, {b}'s median loop seconds over {a}'s; "
                  "median over rounds [min–max].")
