@@ -6,8 +6,8 @@ usage: ab_table.py A B FILE.jsonl...   (A, B: the "lib" values of the records, A
 Per workload: each build's peak reserved / peak requested in every run (in round order), the
 growths refused their moves and the chunks mapped (medians over runs), the time its timed
 loops spent growing and, of that, waiting for the device (ms, medians over runs; run.py's
-"loop_paging"), and B's loop time against A's: in every round the ratio of the two processes' median loop seconds, then the
-median of those ratios with their min-max spread. A failed run has no figures; its error is
+"loop_paging"), and B's loop time against A's: in every round the ratio of the two
+processes' median loop seconds, then the median of those ratios with their min-max spread. A failed run has no figures; its error is
 listed under the table.
 """
 
