@@ -159,6 +159,26 @@ typedef struct {
   uint64_t growths_past_slack;
 } ccalloc_paging_stats;
 
+// How callers met a device's locks (each shard's), counted until
+// `ccalloc_reset_accumulated_stats`. A call served by the calling thread's cache of freed
+// blocks (`thread_cache`) takes no lock and counts nothing.
+typedef struct {
+  // Times a lock was taken: allocations and frees past the thread caches, statistics
+  // reads (this one's included), and the device's own bookkeeping.
+  uint64_t acquisitions;
+  // Of those, the ones that found another thread holding the lock, and of these the ones
+  // that slept after spinning (about 20 µs).
+  uint64_t contended;
+  uint64_t blocked;
+  // Wall time the contended acquisitions waited, in nanoseconds.
+  uint64_t wait_ns;
+  // Acquisitions by another thread than the one before: the allocator's bookkeeping moved
+  // between threads (and likely cores). Threads that take turns on a stream, as PyTorch's
+  // forward and autograd threads do, make a few per step; threads that allocate at the
+  // same time on one stream make about one per call.
+  uint64_t handoffs;
+} ccalloc_lock_stats;
+
 // What a device's reserved memory is made of (`ccalloc_get_memory_breakdown`): live bytes
 // and the excess over them by cause. The six byte counts from `live_bytes` on add up to
 // `reserved_bytes`.
@@ -329,6 +349,10 @@ ccalloc_status ccalloc_get_stats(int32_t device, ccalloc_stats *out_stats);
 
 // Copies what paged segments' growth has cost on `device` into `*out_stats`.
 ccalloc_status ccalloc_get_paging_stats(int32_t device, ccalloc_paging_stats *out_stats);
+
+// Copies how callers have met `device`'s locks into `*out_stats`: whether threads contend
+// for it, and how often its bookkeeping moves between threads.
+ccalloc_status ccalloc_get_lock_stats(int32_t device, ccalloc_lock_stats *out_stats);
 
 // Copies what `device`'s reserved memory is made of into `*out_breakdown`: now, or with
 // `at_peak`, right after the allocation that took reserved to its highest since the

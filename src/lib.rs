@@ -23,7 +23,7 @@ mod snapshot;
 mod sync;
 
 pub use alloc::blocks::BlockState;
-pub use alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};
+pub use alloc::stats::{DeviceStats, LockCounters, PagingCounters, Stat, StatArray};
 pub use alloc::{DeviceAllocator, MadeBlock, MemoryBreakdown, Restored, SavedBlock, SegmentView};
 pub use config::Config;
 pub use driver::{

@@ -9,8 +9,11 @@
 //! exponential backoff for up to `SPIN_BUDGET` before it blocks, so hand-offs between busy
 //! threads stay in user space, and a waiter behind a long driver call still goes to sleep.
 //!
-//! `SpinThenBlock` has no unsafe code: the lock is std's, spun on with `try_lock`, so
-//! poisoning (a panic while the lock was held) is reported exactly as std reports it.
+//! `SpinThenBlock`'s lock is std's, spun on with `try_lock`, so poisoning (a panic while the
+//! lock was held) is reported exactly as std reports it. It also counts how callers met it
+//! (`LockCounters`: acquisitions, waits, and handoffs between threads), which its holder
+//! writes with plain relaxed stores; the one unsafe line there reads the thread pointer that
+//! tells threads apart (`thread_tag`).
 //!
 //! `lock` and `poisoned` are the one policy for a poisoned lock, everywhere in ccalloc: the
 //! call that meets it fails with `ErrorKind::Internal` (`CCALLOC_INTERNAL_ERROR`) naming
@@ -23,7 +26,7 @@
 //! Under `--cfg loom` the protocol
 //! (try, then block) runs on loom's mutex for the model in `tests/loom_lock.rs`; the spin's
 //! timing (backoff, deadline) is compiled out there, as loom has no clock. `SpinCell` is the
-//! one unsafe piece (an `UnsafeCell` behind an acquire/release flag); under loom it runs on
+//! one unsafe lock (an `UnsafeCell` behind an acquire/release flag); under loom it runs on
 //! loom's cell and atomics, and the same file models it.
 
 use crate::error::{Error, ErrorKind};
@@ -67,8 +70,121 @@ pub(crate) fn lock<'a, T>(
     mutex.lock().map_err(|_| poisoned(what))
 }
 
+/// A std `Mutex` that spins before it sleeps (see the module's documentation), and counts
+/// how callers met it (`LockUse`).
 pub struct SpinThenBlock<T> {
     inner: Mutex<T>,
+    used: LockUse,
+}
+
+/// How callers met a lock, counted since it was made or `reset_use` (`LockCounters`
+/// documents each count). Only the holder writes them, so plain relaxed loads
+/// and stores do, no read-modify-write; anyone may read them.
+#[derive(Default)]
+struct LockUse {
+    acquisitions: StdAtomicU64,
+    contended: StdAtomicU64,
+    blocked: StdAtomicU64,
+    wait_ns: StdAtomicU64,
+    handoffs: StdAtomicU64,
+    /// The last holder's `thread_tag` (0: none yet).
+    last_holder: StdAtomicU64,
+}
+
+/// How callers met a lock (`SpinThenBlock::use_counts`), or a device's locks summed: whether
+/// threads contend, and how often the guarded state moves between threads. For the device's
+/// locks (each shard's), a call its thread's front serves takes no lock and counts nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LockCounters {
+    /// Times the lock was taken (for a shard: allocations and frees past the fronts,
+    /// statistics reads, the device's own settling).
+    pub acquisitions: u64,
+    /// Of those, the ones that found another thread holding it, and of these the ones that
+    /// slept (after spinning for `SPIN_BUDGET`).
+    pub contended: u64,
+    pub blocked: u64,
+    /// Wall time the contended ones waited, in nanoseconds.
+    pub wait_ns: u64,
+    /// Acquisitions by another thread than the one before (the guarded state then moves
+    /// between cores): threads that take turns on a stream, as PyTorch's forward and
+    /// autograd threads do, make a few per step; threads that allocate at the same time on
+    /// one stream make about one per call.
+    pub handoffs: u64,
+}
+
+impl LockCounters {
+    pub fn add(&mut self, o: &LockCounters) {
+        self.acquisitions += o.acquisitions;
+        self.contended += o.contended;
+        self.blocked += o.blocked;
+        self.wait_ns += o.wait_ns;
+        self.handoffs += o.handoffs;
+    }
+}
+
+/// Adds `n` to a count only the lock's holder writes.
+#[inline]
+fn bump(count: &StdAtomicU64, n: u64) {
+    count.store(count.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
+impl LockUse {
+    /// The caller just took the lock (on the fast path: at once).
+    #[inline]
+    fn note(&self) {
+        bump(&self.acquisitions, 1);
+        let me = thread_tag();
+        let last = self.last_holder.load(Ordering::Relaxed);
+        if last != me {
+            bump(&self.handoffs, (last != 0) as u64);
+            self.last_holder.store(me, Ordering::Relaxed);
+        }
+    }
+
+    /// The caller took the lock after waiting `waited` for another holder, `blocked` if it
+    /// slept.
+    fn note_wait(&self, waited: std::time::Duration, blocked: bool) {
+        bump(&self.contended, 1);
+        bump(&self.blocked, blocked as u64);
+        bump(&self.wait_ns, waited.as_nanos() as u64);
+    }
+}
+
+/// A number for the calling thread, never 0: its thread pointer (the address of its
+/// thread control block, which the platform's ABI keeps in a register). Threads alive at
+/// once have distinct ones; a thread started after another exited may get that one's again.
+/// One instruction, where a call (`pthread_self`, or a thread-local's `__tls_get_addr` in a
+/// shared library) cost 5 ns a lock.
+#[inline]
+fn thread_tag() -> u64 {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    {
+        let tcb: u64;
+        // SAFETY: the x86-64 Linux ABI keeps the thread control block's own address at
+        // %fs:0 in every thread; reading it has no side effect.
+        unsafe {
+            std::arch::asm!("mov {}, qword ptr fs:[0]", out(reg) tcb, options(nostack, readonly, preserves_flags));
+        }
+        tcb
+    }
+    #[cfg(all(target_arch = "aarch64", target_os = "linux"))]
+    {
+        let tcb: u64;
+        // SAFETY: TPIDR_EL0 holds the thread pointer in every thread; reading it has no
+        // side effect.
+        unsafe {
+            std::arch::asm!("mrs {}, tpidr_el0", out(reg) tcb, options(nostack, nomem, preserves_flags));
+        }
+        tcb
+    }
+    #[cfg(not(all(
+        any(target_arch = "x86_64", target_arch = "aarch64"),
+        target_os = "linux"
+    )))]
+    {
+        // SAFETY: pthread_self has no preconditions and cannot fail.
+        unsafe { libc::pthread_self() as u64 }
+    }
 }
 
 /// The guard `lock` returns (std's, or loom's under `--cfg loom`).
@@ -81,6 +197,7 @@ impl<T> SpinThenBlock<T> {
     pub fn new(value: T) -> Self {
         Self {
             inner: Mutex::new(value),
+            used: LockUse::default(),
         }
     }
 
@@ -88,7 +205,10 @@ impl<T> SpinThenBlock<T> {
     #[inline]
     pub fn lock(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
         match self.inner.try_lock() {
-            Ok(guard) => Ok(guard),
+            Ok(guard) => {
+                self.used.note();
+                Ok(guard)
+            }
             Err(TryLockError::Poisoned(poisoned)) => Err(poisoned),
             Err(TryLockError::WouldBlock) => self.lock_contended(),
         }
@@ -97,9 +217,42 @@ impl<T> SpinThenBlock<T> {
     #[cold]
     #[inline(never)]
     fn lock_contended(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
-        match self.lock_soon()? {
-            Some(guard) => Ok(guard),
-            None => self.inner.lock(),
+        let started = std::time::Instant::now();
+        let (guard, blocked) = match self.spin_for_lock()? {
+            Some(guard) => (guard, false),
+            None => (self.inner.lock()?, true),
+        };
+        self.used.note();
+        self.used.note_wait(started.elapsed(), blocked);
+        Ok(guard)
+    }
+
+    /// How callers have met the lock. Read without it: counts a holder is updating may be
+    /// one acquisition apart.
+    pub fn use_counts(&self) -> LockCounters {
+        let u = &self.used;
+        let read = |c: &StdAtomicU64| c.load(Ordering::Relaxed);
+        LockCounters {
+            acquisitions: read(&u.acquisitions),
+            contended: read(&u.contended),
+            blocked: read(&u.blocked),
+            wait_ns: read(&u.wait_ns),
+            handoffs: read(&u.handoffs),
+        }
+    }
+
+    /// Zeroes the counts (the last holder stays known); the caller holds the lock, through
+    /// `_held`, so that no acquisition is counted meanwhile.
+    pub fn reset_use(&self, _held: &MutexGuard<'_, T>) {
+        let u = &self.used;
+        for c in [
+            &u.acquisitions,
+            &u.contended,
+            &u.blocked,
+            &u.wait_ns,
+            &u.handoffs,
+        ] {
+            c.store(0, Ordering::Relaxed);
         }
     }
 
@@ -107,6 +260,21 @@ impl<T> SpinThenBlock<T> {
     /// when it does not: for callers that hold other locks of the kind, which must not
     /// keep them while a holder of this one waits on the driver.
     pub fn lock_soon(&self) -> Result<Option<MutexGuard<'_, T>>, Poisoned<'_, T>> {
+        if let Ok(guard) = self.inner.try_lock() {
+            self.used.note();
+            return Ok(Some(guard));
+        }
+        let started = std::time::Instant::now();
+        let guard = self.spin_for_lock()?;
+        if guard.is_some() {
+            self.used.note();
+            self.used.note_wait(started.elapsed(), false);
+        }
+        Ok(guard)
+    }
+
+    /// `lock_soon`'s spin, counting nothing.
+    fn spin_for_lock(&self) -> Result<Option<MutexGuard<'_, T>>, Poisoned<'_, T>> {
         let mut tries = 0u32;
         #[cfg(not(loom))]
         let mut deadline = None;
@@ -145,12 +313,16 @@ impl<T> SpinThenBlock<T> {
     /// poisoned it): for callers that hold another lock of the same kind, which may not
     /// wait for this one.
     pub fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
-        self.inner.try_lock().ok()
+        let guard = self.inner.try_lock().ok()?;
+        self.used.note();
+        Some(guard)
     }
 
     /// Locks without spinning (for callers that do not mind waiting: shutdown, reopen).
     pub fn lock_blocking(&self) -> Result<MutexGuard<'_, T>, Poisoned<'_, T>> {
-        self.inner.lock()
+        let guard = self.inner.lock()?;
+        self.used.note();
+        Ok(guard)
     }
 }
 
@@ -171,7 +343,7 @@ pub struct SpinCell<T> {
 
 #[cfg(loom)]
 use loom::{cell::UnsafeCell, sync::atomic::AtomicBool};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64 as StdAtomicU64, Ordering};
 #[cfg(not(loom))]
 use std::{cell::UnsafeCell, sync::atomic::AtomicBool};
 

@@ -85,6 +85,7 @@ __all__ = [
     "cache_info",
     # beyond PyTorch
     "paging_stats",
+    "lock_stats",
     "memory_breakdown",
     # low level
     "malloc",
@@ -411,6 +412,22 @@ def paging_stats(device: Any = None) -> Dict[str, Any]:
     """
     out = _lib.ccalloc_paging_stats()
     _call("ccalloc_get_paging_stats", _device_index(device), ctypes.byref(out))
+    return {name: getattr(out, name) for name, _ in out._fields_}
+
+
+def lock_stats(device: Any = None) -> Dict[str, int]:
+    """How callers have met ``device``'s locks (PyTorch has no such figures):
+    ``acquisitions`` (allocations and frees past the thread caches, statistics reads, this
+    one's included), ``contended`` (of those, the ones that found another thread holding
+    the lock), ``blocked`` (of these, the ones that slept after spinning), ``wait_ns``
+    (their waits), and ``handoffs`` (acquisitions by another thread than the one before:
+    the allocator's bookkeeping moved between threads). Threads that allocate at the same
+    time on one stream contend; PyTorch's forward and autograd threads take turns, which
+    shows as handoffs without contention. Counts restart at
+    :func:`reset_accumulated_memory_stats`.
+    """
+    out = _lib.ccalloc_lock_stats()
+    _call("ccalloc_get_lock_stats", _device_index(device), ctypes.byref(out))
     return {name: getattr(out, name) for name, _ in out._fields_}
 
 

@@ -318,6 +318,18 @@ class ccalloc_paging_stats(ctypes.Structure):
     ]
 
 
+class ccalloc_lock_stats(ctypes.Structure):
+    """``ccalloc_lock_stats``: how callers met a device's locks."""
+
+    _fields_ = [
+        ("acquisitions", c_uint64),
+        ("contended", c_uint64),
+        ("blocked", c_uint64),
+        ("wait_ns", c_uint64),
+        ("handoffs", c_uint64),
+    ]
+
+
 class ccalloc_memory_breakdown(ctypes.Structure):
     """``ccalloc_memory_breakdown``: what a device's reserved memory is made of."""
 
@@ -449,6 +461,7 @@ FUNCTIONS: Dict[str, Tuple[List[type], Optional[type]]] = {
     "ccalloc_set_config": ([c_char_p], _status),
     "ccalloc_get_stats": ([c_int32, POINTER(ccalloc_stats)], _status),
     "ccalloc_get_paging_stats": ([c_int32, POINTER(ccalloc_paging_stats)], _status),
+    "ccalloc_get_lock_stats": ([c_int32, POINTER(ccalloc_lock_stats)], _status),
     "ccalloc_get_memory_breakdown": ([c_int32, c_bool, POINTER(ccalloc_memory_breakdown)], _status),
     "ccalloc_reset_peak_stats": ([c_int32], _status),
     "ccalloc_reset_accumulated_stats": ([c_int32], _status),

@@ -207,6 +207,7 @@ _C_TO_CTYPES = {
     "void**": ctypes.POINTER(ctypes.c_void_p),
     "ccalloc_stats*": ctypes.POINTER(_lib.ccalloc_stats),
     "ccalloc_paging_stats*": ctypes.POINTER(_lib.ccalloc_paging_stats),
+    "ccalloc_lock_stats*": ctypes.POINTER(_lib.ccalloc_lock_stats),
     "ccalloc_memory_breakdown*": ctypes.POINTER(_lib.ccalloc_memory_breakdown),
     "ccalloc_pool_id": _lib.ccalloc_pool_id,
     "uint32_t*": ctypes.POINTER(ctypes.c_uint32),
@@ -290,6 +291,7 @@ _STRUCTS = (
     _lib.ccalloc_stat_array,
     _lib.ccalloc_stats,
     _lib.ccalloc_paging_stats,
+    _lib.ccalloc_lock_stats,
     _lib.ccalloc_memory_breakdown,
     _lib.ccalloc_pool_id,
 )

@@ -250,6 +250,50 @@ def test_paging_stats_bad_device():
         ccalloc.paging_stats(7)
 
 
+def test_lock_stats_count_acquisitions_and_handoffs_until_reset(alloc, fresh_stats):
+    fields = {"acquisitions", "contended", "blocked", "wait_ns", "handoffs"}
+    ccalloc.reset_accumulated_memory_stats()
+    start = ccalloc.lock_stats()
+    assert start == dict.fromkeys(fields, 0)  # the read takes no lock
+    alloc(30 * MiB)
+    after = ccalloc.lock_stats()
+    assert after["acquisitions"] >= 1
+    # One thread alone never hands the lock over, nor waits for it.
+    assert after["handoffs"] == after["contended"] == after["blocked"] == after["wait_ns"] == 0
+    ccalloc.reset_accumulated_memory_stats()
+    assert ccalloc.lock_stats() == start
+
+
+def test_lock_stats_see_another_thread_take_the_lock_in_turn():
+    out = run_python(
+        """
+        import threading
+        import ccalloc
+        MiB = 1 << 20
+        ccalloc.free(ccalloc.malloc(3 * MiB))
+        ccalloc.reset_accumulated_memory_stats()
+        def other():
+            ccalloc.free(ccalloc.malloc(3 * MiB))
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        s = ccalloc.lock_stats()
+        print(s["handoffs"], s["acquisitions"])
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    handoffs, acquisitions = map(int, out.stdout.split())
+    # After the reset (main's, which zeroed the counts), the other thread's malloc and free;
+    # the read takes no lock.
+    assert handoffs == 1
+    assert acquisitions >= 2
+
+
+def test_lock_stats_bad_device():
+    with pytest.raises(ccalloc.InvalidDeviceError):
+        ccalloc.lock_stats(7)
+
+
 def test_chunks_borrowed_between_streams_read_through_the_struct():
     # With a shard per stream, stream 2's growth takes the pages stream 1 freed. Read
     # through ctypes, the new last field and the ones before it must be the C struct's.

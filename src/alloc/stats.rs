@@ -362,6 +362,8 @@ impl PagingCounters {
     }
 }
 
+pub use crate::sync::LockCounters;
+
 impl DeviceStats {
     /// Another shard's statistics added in (`DeviceAllocator::stats`).
     pub fn add(&mut self, o: &DeviceStats) {

@@ -2,7 +2,7 @@
 
 use super::core::blocks::BlockState;
 use super::sizing::{LARGE_BUFFER, SMALL_BUFFER};
-use super::stats::DeviceStats;
+use super::stats::{DeviceStats, LockCounters};
 use super::*;
 use crate::driver::sim::SimDriver;
 use std::sync::Arc;
@@ -1864,4 +1864,60 @@ fn a_lift_another_shards_headroom_covers_waits_for_no_book() {
     let after = a.stats().unwrap();
     assert_eq!(after.allocated_bytes.all().peak, 72 * MIB as i64);
     assert_eq!(after.allocation.all().peak, 4);
+}
+
+#[test]
+fn lock_counters_count_a_wait_for_another_holder_and_each_handoff() {
+    let (_sim, a) = paged(1 << 30, "");
+    // The first shard holds memory of S0, so another thread's calls on it come here too.
+    let kept = a.malloc(MIB, S0).unwrap();
+    let before = a.lock_counters().unwrap();
+    assert_eq!(before.contended, 0, "one thread alone never waits");
+    // The other thread asks for the lock while this one holds it (long past the spin, so
+    // it sleeps). It signals just before asking; a scheduler that delays it past the hold
+    // leaves nothing to count, so the hold is tried a few times.
+    let mut waited = None;
+    for _ in 0..5 {
+        let seen = a.lock_counters().unwrap();
+        std::thread::scope(|s| {
+            let held = a.state_of(S0);
+            let (asking, asked) = std::sync::mpsc::channel();
+            let a = &a;
+            let other = s.spawn(move || {
+                asking.send(()).unwrap();
+                a.free(a.malloc(MIB, S0).unwrap()).unwrap();
+            });
+            asked.recv().unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            drop(held);
+            other.join().unwrap();
+        });
+        let after = a.lock_counters().unwrap();
+        if after.contended > seen.contended {
+            waited = Some((seen, after));
+            break;
+        }
+    }
+    let (seen, after) = waited.expect("the other thread waited for the lock in 5 tries");
+    assert_eq!(a.shards_made(), 1);
+    assert_eq!(
+        after.contended,
+        seen.contended + 1,
+        "only the first of its calls waited"
+    );
+    assert_eq!(
+        after.blocked,
+        seen.blocked + 1,
+        "100 ms is past the spin: it slept"
+    );
+    assert!(after.wait_ns >= seen.wait_ns + 50_000_000, "{after:?}");
+    // This thread's hold, then the other's malloc and free (reads take no lock): the lock
+    // changed hands once, and back at the next hold.
+    assert_eq!(after.handoffs, seen.handoffs + 1, "{after:?}");
+    assert!(after.acquisitions >= seen.acquisitions + 3, "{after:?}");
+    drop(a.state_of(S0));
+    assert_eq!(a.lock_counters().unwrap().handoffs, after.handoffs + 1);
+    a.reset_accumulated_stats().unwrap();
+    assert_eq!(a.lock_counters().unwrap(), LockCounters::default());
+    a.free(kept).unwrap();
 }

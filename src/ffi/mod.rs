@@ -17,8 +17,8 @@ use boundary::{guard, invalid, require_out, write_out};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::io::Write;
 use types::{
-    ccalloc_memory_breakdown, ccalloc_paging_stats, ccalloc_pool_id, ccalloc_release_fn,
-    ccalloc_stats, ccalloc_status, ccalloc_stream_filter, cudaStream_t,
+    ccalloc_lock_stats, ccalloc_memory_breakdown, ccalloc_paging_stats, ccalloc_pool_id,
+    ccalloc_release_fn, ccalloc_stats, ccalloc_status, ccalloc_stream_filter, cudaStream_t,
 };
 
 fn stream_of(stream: cudaStream_t) -> StreamId {
@@ -288,6 +288,20 @@ pub extern "C" fn ccalloc_get_paging_stats(
         let d = runtime::global()?.device(device as i64)?;
         let stats = ccalloc_paging_stats::new(&d.stats()?.paging, d.page_slack()?);
         write_out(out_stats, "out_stats", stats)
+    })
+}
+
+/// Copies how callers have met `device`'s locks into `*out_stats`: whether threads contend
+/// for it, and how often its bookkeeping moves between threads.
+#[no_mangle]
+pub extern "C" fn ccalloc_get_lock_stats(
+    device: i32,
+    out_stats: *mut ccalloc_lock_stats,
+) -> ccalloc_status {
+    guard(|| {
+        require_out(out_stats, "out_stats")?;
+        let d = runtime::global()?.device(device as i64)?;
+        write_out(out_stats, "out_stats", d.lock_counters()?.into())
     })
 }
 

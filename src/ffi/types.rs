@@ -1,7 +1,7 @@
 //! Types that cross the C boundary.
 #![allow(non_camel_case_types)]
 
-use crate::alloc::stats::{DeviceStats, PagingCounters, Stat, StatArray};
+use crate::alloc::stats::{DeviceStats, LockCounters, PagingCounters, Stat, StatArray};
 
 // The one list of status codes. build.rs reads this enum (its lines must stay of the forms
 // `/// doc`, `CCALLOC_NAME = VALUE,`) and generates from it `ErrorKind` (src/error.rs: one
@@ -124,6 +124,40 @@ pub struct ccalloc_paging_stats {
     /// (`page_move_budget`): each mapped new memory instead, past the slack bound where it
     /// needed more than the slack held.
     pub growths_past_slack: u64,
+}
+
+/// How callers met a device's locks (each shard's), counted until
+/// `ccalloc_reset_accumulated_stats`. A call served by the calling thread's cache of freed
+/// blocks (`thread_cache`) takes no lock and counts nothing.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ccalloc_lock_stats {
+    /// Times a lock was taken: allocations and frees past the thread caches, statistics
+    /// reads (this one's included), and the device's own bookkeeping.
+    pub acquisitions: u64,
+    /// Of those, the ones that found another thread holding the lock, and of these the ones
+    /// that slept after spinning (about 20 µs).
+    pub contended: u64,
+    pub blocked: u64,
+    /// Wall time the contended acquisitions waited, in nanoseconds.
+    pub wait_ns: u64,
+    /// Acquisitions by another thread than the one before: the allocator's bookkeeping moved
+    /// between threads (and likely cores). Threads that take turns on a stream, as PyTorch's
+    /// forward and autograd threads do, make a few per step; threads that allocate at the
+    /// same time on one stream make about one per call.
+    pub handoffs: u64,
+}
+
+impl From<LockCounters> for ccalloc_lock_stats {
+    fn from(l: LockCounters) -> Self {
+        Self {
+            acquisitions: l.acquisitions,
+            contended: l.contended,
+            blocked: l.blocked,
+            wait_ns: l.wait_ns,
+            handoffs: l.handoffs,
+        }
+    }
 }
 
 impl ccalloc_paging_stats {

@@ -484,6 +484,13 @@ static void test_before_init(void) {
         CHECK(!memcmp(&ps, &pattern, sizeof ps), "get_paging_stats' out param untouched");
     }
     {
+        ccalloc_lock_stats ls, pattern;
+        memset(&ls, 0xab, sizeof ls);
+        memset(&pattern, 0xab, sizeof pattern);
+        EXPECT_STATUS(ccalloc_get_lock_stats(0, &ls), CCALLOC_NOT_INITIALIZED);
+        CHECK(!memcmp(&ls, &pattern, sizeof ls), "get_lock_stats' out param untouched");
+    }
+    {
         ccalloc_memory_breakdown b, pattern;
         memset(&b, 0xab, sizeof b);
         memset(&pattern, 0xab, sizeof pattern);
@@ -706,6 +713,17 @@ static void test_sizes_and_stats(void) {
                  res_b[0] + res_b[1]);
     CHECK_EQ_I64("segment.all.current stays", s.segment.all.current, segs[0] + segs[1]);
 
+    section("lock stats (device 0)");
+    {
+        ccalloc_lock_stats ls;
+        EXPECT_STATUS(ccalloc_get_lock_stats(0, &ls), CCALLOC_OK);
+        CHECK(ls.acquisitions >= 2, "the allocations above took the lock (%llu)",
+              (unsigned long long)ls.acquisitions);
+        CHECK(ls.contended <= ls.acquisitions && ls.blocked <= ls.contended,
+              "contended and blocked are parts of the acquisitions");
+        CHECK(ls.handoffs < ls.acquisitions, "handoffs are acquisitions too");
+    }
+
     section("paging stats (device 0)");
     {
         ccalloc_paging_stats ps;
@@ -827,6 +845,13 @@ static void test_bad_calls(void) {
     EXPECT_MSG_HAS("out_ptr");
     EXPECT_STATUS(ccalloc_get_stats(0, NULL), CCALLOC_INVALID_ARGUMENT);
     EXPECT_STATUS(ccalloc_get_paging_stats(0, NULL), CCALLOC_INVALID_ARGUMENT);
+    EXPECT_STATUS(ccalloc_get_lock_stats(0, NULL), CCALLOC_INVALID_ARGUMENT);
+    EXPECT_MSG_HAS("out_stats");
+    {
+        ccalloc_lock_stats ls;
+        EXPECT_STATUS(ccalloc_get_lock_stats(g_devices, &ls), CCALLOC_INVALID_DEVICE);
+        EXPECT_STATUS(ccalloc_get_lock_stats(-1, &ls), CCALLOC_INVALID_DEVICE);
+    }
     {
         ccalloc_paging_stats ps;
         EXPECT_STATUS(ccalloc_get_paging_stats(g_devices, &ps), CCALLOC_INVALID_DEVICE);

@@ -30,7 +30,7 @@ use super::front::{self, FrontOf, Fronts, GiveBack};
 use super::paging::budget::Allowance;
 use super::shard::DeviceWide;
 use super::state::Elsewhere;
-use super::stats::DeviceReserved;
+use super::stats::{DeviceReserved, LockCounters};
 use super::{limit_for, SegmentView, Shard};
 use crate::config::Config;
 use crate::driver::layers::limit::Limit;
@@ -924,6 +924,17 @@ impl DeviceAllocator {
         self.check_open()?;
         self.device_reserved.reset_accumulated()?;
         self.each_shard(Shard::reset_accumulated_stats)
+    }
+
+    /// How callers have met the device's locks, summed over its shards (read without them:
+    /// counts another thread is updating may be one acquisition apart).
+    pub fn lock_counters(&self) -> Result<LockCounters> {
+        self.check_open()?;
+        let mut sum = LockCounters::default();
+        for shard in self.shards() {
+            sum.add(&shard.lock_counters());
+        }
+        Ok(sum)
     }
 
     /// The largest cached free block over every stream (PyTorch's `cacheInfo`).

@@ -17,7 +17,7 @@ use super::device::{Lifecycle, Shards};
 use super::paging::budget::Allowance;
 use super::sizing::{self, PoolKind};
 use super::state::{Elsewhere, State, TakenBack};
-use super::stats::{self, DeviceStats};
+use super::stats::{self, DeviceStats, LockCounters};
 use super::{driver_error, front, limit_for, SegmentView};
 use crate::config::Config;
 use crate::driver::{DevicePtr, Driver, DriverError, StreamId};
@@ -655,7 +655,13 @@ impl Shard {
         let mut st = self.lock()?;
         self.fronts.reset_accumulated()?;
         st.stats_mut().reset_accumulated();
+        self.state.reset_use(&st);
         Ok(())
+    }
+
+    /// How callers have met this shard's lock, read without it.
+    pub fn lock_counters(&self) -> LockCounters {
+        self.state.use_counts()
     }
 
     /// The largest cached free block's device memory: what a request could get without the
