@@ -17,8 +17,8 @@
 # sanitizer (memcheck), racecheck, soak (examples/soak.rs under memcheck), header_c (ccalloc.h with
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
 # (tests/c/test_api.c on the sim backend against the same library), torch_checks and
-# python_gpu (PyTorch), bench_workloads, bench_hotpath, bench_torch_empty, bench_steady and vmm_cost
-# (benchmarks).
+# python_gpu (PyTorch), bench_pinned, bench_locks, bench_workloads, bench_hotpath,
+# bench_torch_empty, bench_steady and vmm_cost (benchmarks).
 #
 # Logs go to $LOG_DIR (default ${OUT:-/tmp}/gpu_check): one <NN>_<step>.log per step and
 # summary.txt, the table printed at the end; with LOG_LAYOUT=combined, all_steps.log (every
@@ -346,6 +346,16 @@ step_bench_pinned() {
     [ "$rc" -eq 0 ]
 }
 
+step_bench_locks() {
+    need_library || return 1
+    need_tool python3 || return 2
+    local log="$BUILD_DIR/bench_locks.out" rc
+    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout 600 python3 benches/gpu/lock_use.py) 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    info "$(grep -E '^\| (resnet50|gpt2|two_threads)' "$log" | awk -F'|' '{printf "%s: %s locks, %s contended, %s handoffs a step;", $2, $5, $6, $9}')"
+    [ "$rc" -eq 0 ]
+}
+
 step_header_c() {
     need_library || return 1
     need_tool "$CC" || return 2
@@ -490,6 +500,7 @@ add_step sim_c_plain "the same with plain segments (CCALLOC_CONF=expandable_segm
 add_step torch_checks "tests/torch_gpu/check_torch.py: training equality, stats, record_stream, graphs, cudnn, OOM, DDP, threads"
 add_step python_gpu "python/tests with PyTorch on the GPU"
 add_step bench_pinned "benches/gpu/pinned.py: a loader's pinned memory, ccalloc vs PyTorch"
+add_step bench_locks "benches/gpu/lock_use.py: lock acquisitions, contention and handoffs per step of real jobs"
 add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native vs expandable vs ccalloc"
 add_step bench_hotpath "benches/gpu/hotpath.sh: alloc/free timing vs native and cudaMallocAsync"
 add_step bench_torch_empty "benches/gpu/torch_empty.py: torch.empty + del per size, native vs ccalloc vs a null allocator"

@@ -16,12 +16,16 @@
  * prefetcher: with the default settings, a second shard).
  * PROBE_ONE_STREAM=1 has every thread churn on one stream (PyTorch's forward and autograd
  * threads share the current stream): two threads should do at least one thread's work.
+ * PROBE_PHASES=N (implies one stream) has the threads take turns instead, N steps each:
+ * PyTorch's forward and autograd threads, of which one waits while the other runs.
  * PROBE_CPUS=a,b,... pins thread t of each run to CPU number t modulo the list's length, and
  * PROBE_MAIN_CPU=c the main thread (which spins while the run is timed, as the harness's does):
  * whether threads sharing a core's hyperthreads, or the main thread's spin, set the figures.
  * After each run: the timed steps' growths (moving ones) and growth ms, summed over the
- * threads, from the paging statistics; the process's minor page faults and voluntary
- * context switches meanwhile; and the shards made so far.
+ * threads, from the paging statistics; the device's lock acquisitions per step, and per
+ * 1,000 steps those that waited for another thread (contended) and those by another thread
+ * than the last (handoffs), from the lock statistics; the process's minor page faults and
+ * voluntary context switches meanwhile; and the shards made so far.
  * PROBE_SEGMENTS=N also times each thread's steps in N equal segments and prints, per run,
  * each segment's ns per step (the threads' mean) and the threads' own ns per step (fastest
  * and slowest): whether a run's time is its first steps' (new shards growing), a straggler's,
@@ -40,6 +44,15 @@
 #include <sys/resource.h>
 #include <cuda_runtime_api.h>
 #include "ccalloc.h"
+
+/* Weak, so that the probe also links against a library older than the lock statistics (an
+ * A/B's base), whose counts then read as 0. */
+#pragma weak ccalloc_get_lock_stats
+
+static void read_lock_stats(ccalloc_lock_stats* out) {
+    *out = ccalloc_lock_stats{};
+    if (&ccalloc_get_lock_stats) ccalloc_get_lock_stats(0, out);
+}
 
 struct Plan {
     std::vector<size_t> init, sizes;
@@ -90,6 +103,7 @@ static bool pin_to(int cpu) {
 
 /* Paging statistics when the timed steps started and ended. */
 static ccalloc_paging_stats timed_from, timed_to;
+static ccalloc_lock_stats locks_from, locks_to;
 /* The process's minor page faults and voluntary context switches in the timed steps. */
 static long timed_faults, timed_switches;
 /* PROBE_SEGMENTS: segments per thread (0: off), and each run's clock readings per thread
@@ -107,6 +121,10 @@ static void usage_now(long* faults, long* switches) {
 /* PROBE_ONE_STREAM: every thread churns on the same stream (PyTorch's forward and autograd
  * threads), not each on its own. */
 static bool one_stream = false;
+/* PROBE_PHASES: steps a thread runs before the next one's turn (0: all at once), and the
+ * turns taken so far. */
+static long phase_steps = 0;
+static std::atomic<long> turn{0};
 
 static double run(int threads, long steps, bool sim) {
     const long live = 1000;
@@ -137,24 +155,31 @@ static double run(int threads, long steps, bool sim) {
         if (segments) marks[t][0] = std::chrono::steady_clock::now();
         for (long k = 0; k < steps; ++k) {
             if (segments && k && k % per_segment == 0) marks[t][k / per_segment] = std::chrono::steady_clock::now();
+            if (phase_steps && k % phase_steps == 0)
+                while (turn.load(std::memory_order_acquire) % threads != t) sched_yield();
             uint32_t i = pl.index[k];
             ccalloc_torch_free(p[i], sz[i], 0, s);
             sz[i] = pl.sizes[k];
             p[i] = ccalloc_torch_alloc(sz[i], 0, s);
             if (!p[i]) bad++;
+            if (phase_steps && ((k + 1) % phase_steps == 0 || k + 1 == steps))
+                turn.fetch_add(1, std::memory_order_release);
         }
         if (segments) marks[t][segments] = std::chrono::steady_clock::now();
         ready--;
         for (long i = 0; i < live; ++i) ccalloc_torch_free(p[i], sz[i], 0, s);
     });
     while (ready.load() < threads) {}
+    turn = 0;
     ccalloc_get_paging_stats(0, &timed_from);
+    read_lock_stats(&locks_from);
     long faults0, switches0;
     usage_now(&faults0, &switches0);
     auto t0 = std::chrono::steady_clock::now();
     go = true;
     while (ready.load() > 0) {}
     ccalloc_get_paging_stats(0, &timed_to);
+    read_lock_stats(&locks_to);
     usage_now(&timed_faults, &timed_switches);
     timed_faults -= faults0;
     timed_switches -= switches0;
@@ -246,9 +271,12 @@ int main(int argc, char** argv) {
     std::vector<int> counts;
     for (int i = 2; i < argc; ++i) counts.push_back(atoi(argv[i]));
     if (counts.empty()) counts = {1, 4, 8};
-    one_stream = getenv("PROBE_ONE_STREAM") != nullptr;
-    printf("backend %s, %ld steps per thread, %s:", sim ? "sim" : "cuda", steps,
+    if (const char* n = getenv("PROBE_PHASES")) phase_steps = atol(n) > 0 ? atol(n) : 0;
+    one_stream = getenv("PROBE_ONE_STREAM") != nullptr || phase_steps;
+    printf("backend %s, %ld steps per thread, %s", sim ? "sim" : "cuda", steps,
            one_stream ? "one stream" : "a stream each");
+    if (phase_steps) printf(", taking turns of %ld steps", phase_steps);
+    printf(":");
     if (const char* n = getenv("PROBE_SEGMENTS")) segments = atoi(n) > 0 && atoi(n) <= 100 ? atoi(n) : 0;
     for (int t : counts) {
         double ns = run(t, steps, sim);
@@ -256,10 +284,15 @@ int main(int argc, char** argv) {
         const ccalloc_paging_stats &a = timed_from, &b = timed_to;
         uint32_t shards = 0;
         ccalloc_shard_count(0, &shards);
-        printf(" t%d %.0f (%llu growths, %llu moving, %.1f ms; %ld faults, %ld switches; %u shards)",
+        const ccalloc_lock_stats &la = locks_from, &lb = locks_to;
+        const double all_steps = double(t) * double(steps);
+        printf(" t%d %.0f (%llu growths, %llu moving, %.1f ms; locks %.2f a step, per 1,000 steps"
+               " %.1f contended, %.1f handoffs; %ld faults, %ld switches; %u shards)",
                t, ns, (unsigned long long)(b.growths - a.growths),
                (unsigned long long)(b.moving_growths - a.moving_growths),
-               (b.growth_ns - a.growth_ns) / 1e6, timed_faults, timed_switches, shards);
+               (b.growth_ns - a.growth_ns) / 1e6, (lb.acquisitions - la.acquisitions) / all_steps,
+               1e3 * (lb.contended - la.contended) / all_steps, 1e3 * (lb.handoffs - la.handoffs) / all_steps,
+               timed_faults, timed_switches, shards);
     }
     printf(" ns per step\n");
     return 0;
