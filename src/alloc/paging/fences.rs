@@ -2,7 +2,7 @@
 //! on the device. A page moves only once the device is past the last free on it.
 
 use crate::driver::{EventId, StreamId};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 /// Fences kept pending per stream; beyond this none are recorded until some complete.
@@ -27,7 +27,7 @@ pub struct Fences {
     /// Fences not yet seen complete, oldest first (in order per stream).
     pending: VecDeque<Fence>,
     /// Per stream, the newest free whose work is known to be done on the device.
-    done_seq: HashMap<StreamId, u64>,
+    done_seq: rustc_hash::FxHashMap<StreamId, u64>,
     /// Every free up to this one is done on the device (it was synchronized after it).
     synced_seq: u64,
     /// Per stream, when a free last recorded a fence (`allow_free_fence`).
