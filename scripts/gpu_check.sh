@@ -336,24 +336,31 @@ step_host_test() {
     [ "$rc" -eq 0 ]
 }
 
+# run_python_bench <script> <log>: runs benches/gpu/<script> on the library with the package
+# importable, its output in <log> and on stdout; returns the script's status.
+run_python_bench() {
+    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout 600 python3 "benches/gpu/$1") 2>&1 | tee "$2"
+    return "${PIPESTATUS[0]}"
+}
+
 step_bench_pinned() {
     need_library || return 1
     need_tool python3 || return 2
     local log="$BUILD_DIR/bench_pinned.out" rc
-    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout 600 python3 benches/gpu/pinned.py) 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
+    run_python_bench pinned.py "$log"
+    rc=$?
     info "$(grep -E '^(torch|ccalloc) ' "$log" | awk '{printf "%s ratio %s, %s ms/step; ", $1, $6, $8}')"
-    [ "$rc" -eq 0 ]
+    return "$rc"
 }
 
 step_bench_locks() {
     need_library || return 1
     need_tool python3 || return 2
     local log="$BUILD_DIR/bench_locks.out" rc
-    (CCALLOC_LIBRARY="$LIB" PYTHONPATH="$ROOT/python" timeout 600 python3 benches/gpu/lock_use.py) 2>&1 | tee "$log"
-    rc=${PIPESTATUS[0]}
+    run_python_bench lock_use.py "$log"
+    rc=$?
     info "$(grep -E '^\| (resnet50|gpt2|two_threads)' "$log" | awk -F'|' '{printf "%s: %s locks, %s contended, %s handoffs a step;", $2, $5, $6, $9}')"
-    [ "$rc" -eq 0 ]
+    return "$rc"
 }
 
 step_header_c() {
