@@ -356,6 +356,11 @@ step_bench_pinned() {
 step_bench_locks() {
     need_library || return 1
     need_tool python3 || return 2
+    if ! python3 -c "import torch" >/dev/null 2>&1; then
+        echo "skipped: torch is not importable"
+        info "no torch"
+        return 2
+    fi
     local log="$BUILD_DIR/bench_locks.out" rc
     run_python_bench lock_use.py "$log"
     rc=$?
