@@ -190,3 +190,26 @@ fn held_out_workloads_stay_within_the_target() {
         }
     }
 }
+
+/// Three more workloads held out in session 31, written and first run after the policy's
+/// constants last changed (session 29), and nothing tuned on them since: an LSTM language model on
+/// packed variable-length batches, a latent-diffusion VAE decoder at resolutions varying per
+/// request, and R(2+1)D video training on clips of varying length. Live on an H200 they
+/// reserved 1.027, 1.019 and 1.025 (expandable_segments 1.191, 1.181 and 1.034; native
+/// 1.321, 2.239 and 1.367). Bounds per trace, today's figures rounded up over lags 0, 2 and
+/// 16, as above.
+#[test]
+fn workloads_held_out_in_session_31_stay_within_the_target() {
+    // Today, worst over the lags: lstm 1.0270 (lags 0 and 2), 1,730 calls; vae 1.0296 (lag
+    // 16; 1.0063 at lags 0 and 2), 2,134; video 1.0246, 724.
+    let bounds = [
+        ("lstm_lm_train_varlen", 1.028, 1900),
+        ("vae_decode_varres", 1.03, 2350),
+        ("video_r2plus1d_train_varlen", 1.025, 800),
+    ];
+    for (name, ratio, calls) in bounds {
+        for lag in [0, 2, 16] {
+            within(&replay_trace(name, lag), lag, ratio, calls);
+        }
+    }
+}

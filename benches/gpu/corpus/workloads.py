@@ -1,5 +1,6 @@
-"""The corpus's own GPU workloads (issue 17): twenty real training and inference shapes, the
-last six held out (added after the paging policy's constants were set).
+"""The corpus's own GPU workloads (issue 17): twenty-three real training and inference shapes,
+the last nine held out (six added after the paging policy's constants were set, three more in
+session 31).
 
 Each workload is a function ``f(c: Ctx) -> loop``: it builds its model (random init, from a
 config: nothing is downloaded) and returns ``loop``, a callable that runs the steady-state part
@@ -1094,6 +1095,125 @@ def llm_serve_contbatch(c: Ctx):
                 if done:
                     torch.cat([a[2] for a in done]).cpu()  # the finished answers go back
                 active = [a for a in active if a[0] > 0]
+
+    return loop
+
+
+# ---------------------------------------------------------------------------------------------
+# Held out in session 31: written and first run after every constant of the paging policy was
+# set, and not tuned on since. Families the corpus had not covered: a recurrent network, a
+# latent-diffusion VAE decoder, 3D convolutions over video.
+
+
+@workload("RNN training, packed variable-length sequences (held out)", "~4 GiB", 9)
+def lstm_lm_train_varlen(c: Ctx):
+    """A 2-layer LSTM language model (vocabulary 32K, width 1024, cuDNN in float32, the
+    output layer and loss under bf16 autocast) trained on batches of 8-32 sequences of
+    32-384 tokens, packed (``pack_padded_sequence``) so that every step's activations, cuDNN
+    workspace and logits follow its token count."""
+    vocab, d = c.pick(32000, 101), c.pick(1024, 16)
+    emb = nn.Embedding(vocab, d).to(c.dev)
+    lstm = nn.LSTM(d, d, num_layers=2, batch_first=True).to(c.dev)
+    head = nn.Linear(d, vocab).to(c.dev)
+    params = [*emb.parameters(), *lstm.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    lo, hi = c.pick((32, 384), (2, 8))
+
+    def loop():
+        rng = c.seed(31)
+        for _ in range(c.pick(16, 2)):
+            b = rng.choice(c.pick([8, 12, 16, 24, 32], [2, 3]))
+            lengths = sorted((rng.randint(lo, hi) for _ in range(b)), reverse=True)
+            x = torch.randint(0, vocab, (b, lengths[0]), device=c.dev)
+            lens = torch.tensor(lengths)
+            packed = nn.utils.rnn.pack_padded_sequence(emb(x), lens, batch_first=True)
+            out, _ = lstm(packed)
+            target = nn.utils.rnn.pack_padded_sequence(x, lens, batch_first=True).data
+            with c.autocast():
+                loss = F.cross_entropy(head(out.data).float(), target)
+            optimize(loss, opt)
+
+    return loop
+
+
+class VaeResBlock(nn.Module):
+    """GroupNorm, SiLU, 3x3 conv, twice, with a 1x1 conv on the skip where channels change."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.n1, self.c1 = nn.GroupNorm(32, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.n2, self.c2 = nn.GroupNorm(32, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x):
+        h = self.c1(F.silu(self.n1(x)))
+        h = self.c2(F.silu(self.n2(h)))
+        return self.skip(x) + h
+
+
+class VaeDecoder(nn.Module):
+    """Stable Diffusion's VAE decoder in shape: 4 latent channels to 512, a mid block of two
+    residual blocks, four up blocks of three (512, 512, 256, 128 channels; nearest x2 and a
+    conv after each of the first three), then GroupNorm, SiLU and a conv to RGB: x8 per side."""
+
+    def __init__(self, widths=(512, 512, 256, 128)):
+        super().__init__()
+        self.conv_in = nn.Conv2d(4, widths[0], 3, padding=1)
+        self.mid = nn.Sequential(VaeResBlock(widths[0], widths[0]), VaeResBlock(widths[0], widths[0]))
+        ups, cin = [], widths[0]
+        for i, w in enumerate(widths):
+            blocks = [VaeResBlock(cin, w), VaeResBlock(w, w), VaeResBlock(w, w)]
+            if i < len(widths) - 1:
+                blocks += [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(w, w, 3, padding=1)]
+            ups.append(nn.Sequential(*blocks))
+            cin = w
+        self.ups = nn.Sequential(*ups)
+        self.out = nn.Sequential(nn.GroupNorm(32, cin), nn.SiLU(), nn.Conv2d(cin, 3, 3, padding=1))
+
+    def forward(self, z):
+        return self.out(self.ups(self.mid(self.conv_in(z))))
+
+
+@workload("latent-diffusion VAE decoding, variable resolution (held out)", "~8 GiB", 9)
+def vae_decode_varres(c: Ctx):
+    """A Stable-Diffusion-shaped VAE decoder (random init, fp16) decoding requests of 1-4
+    latents whose sides are random multiples of 8 in 32-128 (images of 256-1024 pixels a
+    side; the larger ones 1-2 at a time), each image going back to the host as bytes."""
+    m = VaeDecoder(c.pick((512, 512, 256, 128), (32, 32, 32, 32))).to(c.dev, c.half).eval()
+    lo, hi = c.pick((4, 16), (1, 2))
+
+    def loop():
+        rng = c.seed(32)
+        with torch.no_grad():
+            for _ in range(c.pick(10, 2)):
+                h, w = 8 * rng.randint(lo, hi), 8 * rng.randint(lo, hi)
+                b = rng.choice([1, 2, 4] if h * w <= 64 * 64 else [1, 2])
+                z = torch.randn(b, 4, h, w, device=c.dev, dtype=c.half)
+                img = m(z).clamp(-1, 1)
+                ((img + 1) * 127.5).to(torch.uint8).cpu()
+
+    return loop
+
+
+@workload("video training, variable clip length, 3D convolutions (held out)", "~10 GiB", 10)
+def video_r2plus1d_train_varlen(c: Ctx):
+    """torchvision's R(2+1)D-18 (random init, 400 classes) trained under bf16 autocast with SGD
+    on batches of 8 clips of 112x112 frames, 8-32 frames long (a new length every step)."""
+    import torchvision
+
+    m = torchvision.models.video.r2plus1d_18(weights=None, num_classes=400).to(c.dev)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    side, (lo, hi), b = c.pick(112, 32), c.pick((8, 32), (4, 8)), c.pick(8, 2)
+
+    def loop():
+        rng = c.seed(33)
+        for _ in range(c.pick(10, 2)):
+            t = rng.randint(lo, hi)
+            x = torch.randn(b, 3, t, side, side, device=c.dev)
+            y = torch.randint(0, 400, (b,), device=c.dev)
+            with c.autocast():
+                loss = F.cross_entropy(m(x), y)
+            optimize(loss, opt)
 
     return loop
 
