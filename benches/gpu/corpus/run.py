@@ -248,6 +248,11 @@ def main() -> int:
         record.update({k: int(s[k]) for k in KEYS + COUNTERS if k in s})
         if hasattr(stats, "paging_stats"):
             record["paging"] = stats.paging_stats()
+            if hasattr(stats, "lock_stats"):
+                # Over the whole process: how its threads met the device's locks, and in how
+                # many shards.
+                record["locks"] = stats.lock_stats()
+                record["shards"] = stats.shard_count()
             record["ccalloc_conf"] = os.environ.get("CCALLOC_CONF", "")
             if "record_peak_breakdown" in record["ccalloc_conf"]:
                 # What reserved memory was made of right after the allocation that set its peak.

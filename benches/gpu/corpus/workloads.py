@@ -1,5 +1,5 @@
-"""The corpus's own GPU workloads (issue 17): twenty-three real training and inference shapes,
-the last nine held out (six added after the paging policy's constants were set, three more in
+"""The corpus's own GPU workloads (issue 17): twenty-four real training and inference shapes,
+the last ten held out (six added after the paging policy's constants were set, four more in
 session 31).
 
 Each workload is a function ``f(c: Ctx) -> loop``: it builds its model (random init, from a
@@ -27,6 +27,7 @@ import contextlib
 import math
 import os
 import random
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict
 
@@ -1214,6 +1215,40 @@ def video_r2plus1d_train_varlen(c: Ctx):
             with c.autocast():
                 loss = F.cross_entropy(m(x), y)
             optimize(loss, opt)
+
+    return loop
+
+
+@workload("serving from several threads, a stream each (held out)", "~0.7 GiB", 28)
+def bert_serve_threads(c: Ctx):
+    """A BERT-base encoder (fp16, ``transformers``, random init) served by 4 Python threads,
+    each on a CUDA stream of its own, as a simple multi-threaded server runs: every thread
+    takes 24 requests of 1-16 sequences of 16-384 tokens and sends each pooled answer back to
+    the host. The allocator sees 4 threads at once (thread shards by default)."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig() if not c.tiny else BertConfig(hidden_size=32, num_hidden_layers=2,
+                                                      num_attention_heads=2, intermediate_size=64)
+    m = BertModel(cfg).to(c.dev, c.half).eval()
+    threads, requests = 4, c.pick(24, 2)
+    streams = [c.new_stream() for _ in range(threads)]
+    lo, hi = c.pick((16, 384), (4, 16))
+
+    def serve(t: int):
+        rng = random.Random(34 + t)
+        with torch.no_grad(), c.on(streams[t]):
+            for _ in range(requests):
+                b, n = rng.choice([1, 2, 4, 8, 16]), rng.randint(lo, hi)
+                x = torch.randint(0, cfg.vocab_size, (b, n), device=c.dev)
+                m(x, attention_mask=torch.ones_like(x)).pooler_output.float().cpu()
+
+    def loop():
+        c.seed(34)
+        pool = [threading.Thread(target=serve, args=(t,)) for t in range(threads)]
+        for th in pool:
+            th.start()
+        for th in pool:
+            th.join()
 
     return loop
 
