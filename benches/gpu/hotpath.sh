@@ -23,6 +23,9 @@
 #                         floor: the harness's own cost per step (floor_alloc.c, built with
 #                         cc; an allocator's share is its figure minus the floor's)
 #   REPEATS               runs per kind, default 3
+#   PIN_CPUS              a taskset CPU list (e.g. 2-9): every run's process is bound to those
+#                         CPUs (give mt8 eight), so that which core a one-thread column lands
+#                         on does not move its figure from process to process; unset: not bound
 #   TORCH_EXTENSIONS_DIR  where the harness is built (default /tmp/ccalloc_torch_extensions);
 #                         the first run compiles it (~1 min, needs ninja), later runs reuse it
 #   RUN_TIMEOUT           seconds per run (default 600: the first one compiles)
@@ -59,6 +62,7 @@ echo "bench: $BENCH"
 echo "library: $CCALLOC_LIBRARY"
 echo "extensions: $TORCH_EXTENSIONS_DIR"
 echo "results: $JSONL  logs: $LOG_DIR"
+echo "pinned to CPUs: ${PIN_CPUS:-not pinned}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 
 start_all=$SECONDS
@@ -77,8 +81,10 @@ for rep in $(seq 1 "$REPEATS"); do
             ccalloc@*) cmd=(env CCALLOC_CONF="${k#ccalloc@}" "$PYTHON" "$BENCH/hotpath.py" so "$CCALLOC_LIBRARY" ccalloc_torch_alloc ccalloc_torch_free) ;;
             *) cmd=("$PYTHON" "$BENCH/hotpath.py" "$k") ;;
         esac
+        pin=()
+        [ -n "${PIN_CPUS:-}" ] && pin=(taskset -c "$PIN_CPUS")
         t0=$SECONDS
-        timeout "$RUN_TIMEOUT" "${cmd[@]}" >"$log" 2>&1
+        timeout "$RUN_TIMEOUT" "${pin[@]}" "${cmd[@]}" >"$log" 2>&1
         rc=$?
         "$PYTHON" "$SUMMARIZE" collect --kind hotpath --label "$k" --rep "$rep" --rc "$rc" \
             --prefix RESULT --log "$log" >>"$JSONL"
