@@ -98,6 +98,27 @@ def test_growth_within_the_loops_is_a_share_of_their_time(tmp_path):
     line = next(x for x in out.stdout.splitlines() if x.startswith("| moe_train"))
     cells = dict(zip(head.split(" | "), line.split(" | ")))
     assert cells["ccalloc growth in loops"] == "2.0% (0.5% waits; 9 growths, 8 moved)", line
+
+
+def test_growth_cell_names_the_shards_and_their_contention(tmp_path):
+    # Two runs with 5 shards: 50 of 100,000 and 150 of 100,000 acquisitions contended
+    # (median 0.10%); a one-shard run adds nothing.
+    rows = [record("bert_serve_threads", "native", 1, 1.0, 1.5)]
+    for rnd, contended in ((1, 50), (2, 150)):
+        r = record("bert_serve_threads", "ccalloc", rnd, 1.0, 1.16)
+        r["loop_paging"] = {"growths": 4, "moving_growths": 3, "growths_past_slack": 0,
+                            "growth_ns": 20_000_000, "moving_ns": 0, "wait_ns": 0}
+        r["shards"] = 5
+        r["locks"] = {"acquisitions": 100_000, "contended": contended, "blocked": 0, "wait_ns": 0, "handoffs": 0}
+        rows.append(r)
+    f = tmp_path / "corpus.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(f))
+    assert out.returncode == 0, out.stderr
+    head = next(x for x in out.stdout.splitlines() if x.startswith("| workload"))
+    line = next(x for x in out.stdout.splitlines() if x.startswith("| bert_serve_threads"))
+    cells = dict(zip(head.split(" | "), line.split(" | ")))
+    assert cells["ccalloc growth in loops"] == "1.0% (0.0% waits; 4 growths, 3 moved); 5 shards, 0.10% of locks contended", line
     for r in rows:
         r.pop("loop_paging", None)
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

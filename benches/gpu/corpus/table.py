@@ -87,8 +87,17 @@ def loop_growth_cell(runs):
     grow = statistics.median(share(r, "growth_ns") for r in runs)
     wait = statistics.median(share(r, "wait_ns") for r in runs)
     worst = max(runs, key=lambda r: r["loop_paging"]["growth_ns"])["loop_paging"]
-    return (f"{100 * grow:.1f}% ({100 * wait:.1f}% waits; {worst['growths']} growths, "
+    cell = (f"{100 * grow:.1f}% ({100 * wait:.1f}% waits; {worst['growths']} growths, "
             f"{worst['moving_growths']} moved)")
+    # With several shards (threads on streams of their own), how many, and how often the
+    # process's lock acquisitions found the lock held: pages going round the shards is
+    # growth this column counts, and the contention is what the shards are for.
+    sharded_runs = [r for r in runs if r.get("shards", 1) > 1 and r.get("locks", {}).get("acquisitions")]
+    if sharded_runs:
+        shards = max(r["shards"] for r in sharded_runs)
+        contended = statistics.median(r["locks"]["contended"] / r["locks"]["acquisitions"] for r in sharded_runs)
+        cell += f"; {shards} shards, {100 * contended:.2f}% of locks contended"
+    return cell
 
 
 def table(paths, replay_path=None) -> int:
@@ -207,8 +216,9 @@ def table(paths, replay_path=None) -> int:
         print("ccalloc growth in loops: the share of its timed loops' seconds spent growing (mapping, moving "
               "pages, waiting on fences), median over runs; in brackets the share of it spent waiting on "
               "fences (the device busy meanwhile), and the growths and moving growths of the run that "
-              "grew the longest. A time ratio above 1 by more than this share is not the paging "
-              "policy's cost.")
+              "grew the longest; with several shards, how many, and the median share of the process's "
+              "lock acquisitions that found the lock held. A time ratio above 1 by more than this share "
+              "is not the paging policy's cost.")
     devices = sorted({r["device"] for r in records if r.get("device")})
     if devices:
         print("Device: " + ", ".join(devices) + "; torch " + ", ".join(sorted({r["torch"] for r in records if r.get("torch")})))
