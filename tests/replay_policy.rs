@@ -35,6 +35,15 @@ fn replay_with(name: &str, gpu_lag: u64, conf: &str) -> ReplayReport {
     r
 }
 
+/// Checks each (trace, ratio, maps + unmaps) bound at lags 0, 2 and 16.
+fn within_at_every_lag(bounds: &[(&str, f64, u64)]) {
+    for &(name, ratio, calls) in bounds {
+        for lag in [0, 2, 16] {
+            within(&replay_trace(name, lag), lag, ratio, calls);
+        }
+    }
+}
+
 /// Checks one replay against its bounds: ratio, and maps + unmaps.
 fn within(r: &ReplayReport, gpu_lag: u64, ratio: f64, moves: u64) {
     let calls = r.maps + r.unmaps;
@@ -184,11 +193,7 @@ fn held_out_workloads_stay_within_the_target() {
         ("dlrm_train_varbatch", 1.019, 1650),
         ("llm_serve_contbatch", 1.029, 480),
     ];
-    for (name, ratio, calls) in bounds {
-        for lag in [0, 2, 16] {
-            within(&replay_trace(name, lag), lag, ratio, calls);
-        }
-    }
+    within_at_every_lag(&bounds);
 }
 
 /// Three more workloads held out in session 31, written and first run after the policy's
@@ -207,9 +212,5 @@ fn workloads_held_out_in_session_31_stay_within_the_target() {
         ("vae_decode_varres", 1.03, 2350),
         ("video_r2plus1d_train_varlen", 1.025, 800),
     ];
-    for (name, ratio, calls) in bounds {
-        for lag in [0, 2, 16] {
-            within(&replay_trace(name, lag), lag, ratio, calls);
-        }
-    }
+    within_at_every_lag(&bounds);
 }

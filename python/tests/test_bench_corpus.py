@@ -81,6 +81,17 @@ def test_table_pairs_rounds_and_keeps_failed_runs(tmp_path):
     assert "met on 1 of 2 workloads" in out.stdout
 
 
+def growth_cell(tmp_path, rows, workload):
+    """The table's "ccalloc growth in loops" cell for `workload` (None: no such column)."""
+    f = tmp_path / "corpus.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(f))
+    assert out.returncode == 0, out.stderr
+    head = next(x for x in out.stdout.splitlines() if x.startswith("| workload"))
+    line = next(x for x in out.stdout.splitlines() if x.startswith(f"| {workload}"))
+    return dict(zip(head.split(" | "), line.split(" | "))).get("ccalloc growth in loops")
+
+
 def test_growth_within_the_loops_is_a_share_of_their_time(tmp_path):
     # Two ccalloc runs of 2 s of loops: 20 ms and 60 ms growing in them (1% and 3%, median
     # 2%); the longer one's counts are shown. Without loop_paging there is no such column.
@@ -90,19 +101,15 @@ def test_growth_within_the_loops_is_a_share_of_their_time(tmp_path):
         r["loop_paging"] = {"growths": growths, "moving_growths": growths - 1, "growths_past_slack": 0,
                             "growth_ns": ns, "moving_ns": ns // 2, "wait_ns": ns // 4}
         rows.append(r)
-    f = tmp_path / "corpus.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(f))
-    assert out.returncode == 0, out.stderr
-    head = next(x for x in out.stdout.splitlines() if x.startswith("| workload"))
-    line = next(x for x in out.stdout.splitlines() if x.startswith("| moe_train"))
-    cells = dict(zip(head.split(" | "), line.split(" | ")))
-    assert cells["ccalloc growth in loops"] == "2.0% (0.5% waits; 9 growths, 8 moved)", line
+    assert growth_cell(tmp_path, rows, "moe_train") == "2.0% (0.5% waits; 9 growths, 8 moved)"
+    for r in rows:
+        r.pop("loop_paging", None)
+    assert growth_cell(tmp_path, rows, "moe_train") is None
 
 
 def test_growth_cell_names_the_shards_and_their_contention(tmp_path):
     # Two runs with 5 shards: 50 of 100,000 and 150 of 100,000 acquisitions contended
-    # (median 0.10%); a one-shard run adds nothing.
+    # (median 0.10%). A run of one shard adds nothing.
     rows = [record("bert_serve_threads", "native", 1, 1.0, 1.5)]
     for rnd, contended in ((1, 50), (2, 150)):
         r = record("bert_serve_threads", "ccalloc", rnd, 1.0, 1.16)
@@ -111,19 +118,11 @@ def test_growth_cell_names_the_shards_and_their_contention(tmp_path):
         r["shards"] = 5
         r["locks"] = {"acquisitions": 100_000, "contended": contended, "blocked": 0, "wait_ns": 0, "handoffs": 0}
         rows.append(r)
-    f = tmp_path / "corpus.jsonl"
-    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(f))
-    assert out.returncode == 0, out.stderr
-    head = next(x for x in out.stdout.splitlines() if x.startswith("| workload"))
-    line = next(x for x in out.stdout.splitlines() if x.startswith("| bert_serve_threads"))
-    cells = dict(zip(head.split(" | "), line.split(" | ")))
-    assert cells["ccalloc growth in loops"] == "1.0% (0.0% waits; 4 growths, 3 moved); 5 shards, 0.10% of locks contended", line
-    for r in rows:
-        r.pop("loop_paging", None)
-    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = run(sys.executable, os.path.join(CORPUS, "table.py"), str(f))
-    assert "growth in loops" not in out.stdout
+    assert growth_cell(tmp_path, rows, "bert_serve_threads") == \
+        "1.0% (0.0% waits; 4 growths, 3 moved); 5 shards, 0.10% of locks contended"
+    for r in rows[1:]:
+        r["shards"] = 1
+    assert growth_cell(tmp_path, rows, "bert_serve_threads") == "1.0% (0.0% waits; 4 growths, 3 moved)"
 
 
 def test_sharded_ccalloc_is_measured_against_the_others_requested_peak(tmp_path):
