@@ -164,7 +164,7 @@ typedef struct {
 // blocks (`thread_cache`) takes no lock and counts nothing.
 typedef struct {
   // Times a lock was taken: allocations and frees past the thread caches, statistics
-  // reads (this one's included), and the device's own bookkeeping.
+  // reads (not this one: it takes no lock), and the device's own bookkeeping.
   uint64_t acquisitions;
   // Of those, the ones that found another thread holding the lock, and of these the ones
   // that slept after spinning (about 20 µs).

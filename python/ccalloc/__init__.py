@@ -417,8 +417,8 @@ def paging_stats(device: Any = None) -> Dict[str, Any]:
 
 def lock_stats(device: Any = None) -> Dict[str, int]:
     """How callers have met ``device``'s locks (PyTorch has no such figures):
-    ``acquisitions`` (allocations and frees past the thread caches, statistics reads, this
-    one's included), ``contended`` (of those, the ones that found another thread holding
+    ``acquisitions`` (allocations and frees past the thread caches, statistics reads; not
+    this one, which takes no lock), ``contended`` (of those, the ones that found another thread holding
     the lock), ``blocked`` (of these, the ones that slept after spinning), ``wait_ns``
     (their waits), and ``handoffs`` (acquisitions by another thread than the one before:
     the allocator's bookkeeping moved between threads). Threads that allocate at the same

@@ -133,7 +133,7 @@ pub struct ccalloc_paging_stats {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ccalloc_lock_stats {
     /// Times a lock was taken: allocations and frees past the thread caches, statistics
-    /// reads (this one's included), and the device's own bookkeeping.
+    /// reads (not this one: it takes no lock), and the device's own bookkeeping.
     pub acquisitions: u64,
     /// Of those, the ones that found another thread holding the lock, and of these the ones
     /// that slept after spinning (about 20 µs).
