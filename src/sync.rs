@@ -142,8 +142,9 @@ impl LockUse {
     }
 
     /// The caller took the lock after waiting `waited` for another holder, `blocked` if it
-    /// slept.
+    /// slept: an acquisition (`note`) that was contended.
     fn note_wait(&self, waited: std::time::Duration, blocked: bool) {
+        self.note();
         bump(&self.contended, 1);
         bump(&self.blocked, blocked as u64);
         bump(&self.wait_ns, waited.as_nanos() as u64);
@@ -222,7 +223,6 @@ impl<T> SpinThenBlock<T> {
             Some(guard) => (guard, false),
             None => (self.inner.lock()?, true),
         };
-        self.used.note();
         self.used.note_wait(started.elapsed(), blocked);
         Ok(guard)
     }
@@ -267,7 +267,6 @@ impl<T> SpinThenBlock<T> {
         let started = std::time::Instant::now();
         let guard = self.spin_for_lock()?;
         if guard.is_some() {
-            self.used.note();
             self.used.note_wait(started.elapsed(), false);
         }
         Ok(guard)
