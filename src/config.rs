@@ -43,6 +43,12 @@ pub struct Config {
     /// by default; `per_stream_shards` overrides it; may change only before the device's
     /// first allocation.
     pub thread_shards: bool,
+    /// With `thread_shards`, make those shards only once threads are seen contending for the
+    /// first shard's lock (`SpinThenBlock::contended_often`): until then every stream stays
+    /// in the first shard, whose memory needs no lending between shards. On by default;
+    /// `False` gives a new thread's stream its shard at once. May change only before the
+    /// device's first allocation.
+    pub thread_shards_on_contention: bool,
     /// Each thread keeps up to 8 blocks it freed, for its next request of exactly their
     /// size and stream, and frees them without the device lock (`alloc::front`). Only with
     /// paged segments; with several shards, per shard. On by default.
@@ -67,6 +73,7 @@ impl Default for Config {
             page_move_budget: DEFAULT_PAGE_MOVE_BUDGET,
             per_stream_shards: false,
             thread_shards: true,
+            thread_shards_on_contention: true,
             thread_cache: true,
             record_peak_breakdown: false,
         }
@@ -87,7 +94,7 @@ pub const DEFAULT_PAGE_SLACK: f64 = 0.03;
 pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.02;
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 12] = [
+pub const KEYS: [&str; 13] = [
     "expandable_segments",
     "page_slack",
     "page_move_budget",
@@ -98,6 +105,7 @@ pub const KEYS: [&str; 12] = [
     "per_process_memory_fraction",
     "per_stream_shards",
     "thread_shards",
+    "thread_shards_on_contention",
     "thread_cache",
     "record_peak_breakdown",
 ];
@@ -196,6 +204,9 @@ impl Config {
             "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
             "per_stream_shards" => self.per_stream_shards = parse_bool(key, value)?,
             "thread_shards" => self.thread_shards = parse_bool(key, value)?,
+            "thread_shards_on_contention" => {
+                self.thread_shards_on_contention = parse_bool(key, value)?
+            }
             "thread_cache" => self.thread_cache = parse_bool(key, value)?,
             "record_peak_breakdown" => self.record_peak_breakdown = parse_bool(key, value)?,
             _ => {
@@ -287,12 +298,13 @@ impl std::fmt::Display for Config {
         let yes_no = |b: bool| if b { "True" } else { "False" };
         write!(
             f,
-            "expandable_segments:{},page_slack:{},page_move_budget:{},per_stream_shards:{},thread_shards:{},thread_cache:{}",
+            "expandable_segments:{},page_slack:{},page_move_budget:{},per_stream_shards:{},thread_shards:{},thread_shards_on_contention:{},thread_cache:{}",
             yes_no(self.expandable_segments),
             self.page_slack,
             self.page_move_budget,
             yes_no(self.per_stream_shards),
             yes_no(self.thread_shards),
+            yes_no(self.thread_shards_on_contention),
             yes_no(self.thread_cache),
         )?;
         if self.record_peak_breakdown {
@@ -563,7 +575,7 @@ mod tests {
             format!("page_slack:{long}"),
         ] {
             let err = Config::default().apply(&text).unwrap_err();
-            assert!(err.message.len() < 400, "{} bytes", err.message.len());
+            assert!(err.message.len() < 450, "{} bytes", err.message.len());
             assert!(err.message.contains("xxxx"), "{}", err.message);
         }
     }

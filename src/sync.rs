@@ -75,6 +75,49 @@ pub(crate) fn lock<'a, T>(
 pub struct SpinThenBlock<T> {
     inner: Mutex<T>,
     used: LockUse,
+    /// Set, for good, once callers have found the lock held often (`contended_often`).
+    contended_often: ContendedOften,
+}
+
+/// A lock is `contended_often` once, within some `CONTENTION_WINDOW` acquisitions, at least
+/// one in `CONTENDED_ONE_IN` found it held. Within a window, not since the start: the threads
+/// of a server all load at once and collide a few hundred times at start-up, then take turns for
+/// hours, and they gain nothing from shards of their own, which cost memory (each shard keeps
+/// its own pages). Threads that churn at once collide on several percent of acquisitions, in
+/// every window.
+const CONTENTION_WINDOW: u64 = 1 << 16;
+const CONTENDED_ONE_IN: u64 = 64;
+
+/// The judge's state, on lines of its own (128 bytes: adjacent-line prefetch pairs lines):
+/// other threads read the flag on their slow paths, and the counts beside the lock are
+/// written on every acquisition. Only a holder writes it, after a contended acquisition.
+#[repr(align(128))]
+#[derive(Default)]
+struct ContendedOften {
+    /// Set for good once a window has seen enough contended acquisitions.
+    often: std::sync::atomic::AtomicBool,
+    /// The counts when the current window opened (at a contended acquisition).
+    window_acquisitions: StdAtomicU64,
+    window_contended: StdAtomicU64,
+}
+
+impl ContendedOften {
+    /// After a contended acquisition, given the lock's counts so far.
+    fn judge(&self, contended: u64, acquisitions: u64) {
+        let (opened_at, contended_before) = (
+            self.window_acquisitions.load(Ordering::Relaxed),
+            self.window_contended.load(Ordering::Relaxed),
+        );
+        // Wrapping: a reset of the counts (`reset_use`) opens a new window too.
+        if acquisitions.wrapping_sub(opened_at) > CONTENTION_WINDOW {
+            self.window_acquisitions
+                .store(acquisitions, Ordering::Relaxed);
+            self.window_contended
+                .store(contended - 1, Ordering::Relaxed);
+        } else if contended.wrapping_sub(contended_before) * CONTENDED_ONE_IN >= CONTENTION_WINDOW {
+            self.often.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 /// How callers met a lock, counted since it was made or `reset_use` (`LockCounters`
@@ -199,6 +242,7 @@ impl<T> SpinThenBlock<T> {
         Self {
             inner: Mutex::new(value),
             used: LockUse::default(),
+            contended_often: ContendedOften::default(),
         }
     }
 
@@ -224,7 +268,23 @@ impl<T> SpinThenBlock<T> {
             None => (self.inner.lock()?, true),
         };
         self.used.note_wait(started.elapsed(), blocked);
+        self.judge_contention();
         Ok(guard)
+    }
+
+    /// After a contended acquisition: whether the lock is now `contended_often`.
+    fn judge_contention(&self) {
+        self.contended_often.judge(
+            self.used.contended.load(Ordering::Relaxed),
+            self.used.acquisitions.load(Ordering::Relaxed),
+        );
+    }
+
+    /// Whether callers have found the lock held often (see `CONTENTION_WINDOW`); once
+    /// set, it stays set (a reset of the counts does not clear it).
+    #[inline]
+    pub fn contended_often(&self) -> bool {
+        self.contended_often.often.load(Ordering::Relaxed)
     }
 
     /// How callers have met the lock. Read without it: counts a holder is updating may be
@@ -268,6 +328,7 @@ impl<T> SpinThenBlock<T> {
         let guard = self.spin_for_lock()?;
         if guard.is_some() {
             self.used.note_wait(started.elapsed(), false);
+            self.judge_contention();
         }
         Ok(guard)
     }
@@ -412,5 +473,56 @@ impl<T> SpinCell<T> {
                 return;
             }
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Feeds `judge` a lock's counts: `steps` acquisitions of which every `one_in`-th found
+    /// the lock held (none if 0), continuing from `at` (acquisitions, contended).
+    fn run(w: &ContendedOften, at: &mut (u64, u64), steps: u64, one_in: u64) {
+        for _ in 0..steps {
+            at.0 += 1;
+            if one_in != 0 && at.0 % one_in == 0 {
+                at.1 += 1;
+                w.judge(at.1, at.0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_burst_at_start_up_then_turns_is_not_contended_often() {
+        let w = ContendedOften::default();
+        let mut at = (0, 0);
+        // Five hundred collisions while four threads load at once...
+        run(&w, &mut at, 5000, 10);
+        // ...then a long job's rare ones, more than the window's share in total.
+        run(&w, &mut at, 4_000_000, 500);
+        assert!(at.1 > CONTENTION_WINDOW / CONTENDED_ONE_IN * 5);
+        assert!(!w.often.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn threads_churning_at_once_are_contended_often_within_a_window() {
+        let w = ContendedOften::default();
+        let mut at = (0, 0);
+        run(&w, &mut at, 100_000, 0);
+        run(&w, &mut at, 2 * CONTENTION_WINDOW, 30);
+        assert!(w.often.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn just_under_the_rate_is_not_contended_often_and_a_reset_opens_a_window() {
+        let w = ContendedOften::default();
+        let mut at = (0, 0);
+        run(&w, &mut at, 20 * CONTENTION_WINDOW, CONTENDED_ONE_IN + 2);
+        assert!(!w.often.load(Ordering::Relaxed));
+        // Counts reset to zero (`reset_use`) while a window is open: a new one opens.
+        let mut at = (0, 0);
+        run(&w, &mut at, CONTENTION_WINDOW, 0);
+        run(&w, &mut at, 2 * CONTENTION_WINDOW, 16);
+        assert!(w.often.load(Ordering::Relaxed));
     }
 }

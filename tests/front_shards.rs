@@ -66,6 +66,15 @@ fn moved(s: &DeviceStats) -> [StatArray; 5] {
     ]
 }
 
+/// The settings that make a new thread's stream its shard at once (the default waits for
+/// contention, `thread_shards_on_contention`).
+fn at_once() -> Config {
+    Config {
+        thread_shards_on_contention: false,
+        ..Config::default()
+    }
+}
+
 #[test]
 fn same_size_loops_on_two_streams_are_served_by_the_fronts() {
     let (driver, a) = sharded(1 << 30, "");
@@ -534,7 +543,7 @@ fn a_large_block_freed_on_one_stream_is_idle_memory_for_the_next() {
 #[test]
 fn a_helper_threads_shard_leaves_the_main_threads_large_pairs_in_its_front() {
     let driver = FaultDriver::new(Arc::new(SimDriver::new(1, 1 << 30)), &[]);
-    let a = Arc::new(DeviceAllocator::new(0, driver.clone(), Config::default()).unwrap());
+    let a = Arc::new(DeviceAllocator::new(0, driver.clone(), at_once()).unwrap());
     make_shard_visible(&driver, &a, S0);
     let helper = {
         let a = a.clone();
@@ -565,7 +574,7 @@ fn a_helper_threads_shard_leaves_the_main_threads_large_pairs_in_its_front() {
 #[test]
 fn a_large_block_freed_by_another_shards_thread_goes_back_to_its_shard_at_once() {
     let driver = FaultDriver::new(Arc::new(SimDriver::new(1, 1 << 30)), &[]);
-    let a = Arc::new(DeviceAllocator::new(0, driver.clone(), Config::default()).unwrap());
+    let a = Arc::new(DeviceAllocator::new(0, driver.clone(), at_once()).unwrap());
     let own = a.malloc(4096, S0).unwrap();
     let on_helper = |a: &Arc<DeviceAllocator>| {
         let a = a.clone();

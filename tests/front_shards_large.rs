@@ -274,7 +274,10 @@ fn one_thread_on_three_shards_with_large_blocks_in_fronts_keeps_exact_statistics
 /// call.
 #[test]
 fn threads_taking_turns_with_large_blocks_in_several_shards_fronts_keep_exact_peaks() {
-    for (conf, seed) in [("per_stream_shards:True", 3u64), ("", 11)] {
+    for (conf, seed) in [
+        ("per_stream_shards:True", 3u64),
+        ("thread_shards_on_contention:False", 11),
+    ] {
         let (driver, a) = allocator(2 << 30, conf);
         let workers: Vec<Worker> = (0..3).map(|_| Worker::new()).collect();
         let streams = [S0, S1, S2];
@@ -851,7 +854,10 @@ fn a_large_block_returned_on_a_visit_elsewhere_is_not_lent_while_its_work_runs()
 /// nothing allocated and nothing reserved after `empty_cache`.
 #[test]
 fn threads_churning_large_blocks_in_their_fronts_beside_device_wide_calls() {
-    for conf in ["", "per_stream_shards:True"] {
+    for conf in [
+        "thread_shards_on_contention:False",
+        "per_stream_shards:True",
+    ] {
         const THREADS: usize = 3;
         let (driver, a) = allocator(2 << 30, conf);
         let conf_name = conf.to_string();

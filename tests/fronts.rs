@@ -316,9 +316,9 @@ fn empty_cache_and_exiting_threads_give_held_blocks_back() {
 #[test]
 fn blocks_left_in_a_front_are_freed_without_touching_their_destroyed_stream() {
     for conf in [
-        "thread_cache:False",
+        "thread_shards_on_contention:False,thread_cache:False",
         "thread_shards:False",
-        "",
+        "thread_shards_on_contention:False",
         "per_stream_shards:True",
     ] {
         let (sim, a) = allocator(1 << 30, conf);
@@ -775,7 +775,7 @@ fn large_blocks_left_in_a_front_are_freed_without_touching_their_destroyed_strea
         let calls = [
             "thread_shards:False,thread_cache:False",
             "thread_shards:False",
-            "",
+            "thread_shards_on_contention:False",
         ]
         .map(|conf| {
             let (sim, a) = allocator(1 << 30, conf);

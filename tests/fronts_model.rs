@@ -521,13 +521,13 @@ fn large_op() -> impl Strategy<Value = LargeOp> {
 }
 
 /// Settings the large-block model runs under (`run_large`'s `conf`, applied over
-/// `thread_shards:False`): the last, the default, lets the workers' streams have shards.
+/// `thread_shards:False`): the last lets the workers' streams have shards at once.
 const LARGE_CONFS: [&str; 5] = [
     "",
     "max_split_size_mb:20",
     "garbage_collection_threshold:0.5",
     "page_slack:0,page_move_budget:0",
-    "thread_shards:True",
+    "thread_shards:True,thread_shards_on_contention:False",
 ];
 
 fn run_large(conf: &str, ops: Vec<LargeOp>) {

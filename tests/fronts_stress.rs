@@ -15,10 +15,16 @@ fn fronts_under_concurrent_slow_paths() {
     under_concurrent_slow_paths("thread_shards:False");
 }
 
-/// The default: threads that start on a stream no shard holds may get shards of their own,
-/// made while the others run.
+/// Thread shards made at once: threads that start on a stream no shard holds may get shards
+/// of their own, made while the others run.
 #[test]
 fn fronts_of_thread_shards_under_concurrent_slow_paths() {
+    under_concurrent_slow_paths("thread_shards_on_contention:False");
+}
+
+/// The default: the same threads, whose shards come once they are seen contending.
+#[test]
+fn fronts_of_thread_shards_made_on_contention_under_concurrent_slow_paths() {
     under_concurrent_slow_paths("");
 }
 
@@ -127,7 +133,7 @@ fn large_blocks_held_in_fronts_under_concurrent_slow_paths() {
 #[test]
 fn large_blocks_in_fronts_while_thread_shards_are_made() {
     for _ in 0..10 {
-        large_blocks_under_concurrent_slow_paths("");
+        large_blocks_under_concurrent_slow_paths("thread_shards_on_contention:False");
     }
 }
 

@@ -303,7 +303,10 @@ fn one_thread_on_many_streams_exact_at_every_read() {
 /// another thread's lift asks for).
 #[test]
 fn threads_taking_turns_on_their_own_shards_exact_at_every_read() {
-    for (conf, seed) in [("", 5), ("thread_cache:False", 6)] {
+    for (conf, seed) in [
+        ("thread_shards_on_contention:False", 5),
+        ("thread_shards_on_contention:False,thread_cache:False", 6),
+    ] {
         let a = common::sim_allocator(1 << 34, conf).1;
         let workers: Vec<_> = (0..6).map(|_| common::worker::Worker::new()).collect();
         let (m, mut next) = (
@@ -428,5 +431,5 @@ fn seesaw_stream_shards() {
 
 #[test]
 fn seesaw_thread_shards() {
-    within(|| (1..=2).for_each(|seed| seesaw(8, "", true, seed)));
+    within(|| (1..=2).for_each(|seed| seesaw(8, "thread_shards_on_contention:False", true, seed)));
 }

@@ -332,7 +332,10 @@ fn front_loops_on_two_streams_keep_exact_peaks() {
 /// the shard that had them). The peaks are the high of the sum.
 #[test]
 fn threads_taking_turns_on_their_own_shards_keep_exact_peaks() {
-    let (_sim, a) = sim_allocator(8 << 30, "thread_cache:False");
+    let (_sim, a) = sim_allocator(
+        8 << 30,
+        "thread_shards_on_contention:False,thread_cache:False",
+    );
     let model = Arc::new(std::sync::Mutex::new(Model::default()));
     for t in 0..6u64 {
         let (a, model) = (a.clone(), model.clone());

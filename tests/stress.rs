@@ -59,13 +59,14 @@ fn threads_on_their_own_shards_never_share_memory() {
     );
 }
 
-/// The default settings (`thread_shards`): each thread, new to the device, gets a shard
-/// for its stream as it starts, while the others already allocate and hand blocks over.
+/// Thread shards made at once (`thread_shards_on_contention:False`): each thread, new to the
+/// device, gets a shard for its stream as it starts, while the others already allocate and
+/// hand blocks over.
 /// Shorter: the shards are made in the first steps.
 #[test]
 fn threads_on_their_own_streams_with_the_default_settings_never_share_memory() {
     let sim = Arc::new(SimDriver::new(1, 8 << 30).with_event_lag(2));
-    let alloc = stress_with(sim, "", STEPS / 4);
+    let alloc = stress_with(sim, "thread_shards_on_contention:False", STEPS / 4);
     assert_eq!(alloc.shards_made(), THREADS as usize);
 }
 
@@ -169,7 +170,7 @@ fn threads_freeing_each_others_blocks_through_their_fronts() {
 /// Shorter, as above.
 #[test]
 fn threads_on_their_own_shards_freeing_each_others_blocks_through_their_fronts() {
-    let alloc = freeing_each_others_blocks("", STEPS / 4);
+    let alloc = freeing_each_others_blocks("thread_shards_on_contention:False", STEPS / 4);
     assert_eq!(alloc.shards_made(), THREADS as usize);
 }
 
@@ -286,8 +287,11 @@ fn stats_read_mid_run_never_show_more_allocated_than_reserved() {
     for (conf, steps) in [
         ("expandable_segments:False,thread_shards:False", 4_000),
         ("thread_shards:False", 1_500),
-        ("expandable_segments:False", 4_000),
-        ("", 3_500),
+        (
+            "expandable_segments:False,thread_shards_on_contention:False",
+            4_000,
+        ),
+        ("thread_shards_on_contention:False", 3_500),
     ] {
         let sim = Arc::new(SimDriver::new(1, 8 << 30));
         let mut config = Config::default();

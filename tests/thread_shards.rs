@@ -1,6 +1,7 @@
-//! `thread_shards` (on by default): a stream first used by a thread new to the device gets a
-//! shard of its own, so that threads each on their own stream do not contend, while one
-//! thread's several streams and a stream several threads share stay in one shard.
+//! `thread_shards` (on by default): threads each on their own stream get shards of their
+//! own, by default once they are seen contending for the first shard's lock
+//! (`thread_shards_on_contention`), at once otherwise; one thread's several streams and a
+//! stream several threads share stay in one shard.
 #![cfg(feature = "sim")]
 
 mod common;
@@ -16,8 +17,8 @@ fn allocator(conf: &str) -> Arc<DeviceAllocator> {
 }
 
 #[test]
-fn the_default_gives_threads_on_their_own_streams_a_shard_each() {
-    let a = allocator("");
+fn threads_on_their_own_streams_get_a_shard_each_at_once() {
+    let a = allocator("thread_shards_on_contention:False");
     let first = a.malloc(MIB, StreamId(0)).unwrap();
     assert_eq!(a.shards_made(), 1);
     let blocks: Vec<u64> = (1..=4u64)
@@ -94,7 +95,7 @@ fn a_new_thread_on_a_stream_the_first_shard_holds_memory_of_joins_that_shard() {
 /// streams in the first shard: only a thread's first stream can start a shard.
 #[test]
 fn a_thread_that_has_allocated_keeps_its_new_streams_in_the_first_shard() {
-    let a = allocator("");
+    let a = allocator("thread_shards_on_contention:False");
     let main = a.malloc(MIB, StreamId(0)).unwrap();
     let b = a.clone();
     let (p, q) = on_new_thread(move || {
@@ -152,7 +153,7 @@ fn thread_shards_is_fixed_once_the_device_allocates() {
 /// threads are done, are exact (each thread's blocks live together at most once).
 #[test]
 fn statistics_stay_exact_while_thread_shards_churn() {
-    let a = allocator("");
+    let a = allocator("thread_shards_on_contention:False");
     let base = a.malloc(MIB, StreamId(0)).unwrap();
     let workers: Vec<_> = (1..=3u64)
         .map(|t| {
@@ -184,4 +185,102 @@ fn statistics_stay_exact_while_thread_shards_churn() {
     assert!((2..=4).contains(&peak), "{peak}");
     assert!(s.requested_bytes.all().peak as u64 <= MIB + 3 * 7 * 64 * 1024);
     a.free(base).unwrap();
+}
+
+/// The default (`thread_shards_on_contention`): threads on streams of their own share the
+/// first shard until they are seen contending for its lock; then each of their streams
+/// gets a shard of its own, and every block, wherever it lies, is found by its free.
+#[test]
+fn the_default_makes_thread_shards_only_once_threads_contend() {
+    let a = allocator("");
+    let first = a.malloc(MIB, StreamId(0)).unwrap();
+    // Threads that allocate one after another never contend: one shard.
+    for t in 1..=4u64 {
+        let worker = a.clone();
+        let p = on_new_thread(move || worker.malloc(4096 * t, StreamId(100 + t)).unwrap());
+        a.free(p).unwrap();
+    }
+    assert_eq!(a.shards_made(), 1);
+    assert_eq!(a.lock_counters().unwrap().contended, 0);
+    // Four threads churning at once on their own streams until shards appear (or 20 s).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let workers: Vec<_> = (1..=4u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                let mut k = t;
+                while a.shards_made() < 5 && std::time::Instant::now() < deadline {
+                    k = k
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    // Random sizes, so that the thread caches do not serve them.
+                    held.push(
+                        a.malloc(512 + (k >> 40) % (1 << 18), StreamId(100 + t))
+                            .unwrap(),
+                    );
+                    if held.len() > 64 {
+                        a.free(held.swap_remove((k >> 20) as usize % held.len()))
+                            .unwrap();
+                    }
+                }
+                for p in held {
+                    a.free(p).unwrap();
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    let locks = a.lock_counters().unwrap();
+    assert!(locks.contended >= 64, "{locks:?}");
+    assert_eq!(
+        a.shards_made(),
+        5,
+        "each contending thread's stream in a shard of its own"
+    );
+    a.free(first).unwrap();
+    let s = a.stats().unwrap();
+    assert_eq!(
+        s.allocation.all().current,
+        0,
+        "every block freed, in whichever shard"
+    );
+}
+
+/// Threads that take turns on one stream (PyTorch's forward and autograd threads) never
+/// contend, and keep one shard with the default.
+#[test]
+fn threads_taking_turns_keep_one_shard() {
+    let a = allocator("");
+    let (to_other, from_main) = std::sync::mpsc::channel::<Vec<u64>>();
+    let (to_main, from_other) = std::sync::mpsc::channel::<()>();
+    let other = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            while let Ok(blocks) = from_main.recv() {
+                for p in blocks {
+                    a.free(p).unwrap();
+                }
+                to_main.send(()).unwrap();
+            }
+        })
+    };
+    for step in 0..200u64 {
+        let blocks = (0..16u64)
+            .map(|i| {
+                a.malloc(4096 * (1 + (step * 7 + i) % 50), StreamId(0))
+                    .unwrap()
+            })
+            .collect();
+        to_other.send(blocks).unwrap();
+        from_other.recv().unwrap();
+    }
+    drop(to_other);
+    other.join().unwrap();
+    let locks = a.lock_counters().unwrap();
+    assert_eq!(locks.contended, 0, "{locks:?}");
+    assert!(locks.handoffs >= 200, "{locks:?}");
+    assert_eq!(a.shards_made(), 1);
 }

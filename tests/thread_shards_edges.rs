@@ -14,8 +14,13 @@ const MIB: u64 = 1 << 20;
 /// `MAX_SHARDS` in src/alloc/device/mod.rs.
 const MAX_SHARDS: u64 = 32;
 
+/// These tests pin down how thread shards are made and used, so they make them at once
+/// (`thread_shards_on_contention:False`); `tests/thread_shards.rs` covers the default's wait
+/// for contention.
+const AT_ONCE: &str = "thread_shards_on_contention:False";
+
 fn allocator(conf: &str) -> Arc<DeviceAllocator> {
-    sim_allocator(1 << 30, conf).1
+    sim_allocator(1 << 30, &format!("{AT_ONCE},{conf}")).1
 }
 
 /// The slot a stream past `MAX_SHARDS` shares (`shared_slot` in src/alloc/device/mod.rs).
@@ -107,7 +112,7 @@ fn a_new_thread_joins_the_first_shards_stream_after_the_slots_fill() {
 /// exited thread's stream.
 #[test]
 fn short_lived_threads_past_the_slots_share_shards_and_give_everything_back() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let keep = a.malloc(MIB, StreamId(0)).unwrap();
     let mut blocks = Vec::new();
     for t in 0..80u64 {
@@ -197,6 +202,7 @@ fn set_config_after_the_first_allocation_keeps_thread_shards() {
     let p = a.malloc(4096, StreamId(0)).unwrap();
     let off = Config {
         thread_shards: false,
+        thread_shards_on_contention: true,
         max_split_size: 64 * MIB,
         ..Config::default()
     };
@@ -260,7 +266,11 @@ fn settings_before_the_first_allocation_choose_the_sharding() {
 #[test]
 fn the_runtime_refuses_thread_shards_changes_once_a_device_allocated() {
     let sim = Arc::new(SimDriver::new(2, 1 << 30));
-    let rt = Arc::new(ccalloc::Runtime::with_sim(sim, Config::default()));
+    let at_once = Config {
+        thread_shards_on_contention: false,
+        ..Config::default()
+    };
+    let rt = Arc::new(ccalloc::Runtime::with_sim(sim, at_once));
     // Device 1 started, not allocated; device 0 allocated.
     assert_eq!(rt.device(1).unwrap().shards_made(), 0);
     let p = rt.malloc(4096, 0, StreamId(0)).unwrap();
@@ -296,7 +306,7 @@ fn the_runtime_refuses_thread_shards_changes_once_a_device_allocated() {
 /// counts unchanged.
 #[test]
 fn blocks_of_an_exited_thread_free_once_and_double_frees_are_refused() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let main = a.malloc(4096, StreamId(0)).unwrap();
     let b = a.clone();
     let (freed, live, big) = on_new_thread(move || {
@@ -341,7 +351,7 @@ fn blocks_of_an_exited_thread_free_once_and_double_frees_are_refused() {
 /// handed out again until that stream's work is done.
 #[test]
 fn record_stream_across_shards_waits_for_the_other_stream() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let s0 = StreamId(0);
     let s1 = StreamId(1);
     let main = a.malloc(4096, s0).unwrap();
@@ -368,7 +378,7 @@ fn record_stream_across_shards_waits_for_the_other_stream() {
 /// its memory back.
 #[test]
 fn a_window_routes_a_new_threads_first_allocation_in_its_new_shard() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let pool = (7, 1);
     let main = a.malloc(4096, StreamId(0)).unwrap();
     a.begin_allocate_to_pool(pool, Box::new(|s| s == StreamId(2)))
@@ -405,7 +415,7 @@ fn a_window_routes_a_new_threads_first_allocation_in_its_new_shard() {
 /// freed, and the pool's memory goes back once released.
 #[test]
 fn windows_racing_new_threads_making_shards() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let pool = (9, 9);
     a.create_or_incref_pool(pool).unwrap();
     let main = a.malloc(4096, StreamId(0)).unwrap();
@@ -462,7 +472,7 @@ fn windows_racing_new_threads_making_shards() {
 #[test]
 fn an_oom_on_a_thread_shard_empties_the_other_shards_first() {
     for conf in ["", "expandable_segments:False"] {
-        let (sim, a) = sim_allocator(64 * MIB, conf);
+        let (sim, a) = sim_allocator(64 * MIB, &format!("{AT_ONCE},{conf}"));
         let main = a.malloc(4 * MIB, StreamId(0)).unwrap();
         let b = a.clone();
         on_new_thread(move || {
@@ -529,7 +539,7 @@ fn peaks_stay_exact_when_new_threads_add_shards() {
 #[test]
 fn stats_resets_and_empty_cache_race_shard_creation() {
     for round in 0..10 {
-        let (sim, a) = sim_allocator(1 << 30, "");
+        let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
         let barrier = Arc::new(Barrier::new(7));
         let workers: Vec<_> = (1..=6u64)
             .map(|t| {
@@ -573,7 +583,7 @@ fn stats_resets_and_empty_cache_race_shard_creation() {
 /// it succeeds every call is refused and every byte is back.
 #[test]
 fn shutdown_racing_new_threads() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let barrier = Arc::new(Barrier::new(7));
     let workers: Vec<_> = (1..=6u64)
         .map(|t| {
@@ -701,7 +711,7 @@ fn thread_shards_round_trips_through_the_settings_text() {
 /// back), and the counts add up.
 #[test]
 fn short_lived_threads_exiting_with_front_blocks_do_not_grow_memory() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let main = a.malloc(4096, StreamId(0)).unwrap();
     let mut reserved = Vec::new();
     for _ in 0..200 {
@@ -769,7 +779,7 @@ fn a_filter_reading_statistics_with_several_shards_does_not_deadlock() {
 #[test]
 fn thread_shards_racing_ooms_on_a_small_device() {
     for conf in ["", "expandable_segments:False"] {
-        let (sim, a) = sim_allocator(64 * MIB, conf);
+        let (sim, a) = sim_allocator(64 * MIB, &format!("{AT_ONCE},{conf}"));
         let main = a.malloc(MIB, StreamId(0)).unwrap();
         let barrier = Arc::new(Barrier::new(4));
         let workers: Vec<_> = (1..=4u64)
@@ -873,6 +883,7 @@ fn the_c_api_refuses_thread_shards_changes_once_a_device_allocated() {
     // Before any allocation: accepted (and back).
     assert_eq!(set("thread_shards:False"), ccalloc_status::CCALLOC_OK);
     assert_eq!(set("thread_shards:True"), ccalloc_status::CCALLOC_OK);
+    assert_eq!(set(AT_ONCE), ccalloc_status::CCALLOC_OK);
     let mut p: *mut c_void = std::ptr::null_mut();
     assert_eq!(
         ccalloc_malloc(4096, 0, std::ptr::null_mut(), &mut p),
@@ -884,6 +895,10 @@ fn the_c_api_refuses_thread_shards_changes_once_a_device_allocated() {
     );
     assert_eq!(
         set("per_stream_shards:True"),
+        ccalloc_status::CCALLOC_CONFIG_ERROR
+    );
+    assert_eq!(
+        set("thread_shards_on_contention:True"),
         ccalloc_status::CCALLOC_CONFIG_ERROR
     );
     assert_eq!(ccalloc_reset_config(), ccalloc_status::CCALLOC_OK);
@@ -912,7 +927,7 @@ fn the_c_api_refuses_thread_shards_changes_once_a_device_allocated() {
 /// and counts stay bounded, and everything comes back.
 #[test]
 fn a_consumer_freeing_every_producers_blocks_keeps_memory_bounded() {
-    let (sim, a) = sim_allocator(1 << 30, "");
+    let (sim, a) = sim_allocator(1 << 30, AT_ONCE);
     let main = a.malloc(4096, StreamId(0)).unwrap();
     let (tx, rx) = std::sync::mpsc::sync_channel::<u64>(4);
     let consumer = {

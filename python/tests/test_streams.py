@@ -264,9 +264,14 @@ def test_shard_count_shows_threads_on_their_own_streams():
             ccalloc.free(r)
         print(*counts)
     """
-    out = run_python(code)
+    # Shards made at once: the other thread's stream gets its own.
+    out = run_python(code, env={"CCALLOC_CONF": "thread_shards_on_contention:False"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "2"]
+    # The default waits for contention, and one thread after another never contends.
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "1"]
     out = run_python(code, env={"CCALLOC_CONF": "thread_shards:False"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "1"]

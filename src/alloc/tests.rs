@@ -1756,7 +1756,7 @@ fn a_front_adoption_that_frees_a_held_block_publishes_the_live_bytes() {
 /// the loop's thread would hold it until the loop's next visit.
 #[test]
 fn with_several_shards_only_a_threads_own_shard_keeps_its_large_blocks_in_a_front() {
-    let (_sim, a) = paged(1 << 30, "");
+    let (_sim, a) = paged(1 << 30, "thread_shards_on_contention:False");
     let own = a.malloc(32 * MIB, S0).unwrap();
     let batch = std::thread::scope(|t| t.spawn(|| a.malloc(32 * MIB, S1).unwrap()).join()).unwrap();
     assert_eq!(a.shards_made(), 2);

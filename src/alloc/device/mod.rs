@@ -313,6 +313,15 @@ impl DeviceAllocator {
             }
             return Err(filled);
         }
+        if self.sharding() == Sharding::OnContention {
+            // Until threads contend for the first shard, every stream is its; once every
+            // slot is taken, too. (A stream whose memory the first shard holds keeps it
+            // there: its frees find it, and its new blocks come from its own shard.)
+            if filled == MAX_SHARDS || !shards.filled_shard(0).state.contended_often() {
+                return Ok((0, shards.filled_shard(0)));
+            }
+            return Err(filled);
+        }
         if filled == MAX_SHARDS {
             let i = shared_slot(stream);
             return Ok((i, shards.filled_shard(i)));
@@ -781,14 +790,13 @@ impl DeviceAllocator {
 
     /// `per_stream_shards` and `thread_shards` may change only while no shard exists.
     fn check_sharding(&self, now: &Config, next: &Config) -> Result<()> {
-        let changed = next.per_stream_shards != now.per_stream_shards
-            || next.thread_shards != now.thread_shards;
+        let changed = Sharding::of(next) != Sharding::of(now);
         if changed && self.shards.slots[0].get().is_some() {
             return Err(Error::new(
                 ErrorKind::Config,
                 format!(
-                    "per_stream_shards and thread_shards can change only before device {} \
-                     first allocates",
+                    "per_stream_shards, thread_shards and thread_shards_on_contention can \
+                     change only before device {} first allocates",
                     self.device
                 ),
             ));
@@ -826,6 +834,7 @@ impl DeviceAllocator {
             if self.shards.slots[0].get().is_some() {
                 config.per_stream_shards = c.per_stream_shards;
                 config.thread_shards = c.thread_shards;
+                config.thread_shards_on_contention = c.thread_shards_on_contention;
             }
             *c = config;
             Ok(())
@@ -1185,14 +1194,22 @@ enum Sharding {
     NewThreads = 1,
     /// A shard per stream (`Config::per_stream_shards`).
     EveryStream = 2,
+    /// Every stream in the first shard until its lock is `contended_often`; then a shard of
+    /// its own for each stream no slot names yet (`Config::thread_shards_on_contention`).
+    OnContention = 3,
 }
 
 impl Sharding {
     fn of(config: &Config) -> Self {
-        match (config.per_stream_shards, config.thread_shards) {
-            (true, _) => Self::EveryStream,
-            (false, true) => Self::NewThreads,
-            (false, false) => Self::One,
+        match (
+            config.per_stream_shards,
+            config.thread_shards,
+            config.thread_shards_on_contention,
+        ) {
+            (true, _, _) => Self::EveryStream,
+            (false, true, true) => Self::OnContention,
+            (false, true, false) => Self::NewThreads,
+            (false, false, _) => Self::One,
         }
     }
 
@@ -1200,6 +1217,7 @@ impl Sharding {
         match v {
             1 => Self::NewThreads,
             2 => Self::EveryStream,
+            3 => Self::OnContention,
             _ => Self::One,
         }
     }
