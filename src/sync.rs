@@ -485,7 +485,7 @@ mod tests {
     fn run(w: &ContendedOften, at: &mut (u64, u64), steps: u64, one_in: u64) {
         for _ in 0..steps {
             at.0 += 1;
-            if one_in != 0 && at.0 % one_in == 0 {
+            if one_in != 0 && at.0.is_multiple_of(one_in) {
                 at.1 += 1;
                 w.judge(at.1, at.0);
             }
