@@ -14,6 +14,9 @@
  * PROBE_PAIRS=SIZE instead times 200,000 alloc+free pairs of SIZE bytes on the main thread,
  * first alone, then after a helper thread has allocated on a stream of its own (a batch
  * prefetcher: with the default settings, a second shard).
+ * PROBE_PAIR_WINDOWS=N with PROBE_PAIRS instead times N windows of 100,000 pairs, each
+ * followed by a control loop without the allocator: whether a slow process is slow from
+ * its start (the process's own) or in some windows, with the control (the host's).
  * PROBE_ONE_STREAM=1 has every thread churn on one stream (PyTorch's forward and autograd
  * threads share the current stream): two threads should do at least one thread's work.
  * PROBE_PHASES=N (implies one stream) has the threads take turns instead, N steps each:
@@ -201,6 +204,22 @@ static double pairs(cudaStream_t s, size_t size, long iters) {
     return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / iters;
 }
 
+/* A control for PROBE_PAIR_WINDOWS: `iters` steps of random reads and writes, with a
+ * data-dependent branch, in a 32 KiB table (L1-resident, no allocator): ns each. */
+static double control_loop(long iters) {
+    static uint64_t table[4096];
+    uint64_t x = 88172645463325252ULL;
+    auto t0 = std::chrono::steady_clock::now();
+    for (long i = 0; i < iters; ++i) {
+        x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+        size_t idx = x & 4095;
+        uint64_t v = table[idx];
+        if (v & 1) table[idx] = v + x;
+        else table[(idx + 1) & 4095] ^= x;
+    }
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / iters;
+}
+
 /* PROBE_SEGMENTS' figures for the run just made with `threads` threads. */
 static void print_segments(int threads, long steps) {
     using ns_d = std::chrono::duration<double, std::nano>;
@@ -248,6 +267,15 @@ int main(int argc, char** argv) {
         if (!sim) {
             cudaStreamCreateWithFlags(&main_stream, cudaStreamNonBlocking);
             cudaStreamCreateWithFlags(&helper_stream, cudaStreamNonBlocking);
+        }
+        if (const char* w = getenv("PROBE_PAIR_WINDOWS")) {
+            printf("backend %s, pairs of %zu bytes, ns each in windows of 100,000 (control loop):", sim ? "sim" : "cuda", size);
+            for (long i = 0, n = atol(w); i < n; ++i) {
+                double pair = pairs(main_stream, size, 100000);
+                printf(" %.0f (%.1f)", pair, control_loop(1000000));
+            }
+            printf("\n");
+            return 0;
         }
         double alone = pairs(main_stream, size, 200000);
         std::thread([&] {
