@@ -303,8 +303,9 @@ ccalloc_status ccalloc_device_count(int32_t *out_count);
 bool ccalloc_is_initialized(void);
 
 // How many shards (allocators with a lock and cache of their own) `device` has made: 1
-// once it has allocated, more where threads each started on a stream of their own
-// (`thread_shards`) or with `per_stream_shards`; 0 before its first allocation.
+// once it has allocated, more where threads each on a stream of their own contended for its
+// lock (`thread_shards`, `thread_shards_on_contention`) or with `per_stream_shards`; 0
+// before its first allocation.
 ccalloc_status ccalloc_shard_count(int32_t device, uint32_t *out_count);
 
 // Bytes of memory `device` has in all.

@@ -299,8 +299,9 @@ def device_total_memory(device: Any = None) -> int:
 
 def shard_count(device: Any = None) -> int:
     """How many shards (allocators with a lock and cache of their own) ``device`` has made: 1
-    once it has allocated, more where threads each started on a stream of their own
-    (``thread_shards``) or with ``per_stream_shards``; 0 before its first allocation."""
+    once it has allocated, more where threads each on a stream of their own contended for
+    its lock (``thread_shards``, ``thread_shards_on_contention``) or with
+    ``per_stream_shards``; 0 before its first allocation."""
     out = ctypes.c_uint32()
     _call("ccalloc_shard_count", _device_index(device), ctypes.byref(out))
     return out.value

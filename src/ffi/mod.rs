@@ -106,8 +106,9 @@ pub extern "C" fn ccalloc_is_initialized() -> bool {
 }
 
 /// How many shards (allocators with a lock and cache of their own) `device` has made: 1
-/// once it has allocated, more where threads each started on a stream of their own
-/// (`thread_shards`) or with `per_stream_shards`; 0 before its first allocation.
+/// once it has allocated, more where threads each on a stream of their own contended for its
+/// lock (`thread_shards`, `thread_shards_on_contention`) or with `per_stream_shards`; 0
+/// before its first allocation.
 #[no_mangle]
 pub extern "C" fn ccalloc_shard_count(device: i32, out_count: *mut u32) -> ccalloc_status {
     guard(|| {
