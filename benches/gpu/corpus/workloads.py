@@ -1,6 +1,6 @@
-"""The corpus's own GPU workloads (issue 17): twenty-four real training and inference shapes,
-the last ten held out (six added after the paging policy's constants were set, four more in
-session 31).
+"""The corpus's own GPU workloads (issue 17): twenty-six real training and inference shapes,
+the last twelve held out (six added after the paging policy's constants were set, four more in
+session 31, two in session 32).
 
 Each workload is a function ``f(c: Ctx) -> loop``: it builds its model (random init, from a
 config: nothing is downloaded) and returns ``loop``, a callable that runs the steady-state part
@@ -1249,6 +1249,121 @@ def bert_serve_threads(c: Ctx):
             th.start()
         for th in pool:
             th.join()
+
+    return loop
+
+
+@workload("inference, models swapped in and out, < 1 GiB", "~0.5 GiB", 12)
+def model_swap_serve(c: Ctx):
+    """A server that holds one model at a time and swaps: each loop builds BERT-base (fp16,
+    ``transformers``; every model is made in fp32 on the GPU, then cast), serves 12 requests of 1-16 x 16-256 tokens, drops it, then does the
+    same with ViT-B/16 (torchvision, 1-32 images) and ResNet-50 (channels-last, 1-64 images).
+    Every model's weights are allocated anew while the previous model's blocks sit freed in
+    the cache, in other sizes: what a caching allocator keeps from one model is what the next
+    must reuse or add to."""
+    import torchvision
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig() if not c.tiny else BertConfig(hidden_size=32, num_hidden_layers=2,
+                                                      num_attention_heads=2, intermediate_size=64)
+    requests = c.pick(12, 2)
+
+    def bert(rng):
+        with torch.device(c.dev):
+            m = BertModel(cfg)
+        m = m.to(c.half).eval()
+        lo, hi = c.pick((16, 256), (4, 16))
+        for _ in range(requests):
+            b = rng.choice([1, 2, 4, 8, 16])
+            x = torch.randint(0, cfg.vocab_size, (b, rng.randint(lo, hi)), device=c.dev)
+            m(x, attention_mask=torch.ones_like(x)).pooler_output.float().cpu()
+
+    def vit(rng):
+        side, patch, layers, heads, hidden, mlp = c.pick((224, 16, 12, 12, 768, 3072), (32, 16, 2, 2, 32, 64))
+        with torch.device(c.dev):
+            m = torchvision.models.VisionTransformer(image_size=side, patch_size=patch, num_layers=layers,
+                                                     num_heads=heads, hidden_dim=hidden, mlp_dim=mlp)
+        m = m.to(c.half).eval()
+        for _ in range(requests):
+            x = torch.randn(rng.choice([1, 2, 4, 8, 16, 32]), 3, side, side, device=c.dev, dtype=c.half)
+            m(x).float().softmax(-1).topk(5, dim=-1).indices.cpu()
+
+    def resnet(rng):
+        with torch.device(c.dev):
+            m = torchvision.models.resnet50(weights=None)
+        m = m.to(c.half).eval()
+        if c.cuda:
+            m = m.to(memory_format=torch.channels_last)
+        side = c.pick(224, 32)
+        for _ in range(requests):
+            x = torch.randn(rng.choice([1, 2, 4, 8, 16, 32, 64]), 3, side, side, device=c.dev, dtype=c.half)
+            if c.cuda:
+                x = x.to(memory_format=torch.channels_last)
+            m(x).float().softmax(-1).topk(5, dim=-1).indices.cpu()
+
+    def loop():
+        rng = c.seed(35)
+        with torch.no_grad():
+            for serve in (bert, vit, resnet):
+                serve(rng)
+
+    return loop
+
+
+@workload("training compiled with torch.compile (Inductor), variable length", "~6 GiB", 90)
+def compiled_gpt_train(c: Ctx):
+    """A GPT-style decoder (12 layers, d=768, hand-written, bf16 autocast) compiled with
+    ``torch.compile`` (Inductor's default mode, dynamic shapes) and trained on batches of 16
+    sequences of 128-1024 tokens, in multiples of 64. Inductor's generated code frees each
+    buffer at its last use and reuses buffers within a graph, so the allocator sees fewer,
+    larger, differently ordered requests than eager mode makes. The compile happens in the
+    warm-up loop (on the CPU smoke run the model stays eager)."""
+    d, layers, heads, batch, vocab = c.pick((768, 12, 12, 16, 32000), (32, 2, 2, 2, 128))
+    lo, hi = c.pick((2, 16), (1, 2))  # lengths in units of 64 tokens (8 on the CPU)
+    unit = c.pick(64, 8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1, self.n2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ff1, self.ff2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(self.n1(x)).view(b, n, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.o(a.transpose(1, 2).reshape(b, n, d))
+            return x + self.ff2(F.gelu(self.ff1(self.n2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+        def forward(self, x):
+            h = self.emb(x)
+            for blk in self.blocks:
+                h = blk(h)
+            return self.head(self.norm(h))
+
+    with torch.device(c.dev):
+        m = GPT()
+    opt = c.adamw(m.parameters())
+    step_fn = torch.compile(m, dynamic=True) if c.cuda else m
+    c.info["compiled"] = str(c.cuda)
+
+    def loop():
+        rng = c.seed(36)
+        for _ in range(c.pick(10, 2)):
+            n = unit * rng.randint(lo, hi)
+            x = torch.randint(0, vocab, (batch, n + 1), device=c.dev)
+            with c.autocast():
+                logits = step_fn(x[:, :-1])
+                loss = F.cross_entropy(logits.float().view(-1, vocab), x[:, 1:].reshape(-1))
+            optimize(loss, opt)
 
     return loop
 
