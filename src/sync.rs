@@ -108,13 +108,16 @@ impl ContendedOften {
             self.window_acquisitions.load(Ordering::Relaxed),
             self.window_contended.load(Ordering::Relaxed),
         );
-        // Wrapping: a reset of the counts (`reset_use`) opens a new window too.
-        if acquisitions.wrapping_sub(opened_at) > CONTENTION_WINDOW {
+        // Counts below the window's start were reset (`reset_use`): a new window opens too.
+        let stale = acquisitions < opened_at
+            || contended < contended_before
+            || acquisitions - opened_at > CONTENTION_WINDOW;
+        if stale {
             self.window_acquisitions
                 .store(acquisitions, Ordering::Relaxed);
             self.window_contended
-                .store(contended - 1, Ordering::Relaxed);
-        } else if contended.wrapping_sub(contended_before) * CONTENDED_ONE_IN >= CONTENTION_WINDOW {
+                .store(contended.saturating_sub(1), Ordering::Relaxed);
+        } else if (contended - contended_before) * CONTENDED_ONE_IN >= CONTENTION_WINDOW {
             self.often.store(true, Ordering::Relaxed);
         }
     }
@@ -524,5 +527,19 @@ mod tests {
         run(&w, &mut at, CONTENTION_WINDOW, 0);
         run(&w, &mut at, 2 * CONTENTION_WINDOW, 16);
         assert!(w.often.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn a_reset_early_in_a_window_neither_trips_nor_panics() {
+        let w = ContendedOften::default();
+        // A second window opens after the first's 65,536 acquisitions, 655 of them contended.
+        let mut at = (0, 0);
+        run(&w, &mut at, CONTENTION_WINDOW + 1000, 100);
+        // The counts are reset, and the next contended acquisition comes just past the
+        // window's start, with fewer contended than when it opened.
+        let mut at = (0, 0);
+        run(&w, &mut at, CONTENTION_WINDOW + 1000, 0);
+        run(&w, &mut at, 4 * CONTENTION_WINDOW, 200);
+        assert!(!w.often.load(Ordering::Relaxed));
     }
 }
