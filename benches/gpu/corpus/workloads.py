@@ -1253,7 +1253,7 @@ def bert_serve_threads(c: Ctx):
     return loop
 
 
-@workload("inference, models swapped in and out, < 1 GiB", "~0.5 GiB", 12)
+@workload("inference, models swapped in and out, < 1 GiB", "~0.5 GiB", 20)
 def model_swap_serve(c: Ctx):
     """A server that holds one model at a time and swaps: each loop builds BERT-base (fp16,
     ``transformers``; every model is made in fp32 on the GPU, then cast), serves 12 requests of 1-16 x 16-256 tokens, drops it, then does the
