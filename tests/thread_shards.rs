@@ -143,6 +143,17 @@ fn thread_shards_is_fixed_once_the_device_allocates() {
     let e = a.apply_config("thread_shards:False").unwrap_err();
     assert_eq!(e.kind, ErrorKind::Config);
     assert!(e.message.contains("thread_shards"), "{}", e.message);
+    // So is when they are made; restating today's value is no change.
+    let e = a
+        .apply_config("thread_shards_on_contention:False")
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Config);
+    assert!(
+        e.message.contains("thread_shards_on_contention"),
+        "{}",
+        e.message
+    );
+    a.apply_config("thread_shards_on_contention:True").unwrap();
     // Other settings still change.
     a.apply_config("page_slack:0.05").unwrap();
     a.free(p).unwrap();
