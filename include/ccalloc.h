@@ -312,7 +312,8 @@ ccalloc_status ccalloc_shard_count(int32_t device, uint32_t *out_count);
 ccalloc_status ccalloc_device_total_memory(int32_t device, uint64_t *out_bytes);
 
 // Puts every setting back to its default, then applies `CCALLOC_CONF` again (a device that
-// has allocated keeps its `per_stream_shards` and `thread_shards`).
+// has allocated keeps its `per_stream_shards`, `thread_shards` and
+// `thread_shards_on_contention`).
 ccalloc_status ccalloc_reset_config(void);
 
 // Allocates `size` bytes on `device` for use on `stream` (a `cudaStream_t`; any value on
@@ -342,7 +343,8 @@ ccalloc_status ccalloc_get_memory_fraction(int32_t device, double *out_fraction)
 
 // Applies settings such as "max_split_size_mb:256,garbage_collection_threshold:0.8" to every
 // device. An unknown key or bad value fails with `CCALLOC_CONFIG_ERROR` and changes nothing,
-// as does changing `per_stream_shards` or `thread_shards` once a device has allocated.
+// as does changing `per_stream_shards`, `thread_shards` or `thread_shards_on_contention` once
+// a device has allocated.
 ccalloc_status ccalloc_set_config(const char *conf);
 
 // Copies `device`'s statistics into `*out_stats`.

@@ -45,9 +45,11 @@ pub struct Config {
     pub thread_shards: bool,
     /// With `thread_shards`, make those shards only once threads are seen contending for the
     /// first shard's lock (`SpinThenBlock::contended_often`): until then every stream stays
-    /// in the first shard, whose memory needs no lending between shards. On by default;
-    /// `False` gives a new thread's stream its shard at once. May change only before the
-    /// device's first allocation.
+    /// in the first shard, whose memory needs no lending between shards. After, as with
+    /// `thread_shards`, but a thread's own stream (that of its first allocation on the
+    /// device, when no other thread had used it) gets its shard at its next allocation. On
+    /// by default; `False` gives a new thread's stream its shard at once. May change only
+    /// before the device's first allocation.
     pub thread_shards_on_contention: bool,
     /// Each thread keeps up to 8 blocks it freed, for its next request of exactly their
     /// size and stream, and frees them without the device lock (`alloc::front`). Only with

@@ -79,10 +79,11 @@ pub struct SpinThenBlock<T> {
     contended_often: ContendedOften,
 }
 
-/// A lock is `contended_often` once, within some `CONTENTION_WINDOW` acquisitions, at least
-/// one in `CONTENDED_ONE_IN` found it held. Within a window, not since the start: the threads
-/// of a server all load at once and collide a few hundred times at start-up, then take turns for
-/// hours, and they gain nothing from shards of their own, which cost memory (each shard keeps
+/// A lock is `contended_often` once, within a window of `CONTENTION_WINDOW` acquisitions, at
+/// least one in `CONTENDED_ONE_IN` found it held. Windows follow one another, each opened by
+/// the first contended acquisition after the last one closed. Within a window, not since the
+/// start: the threads of a server all load at once and collide a hundred or two times at
+/// start-up, then take turns for hours, and they gain nothing from shards of their own, which cost memory (each shard keeps
 /// its own pages). Threads that churn at once collide on several percent of acquisitions, in
 /// every window.
 const CONTENTION_WINDOW: u64 = 1 << 16;
@@ -288,6 +289,13 @@ impl<T> SpinThenBlock<T> {
     #[inline]
     pub fn contended_often(&self) -> bool {
         self.contended_often.often.load(Ordering::Relaxed)
+    }
+
+    /// Marks the lock `contended_often`, as a window of contention would (tests of what
+    /// follows from it, without racing threads for it).
+    #[cfg(test)]
+    pub(crate) fn mark_contended_often(&self) {
+        self.contended_often.often.store(true, Ordering::Relaxed);
     }
 
     /// How callers have met the lock. Read without it: counts a holder is updating may be

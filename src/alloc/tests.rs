@@ -1921,3 +1921,86 @@ fn lock_counters_count_a_wait_for_another_holder_and_each_handoff() {
     assert_eq!(a.lock_counters().unwrap(), LockCounters::default());
     a.free(kept).unwrap();
 }
+
+/// `thread_shards_on_contention` (the default) once threads have contended: each thread's
+/// own stream (its first, which no other thread had used) gets a shard at its next
+/// allocation, even though the first shard holds its earlier blocks; everything else stays
+/// in the first shard, as under the immediate rule.
+#[test]
+fn after_contention_a_threads_own_stream_gets_a_shard_and_nothing_else_does() {
+    const SIDE: StreamId = StreamId(0x5e1d);
+    const OTHER: StreamId = StreamId(0x07e4);
+    let (_sim, a) = paged(1 << 30, "");
+    let main_block = a.malloc(MIB, S0).unwrap();
+    // The main thread also uses a side stream (a forward's side stream).
+    let side_block = a.malloc(MIB, SIDE).unwrap();
+    std::thread::scope(|s| {
+        let (go_on, wait) = std::sync::mpsc::channel::<()>();
+        let (started, has_started) = std::sync::mpsc::channel::<()>();
+        // Before contention: a thread on a stream of its own (S1), and one whose first
+        // stream is the main thread's side stream (PyTorch's autograd thread), stay in the
+        // first shard. Each allocates again after contention.
+        let a = &a;
+        let own = s.spawn(move || {
+            let early = a.malloc(MIB, S1).unwrap();
+            started.send(()).unwrap();
+            wait.recv().unwrap();
+            let later = a.malloc(MIB, S1).unwrap();
+            (early, later)
+        });
+        has_started.recv().unwrap();
+        let (go_on_borrowed, wait_borrowed) = std::sync::mpsc::channel::<()>();
+        let (borrowed_started, borrowed_has_started) = std::sync::mpsc::channel::<()>();
+        let borrowed = s.spawn(move || {
+            let early = a.malloc(MIB, SIDE).unwrap();
+            borrowed_started.send(()).unwrap();
+            wait_borrowed.recv().unwrap();
+            (early, a.malloc(3 * MIB, SIDE).unwrap())
+        });
+        borrowed_has_started.recv().unwrap();
+        assert_eq!(a.shards_made(), 1);
+        a.mark_first_shard_contended();
+        // A new thread on the side stream the first shard holds memory of joins it.
+        s.spawn(|| a.free(a.malloc(2 * MIB, SIDE).unwrap()).unwrap())
+            .join()
+            .unwrap();
+        assert_eq!(a.shards_made(), 1, "a new thread on a stream in use");
+        // The main thread's new streams, and the side stream, stay in the first shard.
+        a.free(a.malloc(MIB, OTHER).unwrap()).unwrap();
+        a.free(a.malloc(MIB, SIDE).unwrap()).unwrap();
+        assert_eq!(a.shards_made(), 1, "the main thread's other streams");
+        // The thread that started on the side stream gets no shard for it.
+        go_on_borrowed.send(()).unwrap();
+        let (b_early, b_later) = borrowed.join().unwrap();
+        assert_eq!(
+            a.shards_made(),
+            1,
+            "a thread whose first stream was another's"
+        );
+        // The thread that started on S1 gets a shard for it; its earlier block, in the
+        // first shard, is freed there.
+        go_on.send(()).unwrap();
+        let (early, later) = own.join().unwrap();
+        assert_eq!(a.shards_made(), 2, "S1 in a shard of its own");
+        assert_eq!(stats(a).allocation.all().current, 6);
+        for p in [early, later, b_early, b_later] {
+            a.free(p).unwrap();
+        }
+    });
+    a.free(main_block).unwrap();
+    a.free(side_block).unwrap();
+    assert_eq!(stats(&a).allocation.all().current, 0);
+    assert_eq!(a.shards_made(), 2);
+}
+
+/// The same threads, but under the immediate rule (`thread_shards_on_contention:False`):
+/// the thread on S1 gets its shard at its first allocation.
+#[test]
+fn the_immediate_rule_gives_a_new_threads_own_stream_its_shard_at_once() {
+    let (_sim, a) = paged(1 << 30, "thread_shards_on_contention:False");
+    let kept = a.malloc(MIB, S0).unwrap();
+    let p = std::thread::scope(|s| s.spawn(|| a.malloc(MIB, S1).unwrap()).join().unwrap());
+    assert_eq!(a.shards_made(), 2);
+    a.free(p).unwrap();
+    a.free(kept).unwrap();
+}

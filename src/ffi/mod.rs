@@ -129,7 +129,8 @@ pub extern "C" fn ccalloc_device_total_memory(device: i32, out_bytes: *mut u64) 
 }
 
 /// Puts every setting back to its default, then applies `CCALLOC_CONF` again (a device that
-/// has allocated keeps its `per_stream_shards` and `thread_shards`).
+/// has allocated keeps its `per_stream_shards`, `thread_shards` and
+/// `thread_shards_on_contention`).
 #[no_mangle]
 pub extern "C" fn ccalloc_reset_config() -> ccalloc_status {
     guard(|| runtime::global()?.reset_config())
@@ -250,7 +251,8 @@ pub extern "C" fn ccalloc_get_memory_fraction(
 
 /// Applies settings such as "max_split_size_mb:256,garbage_collection_threshold:0.8" to every
 /// device. An unknown key or bad value fails with `CCALLOC_CONFIG_ERROR` and changes nothing,
-/// as does changing `per_stream_shards` or `thread_shards` once a device has allocated.
+/// as does changing `per_stream_shards`, `thread_shards` or `thread_shards_on_contention` once
+/// a device has allocated.
 #[no_mangle]
 pub unsafe extern "C" fn ccalloc_set_config(conf: *const c_char) -> ccalloc_status {
     guard(|| {

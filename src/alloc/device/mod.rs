@@ -315,12 +315,18 @@ impl DeviceAllocator {
         }
         if self.sharding() == Sharding::OnContention {
             // Until threads contend for the first shard, every stream is its; once every
-            // slot is taken, too. (A stream whose memory the first shard holds keeps it
-            // there: its frees find it, and its new blocks come from its own shard.)
+            // slot is taken, too. After: as with `NewThreads`, except that a thread's own
+            // stream (one it brought, `homes`) gets a shard although the first shard holds
+            // its earlier blocks (their frees find them there). Other streams a thread
+            // uses stay in the first shard, with the memory other threads left there.
             if filled == MAX_SHARDS || !shards.filled_shard(0).state.contended_often() {
                 return Ok((0, shards.filled_shard(0)));
             }
-            return Err(filled);
+            return match homes::brought(self.key) {
+                Some(Some(own)) if own == stream => Err(filled),
+                Some(_) => Ok((0, shards.filled_shard(0))),
+                None => Err(filled),
+            };
         }
         if filled == MAX_SHARDS {
             let i = shared_slot(stream);
@@ -342,7 +348,12 @@ impl DeviceAllocator {
             Ok(found) => return Ok(found),
             Err(empty) => empty,
         };
-        if i > 0 && self.sharding() == Sharding::NewThreads {
+        let new_thread = match self.sharding() {
+            Sharding::NewThreads => true,
+            Sharding::OnContention => !homes::has_home(self.key),
+            Sharding::One | Sharding::EveryStream => false,
+        };
+        if i > 0 && new_thread {
             // This thread's first allocation on the device (`malloc_in_shard` notes it
             // next), on a stream with no slot: a new shard, unless the first shard holds
             // memory of the stream (another thread's: PyTorch's autograd thread running
@@ -487,9 +498,22 @@ impl DeviceAllocator {
         if self.several_shards() {
             self.return_large_held_elsewhere(shard);
         }
-        if self.sharding() == Sharding::NewThreads {
+        if matches!(
+            self.sharding(),
+            Sharding::NewThreads | Sharding::OnContention
+        ) {
             // A thread that has allocated keeps its later new streams in the first shard.
-            homes::note_home(self.key);
+            // Its first stream is its own if no other thread had used it: in another shard,
+            // or in the first before this block (under `OnContention`, its shard later).
+            homes::note_home(self.key, stream, || {
+                self.sharding() == Sharding::OnContention
+                    && (slot != 0
+                        || !self
+                            .shards
+                            .filled_shard(0)
+                            .serves_stream(stream)
+                            .unwrap_or(true))
+            });
         }
         if !self.several_shards() || size > self.total_memory {
             // One shard, or a size no emptying could make room for: nothing to retry.
@@ -788,9 +812,12 @@ impl DeviceAllocator {
         )
     }
 
-    /// `per_stream_shards` and `thread_shards` may change only while no shard exists.
+    /// `per_stream_shards`, `thread_shards` and `thread_shards_on_contention` may change only
+    /// while no shard exists.
     fn check_sharding(&self, now: &Config, next: &Config) -> Result<()> {
-        let changed = Sharding::of(next) != Sharding::of(now);
+        let changed = next.per_stream_shards != now.per_stream_shards
+            || next.thread_shards != now.thread_shards
+            || next.thread_shards_on_contention != now.thread_shards_on_contention;
         if changed && self.shards.slots[0].get().is_some() {
             return Err(Error::new(
                 ErrorKind::Config,
@@ -1224,8 +1251,12 @@ impl Sharding {
 }
 
 /// The devices (by `DeviceAllocator::key`) this thread has allocated on, for thread shards:
-/// such a thread's new streams go to the device's first shard.
+/// such a thread's new streams go to the device's first shard. Each with the stream the
+/// thread brought to the device, if any: the stream of its first allocation there, when the
+/// first shard held no memory of it (no other thread had used it). After threads are seen
+/// contending (`Sharding::OnContention`), that stream is the one that gets a shard.
 mod homes {
+    use crate::driver::StreamId;
     use std::cell::Cell;
 
     /// Devices remembered per thread, newest first. A forgotten one (a thread that used
@@ -1234,44 +1265,56 @@ mod homes {
     /// left and the first shard holds no memory of it.
     const HOMES: usize = 64;
 
+    /// (device key, stream brought, whether one was): key 0 is none.
+    type Home = (u64, u64, bool);
+
     std::thread_local! {
         /// The device this thread last noted (every allocation notes one: one compare).
         static LAST: Cell<u64> = const { Cell::new(0) };
-        /// The devices noted, newest first (0: none).
-        static ALL: [Cell<u64>; HOMES] = const { [const { Cell::new(0) }; HOMES] };
+        /// The devices noted, newest first.
+        static ALL: [Cell<Home>; HOMES] = const { [const { Cell::new((0, 0, false)) }; HOMES] };
+    }
+
+    fn find(key: u64) -> Option<Home> {
+        ALL.try_with(|all| all.iter().map(Cell::get).find(|home| home.0 == key))
+            .ok()
+            .flatten()
     }
 
     /// Whether this thread has allocated on the device keyed `key`.
     #[inline]
     pub(super) fn has_home(key: u64) -> bool {
-        LAST.try_with(Cell::get).is_ok_and(|last| last == key)
-            || ALL
-                .try_with(|all| all.iter().any(|home| home.get() == key))
-                .unwrap_or(false)
+        LAST.try_with(Cell::get).is_ok_and(|last| last == key) || find(key).is_some()
     }
 
-    /// Notes that this thread has allocated on the device keyed `key` (keys start at 1).
+    /// `None` if this thread has not allocated on the device keyed `key`; else the stream it
+    /// brought there, if it brought one.
+    pub(super) fn brought(key: u64) -> Option<Option<StreamId>> {
+        find(key).map(|(_, stream, some)| some.then_some(StreamId(stream)))
+    }
+
+    /// Notes that this thread allocates on the device keyed `key` (keys start at 1). On its
+    /// first allocation there, `brings` says whether the stream is one it brings.
     #[inline]
-    pub(super) fn note_home(key: u64) {
+    pub(super) fn note_home(key: u64, stream: StreamId, brings: impl FnOnce() -> bool) {
         if LAST
             .try_with(|last| last.replace(key))
             .is_ok_and(|was| was == key)
         {
             return;
         }
-        note_in_all(key);
+        if find(key).is_none() {
+            note_new(key, stream, brings());
+        }
     }
 
     #[cold]
-    fn note_in_all(key: u64) {
+    fn note_new(key: u64, stream: StreamId, brought: bool) {
         let _ = ALL.try_with(|all| {
-            if all.iter().any(|home| home.get() == key) {
-                return;
-            }
             for i in (1..HOMES).rev() {
                 all[i].set(all[i - 1].get());
             }
-            all[0].set(key);
+            all[0].set((key, stream.0, brought));
         });
     }
 }
@@ -1321,6 +1364,11 @@ impl DeviceAllocator {
             .is_err()
         });
         assert!(panicked);
+    }
+
+    /// Marks the first shard's lock contended often (`Sharding::OnContention`'s trigger).
+    pub(crate) fn mark_first_shard_contended(&self) {
+        self.shards.filled_shard(0).state.mark_contended_often();
     }
 
     /// The locked state of `stream`'s shard.
