@@ -22,7 +22,9 @@ fn fronts_of_thread_shards_under_concurrent_slow_paths() {
     under_concurrent_slow_paths("thread_shards_on_contention:False");
 }
 
-/// The default: the same threads, whose shards come once they are seen contending.
+/// The default: the same threads, with what shards contention brings. Few: short-lived
+/// threads share the two streams, so only a thread whose first stream no other thread had
+/// used can get a shard (`tests/thread_shards.rs` tests how many).
 #[test]
 fn fronts_of_thread_shards_made_on_contention_under_concurrent_slow_paths() {
     under_concurrent_slow_paths("");
