@@ -83,9 +83,9 @@ pub struct SpinThenBlock<T> {
 /// least one in `CONTENDED_ONE_IN` found it held. Windows follow one another, each opened by
 /// the first contended acquisition after the last one closed. Within a window, not since the
 /// start: the threads of a server all load at once and collide a hundred or two times at
-/// start-up, then take turns for hours, and they gain nothing from shards of their own, which cost memory (each shard keeps
-/// its own pages). Threads that churn at once collide on several percent of acquisitions, in
-/// every window.
+/// start-up, then take turns for hours, and they gain nothing from shards of their own,
+/// which cost memory (each shard keeps its own pages). Threads that churn at once collide on
+/// several percent of acquisitions, in every window.
 const CONTENTION_WINDOW: u64 = 1 << 16;
 const CONTENDED_ONE_IN: u64 = 64;
 

@@ -498,15 +498,13 @@ impl DeviceAllocator {
         if self.several_shards() {
             self.return_large_held_elsewhere(shard);
         }
-        if matches!(
-            self.sharding(),
-            Sharding::NewThreads | Sharding::OnContention
-        ) {
+        let sharding = self.sharding();
+        if matches!(sharding, Sharding::NewThreads | Sharding::OnContention) {
             // A thread that has allocated keeps its later new streams in the first shard.
             // Its first stream is its own if no other thread had used it: in another shard,
             // or in the first before this block (under `OnContention`, its shard later).
             homes::note_home(self.key, stream, || {
-                self.sharding() == Sharding::OnContention
+                sharding == Sharding::OnContention
                     && (slot != 0
                         || !self
                             .shards
@@ -1221,8 +1219,9 @@ enum Sharding {
     NewThreads = 1,
     /// A shard per stream (`Config::per_stream_shards`).
     EveryStream = 2,
-    /// Every stream in the first shard until its lock is `contended_often`; then a shard of
-    /// its own for each stream no slot names yet (`Config::thread_shards_on_contention`).
+    /// Every stream in the first shard until its lock is `contended_often`; then as
+    /// `NewThreads`, except that a thread's own stream (`homes::brought`) gets a shard
+    /// although the first shard holds memory of it (`Config::thread_shards_on_contention`).
     OnContention = 3,
 }
 
