@@ -7,7 +7,7 @@
 mod common;
 
 use ccalloc::{DeviceAllocator, ErrorKind, StreamId};
-use common::{on_new_thread, sim_allocator};
+use common::{on_new_thread, sim_allocator, xorshift};
 use std::sync::Arc;
 
 const MIB: u64 = 1 << 20;
@@ -242,11 +242,9 @@ fn the_default_makes_thread_shards_only_once_threads_contend() {
             let a = a.clone();
             std::thread::spawn(move || {
                 let mut held = Vec::new();
-                let mut k = t;
+                let mut next = xorshift(t);
                 while a.shards_made() < 5 && std::time::Instant::now() < deadline {
-                    k = k
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
+                    let k = next();
                     // Random sizes, so that the thread caches do not serve them.
                     held.push(
                         a.malloc(512 + (k >> 40) % (1 << 18), StreamId(200 + t))
