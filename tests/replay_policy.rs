@@ -225,3 +225,26 @@ fn a_server_swapping_models_stays_within_the_target() {
     // Today: 1.0296 at lags 0, 2 and 16; 340, 380 and 397 calls.
     within_at_every_lag(&[("model_swap_serve", 1.03, 440)]);
 }
+
+/// A workload held out in session 32 and first traced in session 33: a 12-layer GPT trained
+/// under `torch.compile` with dynamic shapes (sequence lengths varying per step), so the
+/// compiled graphs' buffers come in sizes eager mode never asks for. Live on an H200 it
+/// reserved 1.026-1.03 (expandable_segments 1.144, native 1.380). Bounds as above.
+#[test]
+fn compiled_training_with_dynamic_shapes_stays_within_the_target() {
+    // Today: 1.0103 at lags 0 and 2, 1.0155 at lag 16; 3,215-3,227 calls.
+    within_at_every_lag(&[("compiled_gpt_train", 1.016, 3400)]);
+}
+
+/// Four threads serving BERT-base, each on a stream of its own (session 31's held-out
+/// server), traced in session 33. It is over the 3% target, live (1.036-1.051) and here
+/// (1.0459 at every lag): each stream's blocks lie on pages of its own, and at the peak the
+/// excess is all the free parts of partly live pages, 24 MiB over four streams
+/// (docs/paging.md, Limitations). The bound is today's figure, so that the excess cannot
+/// grow unnoticed; it is not the goal. Letting one stream's request onto another stream's
+/// mapped pages once the device is done with them (session 33, not kept) left it at 1.0459.
+#[test]
+fn threads_on_their_own_streams_keep_todays_page_rounding() {
+    // Today: 1.0459 at lags 0, 2 and 16; 5,194, 5,255 and 5,313 calls.
+    within_at_every_lag(&[("bert_serve_threads", 1.046, 5500)]);
+}
