@@ -1128,6 +1128,22 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
     job.start_growth();
     job.account(at, at + ms(1), budget, true);
     assert!(!job.may_move(at + ms(1), budget), "the credit comes once");
+    // Having run out, a job that keeps its device busy moves again only once its allowance
+    // is full: 1 s brings it 20 ms, which an allocation-bound loop (`clock`, above) may
+    // spend at once, but this job waits for the whole 600 ms.
+    assert!(!job.may_move(at + ms(1_000), budget), "refilling after 1 s");
+    assert!(
+        !job.may_move(at + ms(29_000), budget),
+        "refilling after 29 s"
+    );
+    assert!(
+        job.may_move(at + ms(31_000), budget),
+        "full again after 31 s"
+    );
+    assert!(
+        job.may_move(at + ms(31_001), budget),
+        "and moves while it lasts"
+    );
     // Moves a refused growth still makes (forced by the hard limit or the OOM path) are
     // not charged: a phase at the limit must not leave a debt that outlasts it.
     let mut forced = MoveClock::started_at(t0);

@@ -52,6 +52,23 @@ pub fn slack_bytes(high: u64, share: f64, page: u64, shards: u64) -> u64 {
 // hot-path harness) never shows a busy device: its moves are its time, and it earns only
 // the budget's share of it.
 //
+// Once a job that keeps its device busy has spent its allowance, no growth moves until
+// the allowance is full again (`refilling`: the budget's share of `ALLOWANCE_SPAN`, 30 s
+// at its pace). Refused one growth at a time, moves went on at the budget's pace between
+// refusals, and in a job whose phases want their pages in different places (unet's
+// training steps and sampling) each move took pages that the other phase would want back,
+// so refusals kept adding memory that the next moves scattered again: over 80 loops (50
+// s) on an H200, 2,124 moving growths and 456 refused ones took unet to 1.177x live,
+// above native's 1.070x, with its loops still 1-9% over native's. Refusing every move
+// for the refill lets such a job map what each phase needs where it needs it and stop
+// growing, as a cache that never moves would: the same 80 loops then reserved 1.138x
+// (13 refused growths), and every loop from the 24th ran within 0.4-1.4% of native's.
+// That is still above native's memory: what the job had mapped where it ran out is not
+// where its phases want it (Limitations, docs/paging.md). A job whose moves fit the
+// budget (with the credit) never runs out, and a loop of allocations with no kernels
+// behind it (never credited) is refused one growth at a time as before: its moves are
+// its time, and a refill would stop them for its whole run.
+//
 // What a move costs: nothing if the device was busy throughout, with work queued before
 // the growth began (an event recorded then is still pending at its end): the host was
 // ahead, and its next launches still come before the device runs dry. Otherwise the host
@@ -76,6 +93,8 @@ pub struct Allowance {
     warm_up_credited: bool,
     /// When it last ran out (growth then makes coarser chunks: `MoveClock::spent_lately`).
     ran_out: Option<Instant>,
+    /// It ran out and has not been full since: no growth moves until it is (see above).
+    refilling: bool,
 }
 
 impl Allowance {
@@ -99,6 +118,14 @@ impl Allowance {
         // An allowance over the cap (the budget was lowered) comes down to it.
         self.seconds = (self.seconds + budget * since.as_secs_f64()).min(Self::most(budget));
         self.as_of = Some(self.as_of.map_or(now, |t| t.max(now)));
+    }
+
+    /// Whether a growth may move now: while it refills after running out, none may.
+    fn allows_moves(&mut self, budget: f64) -> bool {
+        if self.refilling && self.seconds >= Self::most(budget) {
+            self.refilling = false;
+        }
+        !self.refilling && self.seconds > 0.0
     }
 
     fn spent_lately(&self) -> bool {
@@ -158,7 +185,7 @@ impl MoveClock {
         }
         let mut allowance = self.allowance();
         allowance.accrue(now, budget);
-        allowance.seconds > 0.0
+        allowance.allows_moves(budget)
     }
 
     /// Whether the allowance ran out within the last `ALLOWANCE_SPAN`: moves here cost more
@@ -241,6 +268,9 @@ impl MoveClock {
         }
         let quiet_before = !allowance.spent_lately();
         allowance.ran_out = Some(now);
+        // A job that keeps its device busy refills before it moves again; an
+        // allocation-bound loop goes on refusing one growth at a time (see above).
+        allowance.refilling = allowance.warm_up_credited;
         quiet_before.then_some(cost)
     }
 }
