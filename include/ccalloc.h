@@ -154,8 +154,9 @@ typedef struct {
   // (with `per_stream_shards`): memory that changed streams without being released.
   uint64_t chunks_borrowed;
   // Growths refused page moves because moves had taken their share of the time
-  // (`page_move_budget`): each mapped new memory instead, past the slack bound where it
-  // needed more than the slack held.
+  // (`page_move_budget`), or, in a job that keeps its device busy, had taken it and not
+  // yet earned it back in full: each mapped new memory instead, past the slack bound
+  // where it needed more than the slack held.
   uint64_t growths_past_slack;
 } ccalloc_paging_stats;
 

@@ -1,5 +1,5 @@
 //! The paging policy on the two workload families where it reserved the most (issue #17),
-//! replayed on the simulated device from traces recorded on an H100 (docs/paging.md):
+//! replayed on the simulated device from traces recorded on an H100 or H200 (docs/paging.md):
 //! small-footprint inference with a batch size varying per call, and generation with a KV
 //! cache growing token by token. Each test bounds peak reserved / peak live and the count
 //! of page maps and unmaps (the driver calls a page move costs), at the default GPU lag and
@@ -239,7 +239,7 @@ fn compiled_training_with_dynamic_shapes_stays_within_the_target() {
 /// Four threads serving BERT-base, each on a stream of its own (session 31's held-out
 /// server), traced in session 33. It is over the 3% target, live (1.036-1.051) and here
 /// (1.0459 at every lag): each stream's blocks lie on pages of its own, and at the peak the
-/// excess is all the free parts of partly live pages, 24 MiB over four streams
+/// excess is all the free parts of partly live pages, 23.8 MiB over four streams
 /// (docs/paging.md, Limitations). The bound is today's figure, so that the excess cannot
 /// grow unnoticed; it is not the goal. Letting one stream's request onto another stream's
 /// mapped pages once the device is done with them (session 33, not kept) left it at 1.0459.

@@ -408,7 +408,8 @@ def paging_stats(device: Any = None) -> Dict[str, Any]:
     for the device), ``page_slack`` (the share of peak live bytes growth may keep beyond
     it while moves are within ``page_move_budget``), ``chunks_borrowed`` (chunks taken from
     other streams' idle memory with ``per_stream_shards``), and ``growths_past_slack``
-    (growths refused page moves because moves had taken their share of the time: each
+    (growths refused page moves because moves had taken their share of the time, or, in a
+    job that keeps its device busy, had taken it and not yet earned it back in full: each
     mapped new memory instead). Counts and times restart at :func:`reset_accumulated_memory_stats`.
     """
     out = _lib.ccalloc_paging_stats()

@@ -322,8 +322,9 @@ pub struct PagingCounters {
     /// Chunks taken from the device's other shards' idle memory (`shard::lending`).
     pub chunks_borrowed: u64,
     /// Growths refused page moves because moves had spent their share of the time
-    /// (`page_move_budget`, `MoveClock`): each mapped new memory instead, past the slack
-    /// where it needed more than the slack held.
+    /// (`page_move_budget`, `MoveClock`), or, in a job that keeps its device busy, had
+    /// spent it and the allowance was not full again: each mapped new memory instead, past
+    /// the slack where it needed more than the slack held.
     pub growths_past_slack: u64,
 }
 

@@ -1140,9 +1140,10 @@ fn moves_may_take_the_budgets_share_of_the_time_since_the_start_and_no_more() {
         job.may_move(at + ms(31_000), budget),
         "full again after 31 s"
     );
+    assert_eq!(growth(&mut job, at + ms(31_000), ms(300), ms(0)), None);
     assert!(
-        job.may_move(at + ms(31_001), budget),
-        "and moves while it lasts"
+        job.may_move(at + ms(31_300), budget),
+        "half spent, it still moves: the refill waits only after running out"
     );
     // Moves a refused growth still makes (forced by the hard limit or the OOM path) are
     // not charged: a phase at the limit must not leave a debt that outlasts it.

@@ -121,8 +121,9 @@ pub struct ccalloc_paging_stats {
     /// (with `per_stream_shards`): memory that changed streams without being released.
     pub chunks_borrowed: u64,
     /// Growths refused page moves because moves had taken their share of the time
-    /// (`page_move_budget`): each mapped new memory instead, past the slack bound where it
-    /// needed more than the slack held.
+    /// (`page_move_budget`), or, in a job that keeps its device busy, had taken it and not
+    /// yet earned it back in full: each mapped new memory instead, past the slack bound
+    /// where it needed more than the slack held.
     pub growths_past_slack: u64,
 }
 

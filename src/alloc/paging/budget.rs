@@ -28,9 +28,10 @@ pub fn slack_bytes(high: u64, share: f64, page: u64, shards: u64) -> u64 {
 // says moves may take `page_move_budget` of the job's time. The allowance is that share of
 // the wall time since the allocator started, spent by each growth that moved, and refused
 // moves while it is spent: growth then maps new memory, and reserved rises by exactly what
-// that growth needed. Reserved rises only at moments when moving would overrun the budget,
-// and by no more than the growth in hand, so a job whose moves fit the budget over its
-// life keeps the tight bound, however they bunch.
+// that growth needed. Reserved rises only at moments when moving would overrun the budget
+// (in a job that keeps its device busy, throughout the refill that follows: below), and by
+// no more than the growth in hand, so a job whose moves fit the budget over its life keeps
+// the tight bound, however they bunch.
 //
 // Raising the slack instead (a share of peak live, in steps, per window of time over
 // budget) measured the wrong thing twice. Moves bunch at warm-up and at new shapes, so a
@@ -52,9 +53,10 @@ pub fn slack_bytes(high: u64, share: f64, page: u64, shards: u64) -> u64 {
 // hot-path harness) never shows a busy device: its moves are its time, and it earns only
 // the budget's share of it.
 //
-// Once a job that keeps its device busy has spent its allowance, no growth moves until
-// the allowance is full again (`refilling`: the budget's share of `ALLOWANCE_SPAN`, 30 s
-// at its pace). Refused one growth at a time, moves went on at the budget's pace between
+// Once a job that keeps its device busy has spent its allowance, no growth moves by choice
+// until the allowance is full again (`refilling`: the budget's share of `ALLOWANCE_SPAN`,
+// at least 30 s at its pace, more after a growth that left it in debt; the hard limit and
+// the OOM path still move, uncharged). Refused one growth at a time, moves went on at the budget's pace between
 // refusals, and in a job whose phases want their pages in different places (unet's
 // training steps and sampling) each move took pages that the other phase would want back,
 // so refusals kept adding memory that the next moves scattered again: over 80 loops (50
