@@ -30,6 +30,11 @@ pub struct Config {
     /// Paged segments cache more (up to twice the live bytes) while moving pages takes more
     /// than this share of the time; 0 = never (only `page_slack`).
     pub page_move_budget: f64,
+    /// Paged segments may move pages (unmap them under free blocks, map them where growth
+    /// needs memory). False: growth always maps new memory, as once the move allowance is
+    /// spent (reserved then settles at what the job's layouts need together, with no move
+    /// and no wait for the device).
+    pub page_moves: bool,
     /// A separate allocator (shard: lock, cache, statistics) per stream, so that threads on
     /// different streams never contend. The cost: pages lent between streams wait for the
     /// lender's work, and one thread's several streams keep separate caches
@@ -73,6 +78,7 @@ impl Default for Config {
             expandable_segments: true,
             page_slack: DEFAULT_PAGE_SLACK,
             page_move_budget: DEFAULT_PAGE_MOVE_BUDGET,
+            page_moves: true,
             per_stream_shards: false,
             thread_shards: true,
             thread_shards_on_contention: true,
@@ -96,10 +102,11 @@ pub const DEFAULT_PAGE_SLACK: f64 = 0.03;
 pub const DEFAULT_PAGE_MOVE_BUDGET: f64 = 0.02;
 
 /// The keys `apply` accepts, for messages and documentation.
-pub const KEYS: [&str; 13] = [
+pub const KEYS: [&str; 14] = [
     "expandable_segments",
     "page_slack",
     "page_move_budget",
+    "page_moves",
     "max_split_size_mb",
     "max_non_split_rounding_mb",
     "roundup_power2_divisions",
@@ -203,6 +210,7 @@ impl Config {
             "page_move_budget" => {
                 self.page_move_budget = parse_within(key, value, 1.0, "a share of the time; ")?;
             }
+            "page_moves" => self.page_moves = parse_bool(key, value)?,
             "expandable_segments" => self.expandable_segments = parse_bool(key, value)?,
             "per_stream_shards" => self.per_stream_shards = parse_bool(key, value)?,
             "thread_shards" => self.thread_shards = parse_bool(key, value)?,
@@ -311,6 +319,9 @@ impl std::fmt::Display for Config {
         )?;
         if self.record_peak_breakdown {
             write!(f, ",record_peak_breakdown:True")?;
+        }
+        if !self.page_moves {
+            write!(f, ",page_moves:False")?;
         }
         if self.max_split_size != u64::MAX {
             write!(f, ",max_split_size_mb:{}", self.max_split_size / MB)?;
@@ -441,8 +452,9 @@ mod tests {
     #[test]
     fn parses_every_key() {
         let mut c = Config::default();
-        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False,page_slack:0.25,page_move_budget:0.5")
+        c.apply("max_split_size_mb:256, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,per_process_memory_fraction:0.5,roundup_power2_divisions:4,expandable_segments:False,page_slack:0.25,page_move_budget:0.5,page_moves:False")
             .unwrap();
+        assert!(!c.page_moves);
         assert_eq!(c.page_slack, 0.25);
         assert_eq!(c.page_move_budget, 0.5);
         assert_eq!(c.max_split_size, 256 * MB);
@@ -586,7 +598,7 @@ mod tests {
     fn display_reads_back() {
         let mut c = Config::default();
         assert_eq!(Config::default().apply(&c.to_string()).map(|_| ()), Ok(()));
-        c.apply("max_split_size_mb:256,garbage_collection_threshold:0.6,per_process_memory_fraction:0.25,roundup_power2_divisions:[4:2,>:8],page_slack:0.1,per_stream_shards:True,thread_cache:False,expandable_segments:False")
+        c.apply("max_split_size_mb:256,garbage_collection_threshold:0.6,per_process_memory_fraction:0.25,roundup_power2_divisions:[4:2,>:8],page_slack:0.1,per_stream_shards:True,thread_cache:False,expandable_segments:False,page_moves:False")
             .unwrap();
         let mut back = Config::default();
         back.apply(&c.to_string()).unwrap();

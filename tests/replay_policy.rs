@@ -248,3 +248,28 @@ fn threads_on_their_own_streams_keep_todays_page_rounding() {
     // Today: 1.0459 at lags 0, 2 and 16; 5,194, 5,255 and 5,313 calls.
     within_at_every_lag(&[("bert_serve_threads", 1.046, 5500)]);
 }
+
+/// With `page_moves:False` growth never moves pages: each maps new memory, as once a busy
+/// job's move allowance is spent, and reserved settles at what the job's layouts need
+/// together. Nothing is unmapped, fewer pages are mapped, and the reservation is at least
+/// the default's. unet's training steps and sampling want their pages in different places:
+/// without moves it reserves 1.108 here (native 1.070), the regime a long unet run enters
+/// once its allowance is spent (1.138 live after 80 loops, docs/paging.md).
+#[test]
+fn without_moves_growth_maps_new_memory_and_never_unmaps() {
+    const UNET: &str = "unet_diffusion_train";
+    for lag in [0, 2, 16] {
+        let moving = replay_trace(UNET, lag);
+        let fixed = replay_with(UNET, lag, "page_moves:False");
+        println!(
+            "{UNET} lag {lag}: {:.4} with moves ({} maps, {} unmaps), {:.4} without ({} maps)",
+            moving.ratio, moving.maps, moving.unmaps, fixed.ratio, fixed.maps
+        );
+        assert_eq!(fixed.unmaps, 0, "lag {lag}");
+        assert!(moving.unmaps > 0, "lag {lag}: the default moves pages here");
+        assert!(fixed.maps < moving.maps, "lag {lag}");
+        assert!(fixed.ratio >= moving.ratio, "lag {lag}");
+        // Today 1.1083 at every lag.
+        assert!(fixed.ratio <= 1.11, "lag {lag}: {:.4}", fixed.ratio);
+    }
+}

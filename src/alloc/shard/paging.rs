@@ -274,11 +274,12 @@ impl Shard {
         self.driver.record_event(self.device, stream).ok()
     }
 
-    /// Whether a growth starting at `now` may move pages: always on the sim without GPU
-    /// costs (replays do not time moves), else while moves are within their allowance.
+    /// Whether a growth starting at `now` may move pages: never with `page_moves:False`;
+    /// always on the sim without GPU costs (replays do not time moves); else while moves
+    /// are within their allowance.
     fn may_move(&self, st: &mut State, now: Instant) -> bool {
         let budget = st.config().page_move_budget;
-        !self.times_page_moves || st.moves_mut().may_move(now, budget)
+        st.config().page_moves && (!self.times_page_moves || st.moves_mut().may_move(now, budget))
     }
 
     /// Fills `plan` with memory: parked chunks that fit, then new chunks while reserved
