@@ -885,3 +885,48 @@ fn waits_for_a_busy_device_while_a_stream_lends_pages_do_not_count_as_move_time(
         "moves were refused: {paging:?}"
     );
 }
+
+#[test]
+fn without_moves_a_job_at_its_memory_limit_still_moves_pages_rather_than_fail() {
+    // `page_moves:False` maps new memory for every growth, up to the process's limit; at
+    // the limit growth still takes pages from under free blocks (as the OOM path does), so
+    // a job whose live bytes fit is not refused for the setting. Two live blocks of 96-200
+    // MiB, each freed in turn and replaced by one of another size: at most 400 MiB live
+    // under a limit of 512.
+    let sim = Arc::new(SimDriver::new(1, 1 << 30));
+    let mut config = Config::default();
+    config
+        .apply("page_moves:False,per_process_memory_fraction:0.5")
+        .unwrap();
+    let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
+    let mut seed = 7u64;
+    let mut size = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (96 + seed % 105) * MIB
+    };
+    let s0 = StreamId(0);
+    let mut live = [a.malloc(size(), s0).unwrap(), a.malloc(size(), s0).unwrap()];
+    for step in 0..400 {
+        let i = step % 2;
+        a.free(live[i]).unwrap();
+        live[i] = a
+            .malloc(size(), s0)
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
+    }
+    let s = a.stats().unwrap();
+    assert!(
+        s.reserved_bytes.all().peak <= (512 * MIB) as i64,
+        "{} MiB reserved at the peak",
+        s.reserved_bytes.all().peak >> 20
+    );
+    assert!(
+        s.paging.growths_past_slack > 0,
+        "growth was refused its moves"
+    );
+    assert!(sim.counters(0).unmaps > 0, "at the limit, pages moved");
+    for p in live {
+        a.free(p).unwrap();
+    }
+}
