@@ -18,7 +18,7 @@
 # cuda_runtime.h from C and C++, and a runtime-API smoke run), sim_c and sim_c_plain
 # (tests/c/test_api.c on the sim backend against the same library), torch_checks and
 # python_gpu (PyTorch), bench_pinned, bench_locks, bench_workloads, bench_hotpath,
-# bench_torch_empty, bench_steady and vmm_cost (benchmarks).
+# bench_torch_empty, bench_steady, bench_long_run and vmm_cost (benchmarks).
 #
 # Logs go to $LOG_DIR (default ${OUT:-/tmp}/gpu_check): one <NN>_<step>.log per step and
 # summary.txt, the table printed at the end; with LOG_LAYOUT=combined, all_steps.log (every
@@ -484,6 +484,38 @@ step_bench_torch_empty() {
     return "$rc"
 }
 
+# A job past the move allowance's 30 s warm-up credit (the corpus's runs end before it):
+# unet for LONG_LOOPS timed loops under native and ccalloc; reserved / requested, and the
+# last half's loop time against native's.
+step_bench_long_run() {
+    need_library || return 1
+    need_tool python3 || return 2
+    local log="$BUILD_DIR/bench_long_run.out" out="$BUILD_DIR/long_run"
+    rm -rf "$out"
+    (WORKLOADS=unet_diffusion_train ALLOCATORS="native ccalloc" ROUNDS=1 REPS="${LONG_LOOPS:-80}" \
+        RUN_TIMEOUT=400 OUT="$out" bash benches/gpu/corpus/corpus.sh) 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    python3 - "$out" <<'PY' 2>&1 | tee -a "$log"
+import glob, json, sys
+runs = {}
+for f in glob.glob(sys.argv[1] + "/corpus-*.jsonl"):
+    for line in open(f):
+        r = json.loads(line)
+        runs[r["allocator"]] = r
+if set(runs) != {"native", "ccalloc"} or any(not r.get("loop_seconds") for r in runs.values()):
+    sys.exit("long run: a run failed")
+loops = {a: r["loop_seconds"] for a, r in runs.items()}
+half = len(loops["native"]) // 2
+late = sum(loops["ccalloc"][half:]) / sum(loops["native"][half:])
+ratio = {a: r["reserved_bytes.all.peak"] / r["requested_bytes.all.peak"] for a, r in runs.items()}
+print(f"unet, {len(loops['native'])} loops: reserved/requested ccalloc {ratio['ccalloc']:.3f} "
+      f"(native {ratio['native']:.3f}); last {len(loops['native']) - half} loops' time / native's {late:.3f}")
+PY
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+    info "$(grep -E '^unet, [0-9]+ loops' "$log" | tail -1)"
+    return "$rc"
+}
+
 # What each virtual memory call costs here (paged segments pay them when pages move).
 step_vmm_cost() {
     need_tool "$NVCC" || return 2
@@ -517,6 +549,7 @@ add_step bench_workloads "benches/gpu/workloads.sh: the four workloads, native v
 add_step bench_hotpath "benches/gpu/hotpath.sh: alloc/free timing vs native and cudaMallocAsync"
 add_step bench_torch_empty "benches/gpu/torch_empty.py: torch.empty + del per size, native vs ccalloc vs a null allocator"
 add_step bench_steady "benches/gpu/steady.sh: the four workloads in steady state (warm-up run excluded)"
+add_step bench_long_run "unet for LONG_LOOPS (80) loops, past the move allowance's credit: memory and late loop time vs native"
 add_step vmm_cost "benches/gpu/vmm_cost.cu: microseconds per cuMemCreate/Map/SetAccess/Unmap"
 
 run_steps "$@"
