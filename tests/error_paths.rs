@@ -10,6 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::Duration;
 
+mod common;
+
 const MIB: u64 = 1 << 20;
 
 /// The sim device, with the n-th `unmap`, or the n-th wait (`synchronize` or `wait_event`),
@@ -893,19 +895,9 @@ fn without_moves_a_job_at_its_memory_limit_still_moves_pages_rather_than_fail() 
     // a job whose live bytes fit is not refused for the setting. Two live blocks of 96-200
     // MiB, each freed in turn and replaced by one of another size: at most 400 MiB live
     // under a limit of 512.
-    let sim = Arc::new(SimDriver::new(1, 1 << 30));
-    let mut config = Config::default();
-    config
-        .apply("page_moves:False,per_process_memory_fraction:0.5")
-        .unwrap();
-    let a = DeviceAllocator::new(0, sim.clone(), config).unwrap();
-    let mut seed = 7u64;
-    let mut size = || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        (96 + seed % 105) * MIB
-    };
+    let (sim, a) = sim_allocator(1 << 30, "page_moves:False,per_process_memory_fraction:0.5");
+    let mut next = common::xorshift(7);
+    let mut size = || (96 + next() % 105) * MIB;
     let s0 = StreamId(0);
     let mut live = [a.malloc(size(), s0).unwrap(), a.malloc(size(), s0).unwrap()];
     for step in 0..400 {
