@@ -56,20 +56,20 @@ pub fn slack_bytes(high: u64, share: f64, page: u64, shards: u64) -> u64 {
 // Once a job that keeps its device busy has spent its allowance, no growth moves by choice
 // until the allowance is full again (`refilling`: the budget's share of `ALLOWANCE_SPAN`,
 // at least 30 s at its pace, more after a growth that left it in debt; the hard limit and
-// the OOM path still move, uncharged). Refused one growth at a time, moves went on at the budget's pace between
-// refusals, and in a job whose phases want their pages in different places (unet's
-// training steps and sampling) each move took pages that the other phase would want back,
-// so refusals kept adding memory that the next moves scattered again: over 80 loops (50
-// s) on an H200, 2,124 moving growths and 456 refused ones took unet to 1.177x live,
-// above native's 1.070x, with its loops still 1-9% over native's. Refusing every move
+// the OOM path still move, uncharged). Refused one growth at a time, moves went on at the
+// budget's pace between refusals, and in a job whose phases want their pages in different
+// places (unet's training steps and sampling) each move took pages that the other phase
+// would want back, so refusals kept adding memory that the next moves scattered again: over
+// 80 loops (50 s) on an H200, 2,124 moving growths and 456 refused ones took unet to 1.177x
+// live, above native's 1.070x, with its loops still 1-9% over native's. Refusing every move
 // for the refill lets such a job map what each phase needs where it needs it and stop
-// growing, as a cache that never moves would: the same 80 loops then reserved 1.138x
-// (13 refused growths), and every loop from the 24th ran within 0.4-1.4% of native's.
-// That is still above native's memory: what the job had mapped where it ran out is not
-// where its phases want it (Limitations, docs/paging.md). A job whose moves fit the
-// budget (with the credit) never runs out, and a loop of allocations with no kernels
-// behind it (never credited) is refused one growth at a time as before: its moves are
-// its time, and a refill would stop them for its whole run.
+// growing, as a cache that never moves would: the same 80 loops then reserved 1.138x (13
+// refused growths), and every loop from the 24th ran within 0.4-1.4% of native's. That is
+// still above native's memory: what the job had mapped where it ran out is not where its
+// phases want it (Limitations, docs/paging.md). A job whose moves fit the budget (with the
+// credit) never runs out, and a loop of allocations with no kernels behind it (never
+// credited) is refused one growth at a time as before: its moves are its time, and a refill
+// would stop them for its whole run.
 //
 // What a move costs: nothing if the device was busy throughout, with work queued before
 // the growth began (an event recorded then is still pending at its end): the host was
