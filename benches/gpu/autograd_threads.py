@@ -70,27 +70,30 @@ def timed(step, threads: bool) -> float:
         return (time.perf_counter() - t0) / STEPS
 
 
-def handoffs_per_step(step, threads: bool) -> float:
-    if ALLOCATOR != "ccalloc":
-        return float("nan")
-    before = ccalloc.lock_stats()["handoffs"]
-    timed(step, threads)
-    return (ccalloc.lock_stats()["handoffs"] - before) / (STEPS + WARM_UP)
+def handoffs() -> int:
+    """ccalloc's lock handoffs so far (0 under the other allocators)."""
+    return ccalloc.lock_stats()["handoffs"] if ALLOCATOR == "ccalloc" else 0
 
 
 def main():
     step = make_step()
     timed(step, True)  # the process's warm-up, untimed
     ratios = []
+    handed = {True: 0, False: 0}
     for r in range(ROUNDS):
         order = (True, False) if r % 2 == 0 else (False, True)
-        t = {mode: timed(step, mode) for mode in order}
+        t = {}
+        for mode in order:
+            before = handoffs()
+            t[mode] = timed(step, mode)
+            handed[mode] += handoffs() - before
         ratio = t[True] / t[False]
         ratios.append(ratio)
         rec = {"allocator": ALLOCATOR, "round": r + 1, "two_threads_us": 1e6 * t[True],
                "one_thread_us": 1e6 * t[False], "ratio": ratio}
         print("AUTOGRAD_THREADS " + json.dumps(rec), flush=True)
-    hand = {mode: handoffs_per_step(step, mode) for mode in (True, False)}
+    steps_each = ROUNDS * (STEPS + WARM_UP)
+    hand = {mode: handed[mode] / steps_each if ALLOCATOR == "ccalloc" else float("nan") for mode in handed}
     print(f"{ALLOCATOR}: two threads / one thread, step time: median {statistics.median(ratios):.3f} "
           f"[{min(ratios):.3f}-{max(ratios):.3f}] over {ROUNDS} rounds of {STEPS} steps; "
           f"lock handoffs per step: two threads {hand[True]:.1f}, one thread {hand[False]:.1f}")
