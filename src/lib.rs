@@ -38,9 +38,13 @@ pub use runtime::{HostAllocator, Runtime};
 pub use driver::sim::{CallCosts, SimCounters, SimDriver, SimHostCounters};
 
 /// Trace replay on the simulated device: `trace` reads PyTorch's snapshots and CSV traces,
-/// `replay` runs one through a fresh allocator, `plot` draws the reports' timelines.
+/// `replay` runs one through a fresh allocator, `plot` draws the reports' timelines, and
+/// `expandable_peak_reserved` models PyTorch's expandable segments on a trace.
 #[cfg(feature = "replay")]
-pub use replay::{driver_ms_note, plot, replay, trace, OomPoint, ReplayOptions, ReplayReport};
+pub use replay::{
+    driver_ms_note, expandable_peak_reserved, plot, replay, trace, OomPoint, ReplayOptions,
+    ReplayReport,
+};
 
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 

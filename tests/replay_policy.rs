@@ -273,3 +273,88 @@ fn without_moves_growth_maps_new_memory_and_never_unmaps() {
         assert!(fixed.ratio <= 1.11, "lag {lag}: {:.4}", fixed.ratio);
     }
 }
+
+/// Issue 17's peer: PyTorch with `expandable_segments:True`, modelled on each trace
+/// (`expandable_peak_reserved`, docs/replay.md). The model reproduces the live runs' figures
+/// (H200, PyTorch 2.11, docs/benchmarks.md) of these workloads to the third decimal; a change
+/// to the model that loses that fails here.
+#[test]
+fn the_expandable_segments_model_matches_the_live_runs() {
+    for (name, live) in [
+        ("vae_decode_varres", 1.181),
+        ("resnet18_infer_varbatch", 1.394),
+        ("wav2vec2_ctc_train_varlen", 1.245),
+        ("multistream_pipeline", 1.554),
+        ("eager_attn_infer_40g", 1.052),
+        ("maskrcnn_train_varsize", 1.078),
+        ("llama_longctx_ckpt_train", 1.148),
+    ] {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("benches/traces")
+            .join(format!("{name}.trace.csv.gz"));
+        let t = &trace::load(&path).unwrap()[0];
+        let peak_live = peak_live_bytes(t);
+        let model = ccalloc::expandable_peak_reserved(t) as f64 / peak_live as f64;
+        println!("{name}: model {model:.4}, live {live}");
+        assert!(
+            (model - live).abs() < 0.0025,
+            "{name}: model {model:.4}, live {live}"
+        );
+    }
+}
+
+/// The peak of the bytes a trace asked for and had not freed (the replay's peak live).
+fn peak_live_bytes(t: &trace::Trace) -> u64 {
+    let mut live = std::collections::HashMap::new();
+    let (mut now, mut peak) = (0u64, 0u64);
+    for (addr, size, _) in trace::live_at_start(t) {
+        live.insert(addr, size);
+        now += size;
+    }
+    peak = peak.max(now);
+    for e in &t.events {
+        match e.action {
+            trace::Action::Alloc => {
+                now -= live.insert(e.addr, e.size).unwrap_or(0);
+                now += e.size;
+                peak = peak.max(now);
+            }
+            trace::Action::FreeCompleted => now -= live.remove(&e.addr).unwrap_or(0),
+            _ => {}
+        }
+    }
+    peak
+}
+
+/// Every shipped trace, at the default lag: ccalloc reserves less than expandable segments
+/// (modelled) would, except where a bound below says by how much it does not today.
+#[test]
+fn every_trace_reserves_less_than_expandable_segments() {
+    // Today at lag 2: dit 1.007 against the model's 1.005, video 1.025 against 1.012
+    // (live, expandable reserved 1.034 and ccalloc 1.025 on video).
+    let over = [
+        ("dit_infer_varres", 1.008),
+        ("video_r2plus1d_train_varlen", 1.026),
+    ];
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/traces");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter_map(|f| f.strip_suffix(".trace.csv.gz").map(str::to_string))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 26, "{names:?}");
+    for name in &names {
+        let r = replay_trace(name, 2);
+        println!("{name}: {:.4} against {:.4}", r.ratio, r.expandable_ratio);
+        match over.iter().find(|(n, _)| n == name) {
+            Some(&(_, bound)) => assert!(r.ratio <= bound, "{name}: {:.4} > {bound}", r.ratio),
+            None => assert!(
+                r.ratio < r.expandable_ratio,
+                "{name}: {:.4} against expandable segments' {:.4}",
+                r.ratio,
+                r.expandable_ratio
+            ),
+        }
+    }
+}

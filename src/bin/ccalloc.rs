@@ -164,36 +164,32 @@ fn progress(name: &str) -> impl FnMut(usize, usize) + '_ {
 fn print_table(out: &mut impl Write, reports: &[ReplayReport]) -> std::io::Result<()> {
     writeln!(
         out,
-        "{:<20} {:>7} {:>10} {:>10} {:>6} {:>10} {:>6} {:>11} {:>7}",
+        "{:<20} {:>7} {:>10} {:>10} {:>6} {:>7} {:>7} {:>11} {:>7}",
         "trace",
         "events",
         "peak live",
         "peak rsv",
         "ratio",
-        "PyTorch",
-        "ratio",
+        "native",
+        "expand.",
         "maps/unmaps",
         "drv ms*",
     )?;
     for r in reports {
-        let torch = r
-            .pytorch_peak_reserved_bytes
-            .map(human_bytes)
-            .unwrap_or_else(|| "-".into());
         let torch_ratio = r
             .pytorch_ratio
             .map(|x| format!("{x:.3}"))
             .unwrap_or_else(|| "-".into());
         writeln!(
             out,
-            "{:<20} {:>7} {:>10} {:>10} {:>6.3} {:>10} {:>6} {:>11} {:>7.1}",
+            "{:<20} {:>7} {:>10} {:>10} {:>6.3} {:>7} {:>7.3} {:>11} {:>7.1}",
             r.trace,
             r.events,
             human_bytes(r.peak_live_bytes),
             human_bytes(r.peak_reserved_bytes),
             r.ratio,
-            torch,
             torch_ratio,
+            r.expandable_ratio,
             format!("{}/{}", r.maps, r.unmaps),
             r.est_driver_ms,
         )?;
@@ -229,5 +225,10 @@ fn print_table(out: &mut impl Write, reports: &[ReplayReport]) -> std::io::Resul
             )?;
         }
     }
+    writeln!(
+        out,
+        "native, expand.: peak reserved / peak live of PyTorch's allocator, native as the trace\n  \
+         recorded its segments, expandable_segments:True as modelled (docs/replay.md)"
+    )?;
     writeln!(out, "* {}", driver_ms_note())
 }

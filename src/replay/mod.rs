@@ -1,6 +1,7 @@
 //! Trace replay: drives a `DeviceAllocator` on the simulated device with a recorded workload
 //! (allocate at `alloc`, free at `free_completed`, same streams) and measures what it reserved.
 
+mod expandable;
 mod pickle_depth;
 pub mod plot;
 mod snapshot;
@@ -11,6 +12,7 @@ use crate::config::Config;
 use crate::driver::sim::{SimCounters, SimDriver};
 use crate::driver::StreamId;
 use crate::error::{ErrorKind, Result};
+pub use expandable::peak_reserved as expandable_peak_reserved;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -74,6 +76,10 @@ pub struct ReplayReport {
     /// What PyTorch's allocator reserved at its peak, where the trace records its segments.
     pub pytorch_peak_reserved_bytes: Option<u64>,
     pub pytorch_ratio: Option<f64>,
+    /// What PyTorch's allocator with `expandable_segments:True` would reserve at its peak
+    /// for the same trace (`expandable::ExpandableModel`), and that over peak live.
+    pub expandable_peak_reserved_bytes: u64,
+    pub expandable_ratio: f64,
     /// Plain device allocations and frees (segments).
     pub device_allocs: u64,
     pub device_frees: u64,
@@ -305,6 +311,7 @@ fn replay_pass(
         }
     };
     let torch_peak = torch_seen.then_some(torch_peak);
+    let expandable_peak = expandable_peak_reserved(trace);
     let counters = sim.counters(0);
     let report = ReplayReport {
         trace: trace.name.clone(),
@@ -315,6 +322,8 @@ fn replay_pass(
         ratio: ratio(peak_reserved),
         pytorch_peak_reserved_bytes: torch_peak,
         pytorch_ratio: torch_peak.map(ratio),
+        expandable_peak_reserved_bytes: expandable_peak,
+        expandable_ratio: ratio(expandable_peak),
         device_allocs: counters.allocate_calls,
         device_frees: counters.release_calls,
         physical_creates: counters.physical_creates,
