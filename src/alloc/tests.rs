@@ -1257,6 +1257,30 @@ fn parked_large_blocks_are_reused_and_never_cost_pages() {
 }
 
 #[test]
+fn blocks_do_not_park_while_growth_cannot_move_pages() {
+    // Without moves, pages once mapped stay where the layout put them: a block parked for
+    // its size goes back to its old place where best fit over merged free space would
+    // find a tighter one (docs/paging.md, "Parking").
+    let (_sim, a) = paged(1 << 30, "thread_cache:False,page_moves:False");
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    let big = a.malloc(64 * MIB, S0).unwrap();
+    a.free(big).unwrap();
+    assert_eq!(
+        a.state_of(S0).parked_count(),
+        0,
+        "the growth could not move"
+    );
+    // Moves allowed again at run time: the next growth may move, and blocks park again.
+    let mut c = Config::default();
+    c.apply("thread_cache:False").unwrap();
+    a.set_config(c).unwrap();
+    let bigger = a.malloc(128 * MIB, S0).unwrap();
+    a.free(bigger).unwrap();
+    assert_eq!(a.state_of(S0).parked_count(), 1, "the growth could move");
+    a.free(keep).unwrap();
+}
+
+#[test]
 fn a_parked_large_block_never_hides_the_space_it_would_merge_into() {
     // 900 MiB fit only once the parked 600 MiB block merges with the free space after it:
     // the request must find it there, not release the cache and make a plain segment.
