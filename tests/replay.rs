@@ -158,7 +158,8 @@ fn the_table_fits_100_columns() {
         "live",
         "rsv",
         "ratio",
-        "PyTorch",
+        "native",
+        "expand.",
         "maps/unmaps",
         "ms*",
     ] {
@@ -166,6 +167,13 @@ fn the_table_fits_100_columns() {
     }
     let row: Vec<&str> = stdout.lines().nth(1).unwrap().split_whitespace().collect();
     assert_eq!(row[..2], ["mlp_sidestream", "9425"]);
+    // Plain segments reproduce native PyTorch; expandable segments (modelled) reserve less.
+    let (ours, native, expandable) = (row[6], row[7], row[8]);
+    assert_eq!((native, expandable), ("1.144", "1.106"), "{row:?}");
+    assert!(
+        (ours.parse::<f64>().unwrap() - 1.144).abs() < 0.01,
+        "{row:?}"
+    );
     assert!(
         stdout.contains("segments allocated/freed: 50/0"),
         "{stdout}"
