@@ -121,6 +121,31 @@ fn bad_inputs_are_reported_not_panicked() {
     assert!(trace::load(&dir.join("missing.csv")).is_err());
 }
 
+/// Absurd sizes and streams in a trace: the replay reports the allocation that does not fit
+/// and exits 3, and the expandable-segments model drops it as PyTorch would fail it.
+#[test]
+fn absurd_sizes_are_reported_not_panicked() {
+    let dir = std::env::temp_dir().join(format!("ccalloc-absurd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("absurd.csv");
+    std::fs::write(
+        &path,
+        "action,addr,size,stream\nalloc,4096,1000,18446744073709551615\n\
+         alloc,8192,18446744073709551615,0\nalloc,12288,18446744073709551000,0\n",
+    )
+    .unwrap();
+    let t = &trace::load(&path).unwrap()[0];
+    assert_eq!(ccalloc::expandable_peak_reserved(t, 1 << 40, 3), 2 * MIB);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"))
+        .arg("replay")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{stdout}");
+    assert!(stdout.contains("OUT OF MEMORY at event 1"), "{stdout}");
+}
+
 fn sample() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("samples/mlp_sidestream.trace.csv.gz")
 }

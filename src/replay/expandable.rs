@@ -37,13 +37,33 @@ struct Segment {
 }
 
 impl Segment {
-    fn take(&mut self, size: u64, step: u64) -> u64 {
+    /// The bytes the segment must map for a request of `size` (0 when a free block fits),
+    /// or `None` past any address.
+    fn growth_for(&self, size: u64, step: u64) -> Option<u64> {
+        if self.free.range((size, 0)..).next().is_some() {
+            return Some(0);
+        }
+        let have = self.free_tail().map_or(0, |(_, len)| len);
+        (size - have).checked_next_multiple_of(step)
+    }
+
+    /// The free block that ends where the mapped range does, if any: (start, size).
+    fn free_tail(&self) -> Option<(u64, u64)> {
+        self.blocks
+            .range(..self.mapped)
+            .next_back()
+            .filter(|(&start, &(len, used))| !used && start + len == self.mapped)
+            .map(|(&start, &(len, _))| (start, len))
+    }
+
+    /// Hands out `size` bytes after mapping `grow` more (`growth_for`); returns the start.
+    fn take(&mut self, size: u64, grow: u64) -> u64 {
         let start = match self.free.range((size, 0)..).next().copied() {
             Some((found, start)) => {
                 self.free.remove(&(found, start));
                 start
             }
-            None => self.grow(size, step),
+            None => self.grow(grow),
         };
         let (found, _) = self.blocks[&start];
         if found - size >= MIN_BLOCK {
@@ -55,23 +75,16 @@ impl Segment {
         start
     }
 
-    /// Maps what `size` lacks at the segment's end (joined to a free block ending there);
-    /// returns the start of the free block that now holds `size`, unlisted.
-    fn grow(&mut self, size: u64, step: u64) -> u64 {
-        let tail = self
-            .blocks
-            .range(..self.mapped)
-            .next_back()
-            .filter(|(&start, &(len, used))| !used && start + len == self.mapped)
-            .map(|(&start, &(len, _))| (start, len));
-        let (start, have) = match tail {
+    /// Maps `added` bytes at the segment's end, joined to the free block that ends there;
+    /// returns the start of that free block, unlisted.
+    fn grow(&mut self, added: u64) -> u64 {
+        let (start, have) = match self.free_tail() {
             Some((start, len)) => {
                 self.free.remove(&(len, start));
                 (start, len)
             }
             None => (self.mapped, 0),
         };
-        let added = (size - have).div_ceil(step) * step;
         self.mapped += added;
         self.blocks.insert(start, (have + added, false));
         start
@@ -103,14 +116,15 @@ impl Segment {
     }
 }
 
-/// The modelled allocator's peak reserved bytes over the whole of `trace` (blocks live when
-/// recording began first, as the replay allocates them).
-pub fn peak_reserved(trace: &Trace) -> u64 {
-    let mut model = ExpandableModel::default();
+/// The modelled allocator's peak reserved bytes over `trace`'s blocks live when recording
+/// began and its first `events` events (the replay's, up to where it ran out of memory), on
+/// a device of `capacity` bytes.
+pub fn peak_reserved(trace: &Trace, capacity: u64, events: usize) -> u64 {
+    let mut model = ExpandableModel::with_capacity(capacity);
     for (addr, size, stream) in trace::live_at_start(trace) {
         model.alloc(addr, size, stream);
     }
-    for e in &trace.events {
+    for e in trace.events.iter().take(events) {
         match e.action {
             Action::Alloc => model.alloc(e.addr, e.size, e.stream),
             Action::FreeCompleted => model.free(e.addr),
@@ -121,33 +135,54 @@ pub fn peak_reserved(trace: &Trace) -> u64 {
 }
 
 /// The modelled allocator: what it has mapped, now and at most.
-#[derive(Default)]
-pub struct ExpandableModel {
+struct ExpandableModel {
     segments: HashMap<(u64, bool), Segment>,
     /// Trace address → (segment key, block start).
     live: HashMap<u64, ((u64, bool), u64)>,
     mapped: u64,
     peak_mapped: u64,
+    /// Device memory: a request that would map past it fails, as PyTorch's would.
+    capacity: u64,
 }
 
 impl ExpandableModel {
+    fn with_capacity(capacity: u64) -> Self {
+        Self {
+            segments: HashMap::new(),
+            live: HashMap::new(),
+            mapped: 0,
+            peak_mapped: 0,
+            capacity,
+        }
+    }
+
     /// The trace allocated `size` bytes at `addr` on `stream`. An address still live (its
-    /// free was lost) is freed first, as the replay does.
-    pub fn alloc(&mut self, addr: u64, size: u64, stream: u64) {
+    /// free was lost) is freed first, as the replay does. A request that does not fit the
+    /// device is dropped (PyTorch's would raise): later frees of it are unknown.
+    fn alloc(&mut self, addr: u64, size: u64, stream: u64) {
         self.free(addr);
         let rounded = size.max(1).div_ceil(MIN_BLOCK).saturating_mul(MIN_BLOCK);
         let small = rounded <= SMALL_REQUEST;
         let step = if small { SMALL_STEP } else { LARGE_STEP };
         let segment = self.segments.entry((stream, small)).or_default();
-        let before = segment.mapped;
-        let start = segment.take(rounded, step);
-        self.mapped += segment.mapped - before;
+        let Some(grow) = segment.growth_for(rounded, step) else {
+            return;
+        };
+        if self
+            .mapped
+            .checked_add(grow)
+            .is_none_or(|after| after > self.capacity)
+        {
+            return;
+        }
+        let start = segment.take(rounded, grow);
+        self.mapped += grow;
         self.peak_mapped = self.peak_mapped.max(self.mapped);
         self.live.insert(addr, ((stream, small), start));
     }
 
     /// The block at `addr` became reusable; an unknown address is ignored.
-    pub fn free(&mut self, addr: u64) {
+    fn free(&mut self, addr: u64) {
         if let Some((key, start)) = self.live.remove(&addr) {
             if let Some(segment) = self.segments.get_mut(&key) {
                 segment.release(start);
@@ -156,7 +191,7 @@ impl ExpandableModel {
     }
 
     /// The most it had mapped at once: its peak reserved bytes.
-    pub fn peak_reserved(&self) -> u64 {
+    fn peak_reserved(&self) -> u64 {
         self.peak_mapped
     }
 }
@@ -169,7 +204,7 @@ mod tests {
 
     #[test]
     fn a_segment_grows_in_steps_and_reuses_its_free_tail() {
-        let mut m = ExpandableModel::default();
+        let mut m = ExpandableModel::with_capacity(1 << 40);
         m.alloc(1, 3 * MB, 0);
         assert_eq!(m.peak_reserved(), 20 * MB, "a large step is 20 MiB");
         m.alloc(2, 16 * MB, 0);
@@ -193,7 +228,7 @@ mod tests {
 
     #[test]
     fn the_best_fit_is_the_smallest_free_block_and_frees_merge() {
-        let mut m = ExpandableModel::default();
+        let mut m = ExpandableModel::with_capacity(1 << 40);
         for (addr, size) in [
             (1, 4 * MB),
             (2, 2 * MB),
@@ -228,7 +263,7 @@ mod tests {
 
     #[test]
     fn a_request_larger_than_any_free_block_joins_the_free_end() {
-        let mut m = ExpandableModel::default();
+        let mut m = ExpandableModel::with_capacity(1 << 40);
         m.alloc(1, 15 * MB, 0);
         m.alloc(2, 15 * MB, 0);
         assert_eq!(m.peak_reserved(), 40 * MB);
@@ -244,5 +279,21 @@ mod tests {
         m.free(3);
         m.alloc(4, 45 * MB, 0);
         assert_eq!(m.peak_reserved(), 60 * MB);
+    }
+
+    #[test]
+    fn requests_past_the_device_fail_and_change_nothing() {
+        let mut m = ExpandableModel::with_capacity(100 * MB);
+        m.alloc(1, 50 * MB, 0);
+        for size in [90 * MB, u64::MAX, u64::MAX - 511, 1 << 63] {
+            m.alloc(2, size, 0);
+            assert_eq!(m.peak_reserved(), 60 * MB, "{size}");
+            assert!(!m.live.contains_key(&2));
+        }
+        m.free(2);
+        m.alloc(3, 10 * MB, 0);
+        assert_eq!(m.peak_reserved(), 60 * MB, "the free rest still serves");
+        m.alloc(4, 30 * MB, u64::MAX);
+        assert_eq!(m.peak_reserved(), 100 * MB, "up to the device's size");
     }
 }

@@ -311,7 +311,9 @@ fn replay_pass(
         }
     };
     let torch_peak = torch_seen.then_some(torch_peak);
-    let expandable_peak = expandable_peak_reserved(trace);
+    // Over the events the replay got through (all of them unless it ran out of memory).
+    let modelled = oom.as_ref().map_or(trace.events.len(), |o| o.event);
+    let expandable_peak = expandable_peak_reserved(trace, options.capacity, modelled);
     let counters = sim.counters(0);
     let report = ReplayReport {
         trace: trace.name.clone(),
