@@ -194,7 +194,7 @@ fn the_table_fits_100_columns() {
     assert_eq!(row[..2], ["mlp_sidestream", "9425"]);
     // Plain segments reproduce native PyTorch; expandable segments (modelled) reserve less.
     let (ours, native, expandable) = (row[6], row[7], row[8]);
-    assert_eq!((native, expandable), ("1.144", "1.106"), "{row:?}");
+    assert_eq!((native, expandable), ("1.144", "1.115"), "{row:?}");
     assert!(
         (ours.parse::<f64>().unwrap() - 1.144).abs() < 0.01,
         "{row:?}"

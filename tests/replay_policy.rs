@@ -280,7 +280,7 @@ fn without_moves_growth_maps_new_memory_and_never_unmaps() {
 fn without_moves_blocks_merge_rather_than_park() {
     // Today at every lag: vae 1.175 (1.369 parked), gnn 1.230 (1.352), eager attention
     // 1.064 (1.176), model swapping 1.042 (1.143); expandable segments (modelled) 1.181,
-    // 1.157, 1.052, 1.090.
+    // 1.145, 1.052, 1.050.
     for (name, bound) in [
         ("vae_decode_varres", 1.18),
         ("gnn_train_varsize", 1.235),
@@ -302,18 +302,24 @@ fn without_moves_blocks_merge_rather_than_park() {
 
 /// Issue 17's peer: PyTorch with `expandable_segments:True`, modelled on each trace
 /// (`expandable_peak_reserved`, docs/replay.md). The model reproduces the live runs' figures
-/// (H200, PyTorch 2.11, docs/benchmarks.md) of these workloads to the third decimal; a change
-/// to the model that loses that fails here.
+/// (H200, PyTorch 2.11, docs/benchmarks.md) of these workloads within 0.0025; a change to
+/// the model that loses that fails here.
 #[test]
 fn the_expandable_segments_model_matches_the_live_runs() {
     for (name, live) in [
         ("vae_decode_varres", 1.181),
         ("resnet18_infer_varbatch", 1.394),
         ("wav2vec2_ctc_train_varlen", 1.245),
-        ("multistream_pipeline", 1.554),
         ("eager_attn_infer_40g", 1.052),
         ("maskrcnn_train_varsize", 1.078),
         ("llama_longctx_ckpt_train", 1.148),
+        ("fcn_segment_infer_varsize", 1.174),
+        ("gnn_train_varsize", 1.145),
+        ("unet_diffusion_train", 1.052),
+        ("video_r2plus1d_train_varlen", 1.034),
+        ("whisper_train_varlen", 1.071),
+        ("gpt2_generate_dynamic", 1.078),
+        ("lstm_lm_train_varlen", 1.191),
     ] {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("benches/traces")
@@ -354,15 +360,10 @@ fn peak_live_bytes(t: &trace::Trace) -> u64 {
 }
 
 /// Every shipped trace, at the default lag: ccalloc reserves less than expandable segments
-/// (modelled) would, except where a bound below says by how much it does not today.
+/// (modelled) would. Today the closest are vit_train_amp (1.0299 against 1.0311) and
+/// resnet50_train (1.0044 against 1.0068).
 #[test]
 fn every_trace_reserves_less_than_expandable_segments() {
-    // Today at lag 2: dit 1.007 against the model's 1.005, video 1.025 against 1.012
-    // (live, expandable reserved 1.034 and ccalloc 1.025 on video).
-    let over = [
-        ("dit_infer_varres", 1.008),
-        ("video_r2plus1d_train_varlen", 1.026),
-    ];
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/traces");
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .unwrap()
@@ -374,14 +375,11 @@ fn every_trace_reserves_less_than_expandable_segments() {
     for name in &names {
         let r = replay_trace(name, 2);
         println!("{name}: {:.4} against {:.4}", r.ratio, r.expandable_ratio);
-        match over.iter().find(|(n, _)| n == name) {
-            Some(&(_, bound)) => assert!(r.ratio <= bound, "{name}: {:.4} > {bound}", r.ratio),
-            None => assert!(
-                r.ratio < r.expandable_ratio,
-                "{name}: {:.4} against expandable segments' {:.4}",
-                r.ratio,
-                r.expandable_ratio
-            ),
-        }
+        assert!(
+            r.ratio < r.expandable_ratio,
+            "{name}: {:.4} against expandable segments' {:.4}",
+            r.ratio,
+            r.expandable_ratio
+        );
     }
 }
