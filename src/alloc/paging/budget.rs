@@ -145,6 +145,7 @@ pub struct MoveClock {
     reclaimed: bool,
     /// ... and was not refused moves: what such a growth still moves, the hard limit or
     /// the OOM path forced, and charged, it would put the allowance in debt without bound.
+    /// Kept until the next growth starts: freed blocks do not park meanwhile (`State::park`).
     refused: bool,
     /// The host's waits for the device during the growth under way.
     waited: Duration,
@@ -213,7 +214,8 @@ impl MoveClock {
         self.refused = true;
     }
 
-    /// Whether the growth under way was refused moves (`note_refused`).
+    /// Whether the growth under way, or else the last one, was refused moves
+    /// (`note_refused`).
     pub fn refused(&self) -> bool {
         self.refused
     }

@@ -129,7 +129,6 @@ impl Shard {
         // While moves have spent their allowance, growth maps new memory rather than move
         // pages within the slack: reserved rises by this growth alone (`MoveClock`).
         let may_move = self.may_move(st, started);
-        st.note_growth_moves(may_move);
         // Probed whether moves may or not: a job refused them early may be the warm-up the
         // credit is for.
         let growth = Growth {

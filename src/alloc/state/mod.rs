@@ -87,9 +87,6 @@ struct Paging {
     free_seq: u64,
     /// The time page moves may still take (see `Shard::account_growth`).
     moves: MoveClock,
-    /// The last growth could not move pages (`page_moves` off, or the move allowance
-    /// refilling): freed blocks do not park until one can (`State::park`).
-    growth_without_moves: bool,
     /// Pending fences, and which frees are known done on the device.
     fences: Fences,
 }

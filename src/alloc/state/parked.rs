@@ -50,17 +50,17 @@ impl State {
     /// else whether a fence is due (as `cache`). Bounded: when full, every parked block is
     /// flushed to the free lists first. With page moves, a parked block never costs memory:
     /// any request that would map pages flushes them all first (`malloc`), as does every
-    /// slow path. Without them (`Paging::growth_without_moves`) blocks do not park: going
-    /// back to its old place, a block decides where later growth maps pages for good
-    /// (docs/paging.md). Only
-    /// paged blocks park: they count no inactive splits, so the statistics read exactly as
-    /// if the block had merged; plain segments keep PyTorch's figures for those. `frees`:
-    /// as `cache_freed`. `parkable`: the block is paged and of the general cache
+    /// slow path. Without them (the last growth was refused its moves, `MoveClock::refused`:
+    /// `page_moves` off, or the allowance refilling) blocks do not park: going back to its
+    /// old place, a block decides where later growth maps pages for good (docs/paging.md).
+    /// Only paged blocks park: they count no inactive splits, so the statistics read exactly
+    /// as if the block had merged; plain segments keep PyTorch's figures for those.
+    /// `frees`: as `cache_freed`. `parkable`: the block is paged and of the general cache
     /// (`TakenBack::parkable`).
     #[inline]
     pub fn park(&mut self, id: BlockId, parkable: bool, frees: u32) -> Option<bool> {
         // Checked inlined: most frees of a pattern that parks nothing stop here.
-        if !parkable || self.parked.gate.pausing() || self.paging.growth_without_moves {
+        if !parkable || self.parked.gate.pausing() || self.paging.moves.refused() {
             return None;
         }
         debug_assert!({

@@ -380,9 +380,4 @@ impl State {
     pub fn moves_mut(&mut self) -> &mut MoveClock {
         &mut self.paging.moves
     }
-
-    /// Notes whether the growth under way may move pages (see `Paging::growth_without_moves`).
-    pub fn note_growth_moves(&mut self, may_move: bool) {
-        self.paging.growth_without_moves = !may_move;
-    }
 }
