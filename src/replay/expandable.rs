@@ -38,16 +38,6 @@ struct Segment {
 }
 
 impl Segment {
-    /// The bytes the segment must map for a request of `size` (0 when a free block fits),
-    /// or `None` past any address.
-    fn growth_for(&self, size: u64, step: u64) -> Option<u64> {
-        if self.best_fit(size).is_some() {
-            return Some(0);
-        }
-        let have = self.free_tail().map_or(0, |(_, len)| len);
-        (size - have).checked_next_multiple_of(step)
-    }
-
     /// The free block that ends where the mapped range does, if any: (start, size).
     fn free_tail(&self) -> Option<(u64, u64)> {
         self.blocks
@@ -57,27 +47,37 @@ impl Segment {
             .map(|(&start, &(len, _))| (start, len))
     }
 
-    /// The free block a request of `size` takes, if one fits: the smallest, except that the
-    /// block ending at the mapped range's end ranks by what it could grow to (PyTorch's
-    /// `get_free_block`), so any other that fits comes first.
-    fn best_fit(&self, size: u64) -> Option<(u64, u64)> {
+    /// The free block a request of `size` takes, if one fits: the smallest, except that
+    /// `tail` (the block ending at the mapped range's end) ranks by what it could grow to
+    /// (PyTorch's `get_free_block`), so any other that fits comes first.
+    fn best_fit(&self, size: u64, tail: Option<(u64, u64)>) -> Option<(u64, u64)> {
         let mut fits = self.free.range((size, 0)..);
         let first = *fits.next()?;
-        let tail = self.free_tail().map(|(start, len)| (len, start));
-        match (Some(first) == tail, fits.next()) {
+        match (
+            Some(first) == tail.map(|(start, len)| (len, start)),
+            fits.next(),
+        ) {
             (true, Some(&next)) => Some(next),
             _ => Some(first),
         }
     }
 
-    /// Hands out `size` bytes after mapping `grow` more (`growth_for`); returns the start.
-    fn take(&mut self, size: u64, grow: u64) -> u64 {
-        let start = match self.best_fit(size) {
+    /// Hands out `size` bytes, mapping at most `room` more in steps of `step` if no free
+    /// block fits: (start, bytes mapped), or `None` (nothing changed) if it needs more.
+    fn take(&mut self, size: u64, step: u64, room: u64) -> Option<(u64, u64)> {
+        let tail = self.free_tail();
+        let (start, added) = match self.best_fit(size, tail) {
             Some((found, start)) => {
                 self.free.remove(&(found, start));
-                start
+                (start, 0)
             }
-            None => self.grow(grow),
+            None => {
+                let have = tail.map_or(0, |(_, len)| len);
+                let added = (size - have)
+                    .checked_next_multiple_of(step)
+                    .filter(|&added| added <= room)?;
+                (self.grow(tail, added), added)
+            }
         };
         let (found, _) = self.blocks[&start];
         if found - size >= MIN_BLOCK {
@@ -86,13 +86,13 @@ impl Segment {
         } else {
             self.blocks.insert(start, (found, true));
         }
-        start
+        Some((start, added))
     }
 
-    /// Maps `added` bytes at the segment's end, joined to the free block that ends there;
-    /// returns the start of that free block, unlisted.
-    fn grow(&mut self, added: u64) -> u64 {
-        let (start, have) = match self.free_tail() {
+    /// Maps `added` bytes at the segment's end, joined to `tail` (the free block that ends
+    /// there, `free_tail`); returns the start of the grown free block, unlisted.
+    fn grow(&mut self, tail: Option<(u64, u64)>, added: u64) -> u64 {
+        let (start, have) = match tail {
             Some((start, len)) => {
                 self.free.remove(&(len, start));
                 (start, len)
@@ -179,18 +179,11 @@ impl ExpandableModel {
         let small = rounded <= SMALL_REQUEST;
         let step = if small { SMALL_STEP } else { LARGE_STEP };
         let segment = self.segments.entry((stream, small)).or_default();
-        let Some(grow) = segment.growth_for(rounded, step) else {
+        let room = self.capacity.saturating_sub(self.mapped);
+        let Some((start, added)) = segment.take(rounded, step, room) else {
             return;
         };
-        if self
-            .mapped
-            .checked_add(grow)
-            .is_none_or(|after| after > self.capacity)
-        {
-            return;
-        }
-        let start = segment.take(rounded, grow);
-        self.mapped += grow;
+        self.mapped += added;
         self.peak_mapped = self.peak_mapped.max(self.mapped);
         self.live.insert(addr, ((stream, small), start));
     }
