@@ -358,9 +358,15 @@ class HostBuffer:
         record(self.ptr, stream, device)
 
     def memoryview(self) -> memoryview:
-        """The bytes, as a writable ``memoryview`` (valid until ``close()``)."""
+        """The bytes, as a writable ``memoryview`` (valid until ``close()``; it keeps the
+        buffer alive, so dropping every other reference does not free the memory under it)."""
         self._check_open()
-        return memoryview((ctypes.c_char * self.nbytes).from_address(self.ptr)).cast("B")
+        raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
+        # from_address holds no reference to the memory's owner: the array holds the buffer,
+        # and the view (cast included) holds the array, so the block is freed only once
+        # neither the buffer nor any view is referenced (as ccalloc.torch.pinned_tensor does).
+        raw._ccalloc_owner = self  # type: ignore[attr-defined]
+        return memoryview(raw).cast("B")
 
     def _interface(self, version: int) -> Dict[str, Any]:
         self._check_open()

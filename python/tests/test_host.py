@@ -128,6 +128,26 @@ def test_buffers_expose_array_interfaces_and_free_themselves():
         ccalloc.pinned_empty((2,), "nonsense")
 
 
+def test_memoryview_keeps_its_buffer_alive():
+    """A view outlives every other reference to its buffer: the block stays allocated (not
+    returned to the driver by ``host_empty_cache``, nor handed to the next buffer) until the
+    view goes too."""
+    size = 4 * MiB
+    view = ccalloc.pinned_empty(size, "uint8").memoryview()
+    gc.collect()
+    ccalloc.host_empty_cache()
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 1, "the view holds it"
+    view[0] = 1
+    view[size - 1] = 2
+    other = ccalloc.pinned_empty(size, "uint8")
+    other.memoryview()[:] = b"\xff" * size  # a different block: the view's bytes keep
+    assert (view[0], view[size - 1]) == (1, 2)
+    other.close()
+    del view
+    gc.collect()
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 0
+
+
 def test_numpy_views_pinned_memory():
     numpy = pytest.importorskip("numpy")
     buf = ccalloc.pinned_empty((4, 4), numpy.float64)
