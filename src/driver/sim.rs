@@ -165,6 +165,40 @@ fn sim_error(call: &'static str, detail: impl Into<String>) -> DriverError {
     }
 }
 
+/// `CCALLOC_SIM_VMM`: whether the simulated device has virtual memory management. Anything
+/// but the words below is refused: a typo must not quietly give the paged device.
+fn vmm_setting(text: &str) -> Result<bool, String> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "" | "1" | "true" | "on" => Ok(true),
+        "0" | "false" | "off" => Ok(false),
+        _ => Err(format!(
+            "CCALLOC_SIM_VMM={text:?} is not 1/true/on (virtual memory management, the default) \
+             or 0/false/off (plain segments only)"
+        )),
+    }
+}
+
+/// Host address space to back `size` bytes of simulated memory, whose own limits the caller
+/// has checked: a failure here is the host's (the process's address-space limit, `ulimit -v`,
+/// or its count of mappings), not the simulated memory running out, so it is a driver error
+/// naming the host rather than `OutOfMemory` (which would tell the allocator to free its cache
+/// and the user that the device is full).
+fn host_backing(call: &'static str, size: u64) -> DriverResult<u64> {
+    host::map(size).ok_or_else(|| {
+        // Read at once: nothing between the failed mmap and here touches errno.
+        let why = std::io::Error::last_os_error();
+        sim_error(
+            call,
+            format!(
+                "the host could not map {} of address space to back simulated memory ({why}); \
+                 the simulated memory has room: raise the process's address-space limit \
+                 (ulimit -v) or simulate less",
+                crate::error::human_bytes(size)
+            ),
+        )
+    })
+}
+
 struct SimEvent {
     device: usize,
     stream: StreamId,
@@ -345,7 +379,8 @@ impl SimDriver {
     /// Reads `CCALLOC_SIM_CAPACITY` (e.g. `80GiB`), `CCALLOC_SIM_DEVICES` (default 1),
     /// `CCALLOC_SIM_COSTS` (`h100`: driver calls take as long as on one, `with_call_costs`),
     /// and the host's memory: `CCALLOC_SIM_HOST_CAPACITY` (default 64GiB) and
-    /// `CCALLOC_SIM_PINNED_LIMIT` (how much of it may be pinned; default all).
+    /// `CCALLOC_SIM_PINNED_LIMIT` (how much of it may be pinned; default all), and
+    /// `CCALLOC_SIM_VMM` (`0`/`false`/`off`: no virtual memory management; see `vmm_setting`).
     pub fn from_env() -> Result<Self, String> {
         let capacity = match std::env::var("CCALLOC_SIM_CAPACITY") {
             Ok(text) => crate::error::parse_bytes(&text)
@@ -380,10 +415,11 @@ impl SimDriver {
             Ok("") | Err(_) => {}
             Ok(other) => return Err(format!("CCALLOC_SIM_COSTS={other:?}: only h100 is known")),
         }
-        Ok(match std::env::var("CCALLOC_SIM_VMM").as_deref() {
-            Ok("0") | Ok("false") | Ok("off") => sim.without_vmm(),
-            _ => sim,
-        })
+        let vmm = match std::env::var("CCALLOC_SIM_VMM") {
+            Ok(text) => vmm_setting(&text)?,
+            Err(_) => true,
+        };
+        Ok(if vmm { sim } else { sim.without_vmm() })
     }
 
     fn device(&self, device: usize) -> DriverResult<&SimDeviceState> {
@@ -510,7 +546,7 @@ impl Driver for SimDriver {
             memory.counters.failed_allocations += 1;
             return Err(DriverError::OutOfMemory);
         }
-        let ptr = host::map(charged).ok_or(DriverError::OutOfMemory)?;
+        let ptr = host_backing("sim allocate", charged)?;
         memory.mappings.insert(ptr, charged);
         let c = &mut memory.counters;
         c.bytes_in_use += charged;
@@ -671,7 +707,7 @@ impl Driver for SimDriver {
             c.failed_allocations += 1;
             return Err(DriverError::OutOfMemory);
         }
-        let ptr = host::map(charged).ok_or(DriverError::OutOfMemory)?;
+        let ptr = host_backing("sim host_allocate", charged)?;
         host.mappings.insert(ptr, (kind, charged));
         let c = &mut host.counters;
         match kind {
@@ -1200,6 +1236,60 @@ mod tests {
     use super::*;
 
     const G: u64 = SIM_GRANULARITY;
+
+    #[test]
+    fn vmm_setting_takes_its_words_and_refuses_anything_else() {
+        for on in ["", "1", "true", "on", " On "] {
+            assert_eq!(vmm_setting(on), Ok(true), "{on:?}");
+        }
+        for off in ["0", "false", "off", "FALSE"] {
+            assert_eq!(vmm_setting(off), Ok(false), "{off:?}");
+        }
+        for bad in ["7", "2", "yes", "no", "of"] {
+            let err = vmm_setting(bad).unwrap_err();
+            assert!(err.contains(&format!("CCALLOC_SIM_VMM={bad:?}")), "{err}");
+            assert!(err.contains("0/false/off"), "{err}");
+        }
+    }
+
+    #[test]
+    fn host_address_space_running_out_is_a_driver_error_not_out_of_memory() {
+        // An EiB: far more than a process's address space (128 TiB on x86-64, 256 TiB on
+        // arm64), far less than the simulated memory. The device has room; the host cannot
+        // back it, as under `ulimit -v` with a smaller request.
+        let huge = 1u64 << 60;
+        let sim = SimDriver::new(1, 1 << 62).with_host_memory(1 << 62, 1 << 62);
+        for (err, call) in [
+            (sim.allocate(0, huge).unwrap_err(), "sim allocate"),
+            (
+                sim.host_allocate(HostKind::Pinned, huge).unwrap_err(),
+                "sim host_allocate",
+            ),
+            (
+                sim.host_allocate(HostKind::Managed, huge).unwrap_err(),
+                "sim host_allocate",
+            ),
+        ] {
+            let DriverError::Failed { call: named, .. } = &err else {
+                panic!("{call}: not a driver error: {err}");
+            };
+            assert_eq!(*named, call);
+            let text = err.to_string();
+            assert!(
+                text.contains("could not map 1024.00 PiB of address space"),
+                "{text}"
+            );
+            assert!(
+                text.contains("ulimit -v") && !text.contains("out of memory"),
+                "{text}"
+            );
+        }
+        // Nothing was charged: the device and the host still hold what they can back.
+        assert_eq!(sim.counters(0).bytes_in_use, 0);
+        assert_eq!(sim.host_counters().pinned_bytes, 0);
+        let ptr = sim.allocate(0, G).unwrap();
+        sim.release(0, ptr, G).unwrap();
+    }
 
     #[test]
     fn physical_handles_span_granules_and_unmap_only_whole() {
