@@ -227,3 +227,182 @@ fn the_timeline_has_labelled_axes() {
     assert!(svg.contains("trace event (index)"));
     assert_eq!(svg.matches(" GiB</text>").count(), 5, "y-axis labels");
 }
+
+/// A scratch directory of this test process.
+fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("ccalloc-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(bytes).unwrap();
+    e.finish().unwrap()
+}
+
+/// `ccalloc ARGS…` with its address space limited to 512 MiB: a replay that held memory in
+/// proportion to what its input decodes to, not to its size, fails to allocate.
+fn ccalloc_in_512mib(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    use std::os::unix::process::CommandExt;
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"));
+    command.args(args);
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 512 << 20,
+                rlim_max: 512 << 20,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command.output().unwrap()
+}
+
+/// A CSV trace of `lines` identical allocations, gzip'd (they compress to almost nothing).
+fn csv_of(lines: usize) -> Vec<u8> {
+    let mut text = b"action,addr,size,stream\n".to_vec();
+    for _ in 0..lines {
+        text.extend(b"alloc,1,512,0\n");
+    }
+    gzip(&text)
+}
+
+/// A file of more events than `--max-events` is refused (exit 1) naming the limit and the
+/// option; as many as it allows replay; a limit of 0 is a bad option (exit 2).
+#[test]
+fn a_csv_of_more_events_than_max_events_is_refused() {
+    let many = scratch("many_events.csv.gz");
+    std::fs::write(&many, csv_of(200_000)).unwrap();
+    let out = ccalloc_in_512mib(&[
+        "replay".as_ref(),
+        "--max-events".as_ref(),
+        "1000".as_ref(),
+        many.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    // The header is line 1: the 1001st event is on line 1002, where reading stops.
+    assert!(
+        stderr.contains("line 1002: more than 1000 events, the most read from one file"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--max-events N"), "{stderr}");
+
+    let enough = scratch("enough_events.csv.gz");
+    std::fs::write(&enough, csv_of(1000)).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"))
+        .args(["replay", "--max-events", "1000"])
+        .arg(&enough)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("enough_events"), "{stdout}");
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"))
+        .args(["replay", "--max-events", "0"])
+        .arg(&enough)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a bad option");
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_ccalloc"))
+        .args(["replay", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(help.contains("--max-events <N>"), "{help}");
+}
+
+/// A PyTorch snapshot whose devices' traces reference one memoized entry
+/// `references[device]` times (BINGET and APPEND, 3 bytes each): each reference decodes to
+/// an entry of its own.
+fn memo_bomb(references: &[usize]) -> Vec<u8> {
+    let text = |s: &str| {
+        let mut b = vec![b'X'];
+        b.extend((s.len() as u32).to_le_bytes());
+        b.extend(s.as_bytes());
+        b
+    };
+    // PROTO 2, the snapshot dict, MARK, "device_traces", its list.
+    let mut p = b"\x80\x02}(".to_vec();
+    p.extend(text("device_traces"));
+    p.push(b']');
+    // {'action': 'alloc', 'addr': 1, 'size': 512, 'stream': 0}, memo 1, popped.
+    p.extend(b"}(");
+    p.extend(text("action"));
+    p.extend(text("alloc"));
+    p.extend(text("addr"));
+    p.extend(b"K\x01");
+    p.extend(text("size"));
+    p.extend(b"M\x00\x02");
+    p.extend(text("stream"));
+    p.extend(b"K\x00");
+    p.extend(b"uq\x010");
+    for &n in references {
+        p.push(b']');
+        for _ in 0..n {
+            p.extend(b"h\x01a");
+        }
+        p.push(b'a');
+    }
+    p.extend(b"u.");
+    p
+}
+
+/// One memoized entry referenced far more times than `--max-events` (4 M references, 12 MB
+/// of pickle, 12 KB gzip'd) is refused before it is decoded, within 512 MiB of address
+/// space, where decoding it failed to allocate before the limit (about 140 bytes a
+/// reference). Entries are counted over every device, memo references in full; as many as
+/// the limit allows replay.
+#[test]
+fn a_memoized_entry_referenced_past_max_events_is_refused_before_decoding() {
+    let bomb = scratch("memo_bomb.pickle.gz");
+    std::fs::write(&bomb, gzip(&memo_bomb(&[4_000_000]))).unwrap();
+    let out = ccalloc_in_512mib(&[
+        "replay".as_ref(),
+        "--max-events".as_ref(),
+        "1000".as_ref(),
+        bomb.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("device_traces hold 4000000 entries, memo references counted in full: more than 1000 events"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--max-events N"), "{stderr}");
+    std::fs::remove_file(&bomb).unwrap();
+
+    let split = scratch("memo_split.pickle.gz");
+    std::fs::write(&split, gzip(&memo_bomb(&[400, 400, 400]))).unwrap();
+    let out = ccalloc_in_512mib(&[
+        "replay".as_ref(),
+        "--max-events".as_ref(),
+        "1000".as_ref(),
+        split.as_os_str(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("device_traces hold 1200 entries"),
+        "{stderr}"
+    );
+
+    let fits = scratch("memo_fits.pickle.gz");
+    std::fs::write(&fits, gzip(&memo_bomb(&[500, 500]))).unwrap();
+    let out = ccalloc_in_512mib(&[
+        "replay".as_ref(),
+        "--max-events".as_ref(),
+        "1000".as_ref(),
+        fits.as_os_str(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("memo_fits:cuda1"), "{stdout}");
+}

@@ -8,7 +8,10 @@
 //! a handful of levels, writes short integers and references small frame records; this
 //! runs the pickle's opcodes over container ids instead of values, records which container
 //! holds which, and measures the longest chain and the elements the decoded value expands
-//! to, so that the replay can refuse a file before decoding it.
+//! to, so that the replay can refuse a file before decoding it. It also counts the entries
+//! of the lists stored under the key `device_traces` (memo references in full): the replay
+//! keeps one per reference, so that a file of one memoized entry referenced millions of
+//! times, within the elements allowed for its size, is refused before it is decoded.
 
 use std::collections::HashMap;
 
@@ -22,12 +25,25 @@ pub(super) const MAX_NUMBER_LEN: usize = 64;
 pub(super) const MAX_OPEN_MARKS: usize = 1024;
 
 /// What a pickle stack slot holds: a mark, a scalar (with what it weighs: see
-/// `scalar_weight`), or container `id`.
+/// `scalar_weight`), the text `device_traces` (a scalar of weight 1 that, as a dict key,
+/// makes its value the snapshot's device traces), or container `id`.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Slot {
     Mark,
     Scalar(u32),
+    DeviceTracesKey,
     Node(u32),
+}
+
+/// The key whose value the replay decodes (`snapshot::Top`).
+const DEVICE_TRACES: &[u8] = b"device_traces";
+
+/// A text scalar of these bytes (as written: UTF-8, or raw-unicode-escape for UNICODE).
+fn text(bytes: &[u8]) -> Slot {
+    match bytes {
+        DEVICE_TRACES => Slot::DeviceTracesKey,
+        _ => scalar_weight(bytes.len() as u64),
+    }
 }
 
 /// A scalar counts one element, plus one per 64 bytes of text it carries (each reference
@@ -38,13 +54,17 @@ fn scalar_weight(bytes: u64) -> Slot {
 
 const SCALAR: Slot = Slot::Scalar(1);
 
-/// Containers, what each holds (ids), and the weight of the scalars each holds; the
-/// nesting depth is the longest chain, a container's elements are its own (itself and its
-/// scalars) plus those of every container it holds, once per reference.
+/// Containers, what each holds (ids), the weight of the scalars each holds and how many
+/// items (containers and scalars, per reference); the nesting depth is the longest chain, a
+/// container's elements are its own (itself and its scalars) plus those of every container
+/// it holds, once per reference. `device_traces`: the containers set as a dict's value under
+/// that key, once per setting.
 #[derive(Default)]
 struct Graph {
     children: Vec<Vec<u32>>,
     own: Vec<u64>,
+    items: Vec<u64>,
+    device_traces: Vec<u32>,
 }
 
 /// The shape of a decoded pickle.
@@ -55,6 +75,10 @@ pub(super) struct Shape {
     /// The elements (containers and scalars, memo references counted in full) of the value
     /// the pickle decodes to, saturating.
     pub elements: u64,
+    /// The items of the containers held by a container set under the key `device_traces`
+    /// (a snapshot's entries, of every device), memo references counted in full, saturating.
+    /// Only the key as picklers write it counts (one text opcode, no escapes).
+    pub trace_entries: u64,
 }
 
 impl Graph {
@@ -62,6 +86,7 @@ impl Graph {
         let id = self.children.len() as u32;
         self.children.push(Vec::new());
         self.own.push(1);
+        self.items.push(0);
         self.hold(Slot::Node(id), holds);
         Slot::Node(id)
     }
@@ -69,15 +94,41 @@ impl Graph {
     fn hold(&mut self, parent: Slot, items: impl IntoIterator<Item = Slot>) {
         let Slot::Node(p) = parent else { return };
         for item in items {
+            if item != Slot::Mark {
+                let count = &mut self.items[p as usize];
+                *count = count.saturating_add(1);
+            }
             match item {
                 Slot::Node(c) => self.children[p as usize].push(c),
                 Slot::Scalar(w) => {
                     let own = &mut self.own[p as usize];
                     *own = own.saturating_add(w as u64);
                 }
+                Slot::DeviceTracesKey => {
+                    let own = &mut self.own[p as usize];
+                    *own = own.saturating_add(1);
+                }
                 Slot::Mark => {}
             }
         }
+    }
+
+    /// Notes the containers set under the key `device_traces` among (key, value) pairs.
+    fn note_pairs(&mut self, pairs: impl IntoIterator<Item = (Slot, Slot)>) {
+        for (key, value) in pairs {
+            if let (Slot::DeviceTracesKey, Slot::Node(id)) = (key, value) {
+                self.device_traces.push(id);
+            }
+        }
+    }
+
+    /// The items of every container that a `device_traces` container holds, per reference.
+    fn trace_entries(&self) -> u64 {
+        let held = self.device_traces.iter();
+        let traces = held.flat_map(|&id| self.children[id as usize].iter());
+        traces.fold(0u64, |sum, &trace| {
+            sum.saturating_add(self.items[trace as usize])
+        })
     }
 
     /// The longest chain of containers and each container's elements, iteratively (a cycle,
@@ -180,15 +231,15 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
         Some(&slot) => Ok(slot),
     };
     let mut open_marks = 0usize;
-    let to_mark = |stack: &mut Vec<Slot>, open_marks: &mut usize| {
+    // Where the topmost mark is, closed: the caller takes the items above it (drained, not
+    // copied: one APPENDS may take most of the stack), then truncates the stack to it.
+    let to_mark = |stack: &[Slot], open_marks: &mut usize| {
         let mark = stack
             .iter()
             .rposition(|s| *s == Slot::Mark)
             .ok_or("malformed pickle (no mark)")?;
-        let items = stack.split_off(mark + 1);
-        stack.pop();
         *open_marks = open_marks.saturating_sub(1);
-        Ok::<_, String>(items)
+        Ok::<_, String>(mark)
     };
     loop {
         let op = r.take(1)?[0];
@@ -216,8 +267,11 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
             }
             // Text with a newline-terminated argument: STRING, UNICODE.
             b'S' | b'V' => {
-                let text = r.line()?;
-                stack.push(scalar_weight(text.len() as u64));
+                let line = r.line()?;
+                stack.push(match op {
+                    b'V' => text(line),
+                    _ => scalar_weight(line.len() as u64),
+                });
             }
             // Fixed-size scalars: BININT, BININT1, BININT2, BINFLOAT; None, True, False.
             b'J' | b'K' | b'M' | b'G' => {
@@ -243,8 +297,12 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
                 if matches!(op, 0x8a | 0x8b) && len > MAX_NUMBER_LEN as u64 {
                     return Err(too_long(len as usize));
                 }
-                r.take(usize::try_from(len).map_err(|_| "truncated pickle")?)?;
-                stack.push(scalar_weight(len));
+                let bytes = r.take(usize::try_from(len).map_err(|_| "truncated pickle")?)?;
+                // Only unicode opcodes decode to a str, which the replay's key must be.
+                stack.push(match op {
+                    b'X' | 0x8c | 0x8d => text(bytes),
+                    _ => scalar_weight(len),
+                });
             }
             // Empty containers: list, dict, tuple, set.
             b']' | b'}' | b')' | 0x8f => {
@@ -258,8 +316,12 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
                     r.line()?;
                     r.line()?;
                 }
-                let items = to_mark(&mut stack, &mut open_marks)?;
-                let node = graph.node(items);
+                let mark = to_mark(&stack, &mut open_marks)?;
+                if op == b'd' {
+                    graph.note_pairs(pairs(&stack[mark + 1..]));
+                }
+                let node = graph.node(stack.drain(mark + 1..));
+                stack.truncate(mark);
                 stack.push(node);
             }
             // TUPLE1-3, REDUCE (callable, args), NEWOBJ (cls, args), NEWOBJ_EX (3).
@@ -283,10 +345,14 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
                 for _ in 0..n {
                     items.push(pop(&mut stack)?);
                 }
+                if op == b's' {
+                    // Popped value first.
+                    graph.note_pairs([(items[1], items[0])]);
+                }
                 let parent = *stack.last().ok_or_else(malformed)?;
                 let parent = match parent {
                     // BUILD on an unresolved global (a scalar here) makes an object.
-                    Slot::Scalar(_) => {
+                    Slot::Scalar(_) | Slot::DeviceTracesKey => {
                         let node = graph.node([]);
                         *stack.last_mut().expect("checked") = node;
                         node
@@ -298,9 +364,13 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
             }
             // Into the container below the mark: APPENDS, SETITEMS, ADDITEMS.
             b'e' | b'u' | 0x90 => {
-                let items = to_mark(&mut stack, &mut open_marks)?;
-                let parent = top(&stack)?;
-                graph.hold(parent, items);
+                let mark = to_mark(&stack, &mut open_marks)?;
+                if op == b'u' {
+                    graph.note_pairs(pairs(&stack[mark + 1..]));
+                }
+                let parent = top(&stack[..mark])?;
+                graph.hold(parent, stack.drain(mark + 1..));
+                stack.truncate(mark);
             }
             // GLOBAL (two newline-terminated names), STACK_GLOBAL (two names on the stack).
             b'c' => {
@@ -314,7 +384,7 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
                 stack.push(SCALAR);
             }
             b'0' => drop(pop(&mut stack)?),
-            b'1' => drop(to_mark(&mut stack, &mut open_marks)?),
+            b'1' => stack.truncate(to_mark(&stack, &mut open_marks)?),
             b'2' => stack.push(top(&stack)?),
             // Memo: PUT (decimal line), BINPUT (1 byte), LONG_BINPUT (4), MEMOIZE.
             b'p' | b'q' | b'r' | 0x94 => {
@@ -342,9 +412,19 @@ pub(super) fn scan(raw: &[u8]) -> Result<Shape, String> {
     let elements = match stack.last() {
         Some(Slot::Node(id)) => elements[*id as usize],
         Some(Slot::Scalar(w)) => *w as u64,
+        Some(Slot::DeviceTracesKey) => 1,
         _ => 0,
     };
-    Ok(Shape { depth, elements })
+    Ok(Shape {
+        depth,
+        elements,
+        trace_entries: graph.trace_entries(),
+    })
+}
+
+/// The (key, value) pairs of a dict's items, as DICT and SETITEMS take them.
+fn pairs(items: &[Slot]) -> impl Iterator<Item = (Slot, Slot)> + '_ {
+    items.chunks_exact(2).map(|pair| (pair[0], pair[1]))
 }
 
 fn too_long(len: usize) -> String {
@@ -416,6 +496,22 @@ mod tests {
         raw.extend([b'a'; 512]);
         raw.extend(b"q\x00h\x00e.");
         assert_eq!(scan(&raw).map(|s| s.elements), Ok(1 + 2 * 9));
+    }
+
+    #[test]
+    fn trace_entries_count_the_device_traces_items_per_reference() {
+        // {'device_traces': [L, L]}, L = [e, e, e] for one memoized dict e: 6 entries, set
+        // by SETITEMS, SETITEM or DICT, the key in any text opcode that carries it as is.
+        for raw in [
+            &b"\x80\x02}(X\x0d\x00\x00\x00device_traces](}q\x01h\x01h\x01lq\x02ah\x02au."[..],
+            b"\x80\x04}\x8c\x0ddevice_traces](}q\x01h\x01h\x01lq\x02ah\x02as.",
+            b"\x80\x02(Vdevice_traces\n](}q\x01h\x01h\x01lq\x02ah\x02ad.",
+        ] {
+            assert_eq!(scan(raw).map(|s| s.trace_entries), Ok(6));
+        }
+        // Another key's lists are not entries.
+        let raw = b"\x80\x02}(X\x0d\x00\x00\x00device_tracez](}q\x01h\x01h\x01lq\x02ah\x02au.";
+        assert_eq!(scan(raw).map(|s| s.trace_entries), Ok(0));
     }
 
     #[test]

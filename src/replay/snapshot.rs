@@ -2,9 +2,15 @@
 //! entries with action, addr, size and stream), decoded through serde so that the rest
 //! (frames, segments) is visited one value at a time and dropped: the decoder copies a
 //! memoized value at each reference to it, which building the whole snapshot as one value
-//! would keep, once per reference.
+//! would keep, once per reference. What is kept is bounded: an entry costs a fixed size
+//! (its action is read into `Action`, not kept as text), and at most `EntryBudget`'s count
+//! of entries are kept, all devices together, however often one memoized entry is referenced.
 
-use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use super::trace::{action_of, Action};
+use serde::de::{
+    self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
+};
+use std::cell::Cell;
 use std::fmt;
 
 /// The snapshot's top level: a dict (with its device traces, if any) or something else.
@@ -13,10 +19,11 @@ pub(super) enum Top {
     Snapshot(Option<Vec<Option<Vec<Entry>>>>),
 }
 
-/// One trace entry's fields; those missing, or of another type, are None.
+/// One trace entry's fields; those missing, or of another type, are None (as is an action
+/// the replay does not know).
 #[derive(Default)]
 pub(super) struct Entry {
-    pub action: Option<String>,
+    pub action: Option<Action>,
     pub addr: Option<i64>,
     pub size: Option<i64>,
     pub stream: Option<i64>,
@@ -58,6 +65,60 @@ macro_rules! otherwise {
     };
 }
 
+/// The trace entries the decoder may still keep, all devices together, and whether a snapshot
+/// held more: the decoder then stops with an error of its own, which `load_pickle` replaces
+/// by one naming the limit.
+pub(super) struct EntryBudget {
+    left: Cell<u64>,
+    exceeded: Cell<bool>,
+}
+
+impl EntryBudget {
+    pub fn new(most: u64) -> Self {
+        Self {
+            left: Cell::new(most),
+            exceeded: Cell::new(false),
+        }
+    }
+
+    pub fn exceeded(&self) -> bool {
+        self.exceeded.get()
+    }
+
+    /// Takes one entry: false (and noted) once none is left.
+    fn take(&self) -> bool {
+        match self.left.get() {
+            0 => {
+                self.exceeded.set(true);
+                false
+            }
+            left => {
+                self.left.set(left - 1);
+                true
+            }
+        }
+    }
+}
+
+/// Implements DeserializeSeed for `$seed` (holding the `EntryBudget`) through `$visitor` (the
+/// same), which expects `$what`.
+macro_rules! seeded {
+    ($seed:ident, $ty:ty, $visitor:ident, $what:literal) => {
+        impl<'de> DeserializeSeed<'de> for $seed<'_> {
+            type Value = $ty;
+            fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<$ty, D::Error> {
+                d.deserialize_any($visitor(self.0))
+            }
+        }
+
+        impl $visitor<'_> {
+            fn expecting(f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str($what)
+            }
+        }
+    };
+}
+
 /// Implements Deserialize for `$ty` through `$visitor`, which expects `$what`.
 macro_rules! through {
     ($ty:ty, $visitor:ident, $what:literal) => {
@@ -75,10 +136,12 @@ macro_rules! through {
     };
 }
 
-struct TopVisitor;
-through!(Top, TopVisitor, "a memory snapshot");
+/// Decodes a snapshot, keeping no more trace entries than its budget allows.
+pub(super) struct TopSeed<'a>(pub &'a EntryBudget);
+struct TopVisitor<'a>(&'a EntryBudget);
+seeded!(TopSeed, Top, TopVisitor, "a memory snapshot");
 
-impl<'de> Visitor<'de> for TopVisitor {
+impl<'de> Visitor<'de> for TopVisitor<'_> {
     type Value = Top;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         Self::expecting(f)
@@ -87,7 +150,7 @@ impl<'de> Visitor<'de> for TopVisitor {
         let mut devices = None;
         while let Some(Text(key)) = map.next_key::<Text>()? {
             match key.as_deref() {
-                Some("device_traces") => devices = map.next_value::<Devices>()?.0,
+                Some("device_traces") => devices = map.next_value_seed(DevicesSeed(self.0))?.0,
                 _ => drop(map.next_value::<IgnoredAny>()?),
             }
         }
@@ -98,17 +161,18 @@ impl<'de> Visitor<'de> for TopVisitor {
 
 /// `device_traces`: a list (of lists of entries, or other things), or None.
 struct Devices(Option<Vec<Option<Vec<Entry>>>>);
-struct DevicesVisitor;
-through!(Devices, DevicesVisitor, "device_traces");
+struct DevicesSeed<'a>(&'a EntryBudget);
+struct DevicesVisitor<'a>(&'a EntryBudget);
+seeded!(DevicesSeed, Devices, DevicesVisitor, "device_traces");
 
-impl<'de> Visitor<'de> for DevicesVisitor {
+impl<'de> Visitor<'de> for DevicesVisitor<'_> {
     type Value = Devices;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         Self::expecting(f)
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Devices, A::Error> {
         let mut devices = Vec::new();
-        while let Some(Entries(entries)) = seq.next_element::<Entries>()? {
+        while let Some(Entries(entries)) = seq.next_element_seed(EntriesSeed(self.0))? {
             devices.push(entries);
         }
         Ok(Devices(Some(devices)))
@@ -118,10 +182,11 @@ impl<'de> Visitor<'de> for DevicesVisitor {
 
 /// One device's trace: a list of entries, or None.
 struct Entries(Option<Vec<Entry>>);
-struct EntriesVisitor;
-through!(Entries, EntriesVisitor, "a device trace");
+struct EntriesSeed<'a>(&'a EntryBudget);
+struct EntriesVisitor<'a>(&'a EntryBudget);
+seeded!(EntriesSeed, Entries, EntriesVisitor, "a device trace");
 
-impl<'de> Visitor<'de> for EntriesVisitor {
+impl<'de> Visitor<'de> for EntriesVisitor<'_> {
     type Value = Entries;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         Self::expecting(f)
@@ -129,6 +194,11 @@ impl<'de> Visitor<'de> for EntriesVisitor {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Entries, A::Error> {
         let mut entries = Vec::new();
         while let Some(entry) = seq.next_element::<Entry>()? {
+            // Checked as each is kept: a memoized entry referenced many times is decoded
+            // (and would be kept) once per reference.
+            if !self.0.take() {
+                return Err(de::Error::custom("more trace entries than the most read"));
+            }
             entries.push(entry);
         }
         Ok(Entries(Some(entries)))
@@ -148,7 +218,9 @@ impl<'de> Visitor<'de> for EntryVisitor {
         let mut entry = Entry::default();
         while let Some(Text(key)) = map.next_key::<Text>()? {
             match key.as_deref() {
-                Some("action") => entry.action = map.next_value::<Text>()?.0,
+                Some("action") => {
+                    entry.action = map.next_value::<Text>()?.0.as_deref().and_then(action_of)
+                }
                 Some("addr") => entry.addr = map.next_value::<Int>()?.0,
                 Some("size") => entry.size = map.next_value::<Int>()?.0,
                 Some("stream") => entry.stream = map.next_value::<Int>()?.0,

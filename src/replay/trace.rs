@@ -37,7 +37,7 @@ fn bad(path: &Path, why: impl std::fmt::Display) -> Error {
     )
 }
 
-fn action_of(name: &str) -> Option<Action> {
+pub(super) fn action_of(name: &str) -> Option<Action> {
     Some(match name {
         "alloc" => Action::Alloc,
         "free_requested" => Action::FreeRequested,
@@ -78,6 +78,25 @@ impl Default for Limits {
     }
 }
 
+/// The most events read from one file (all its traces together) unless the caller says
+/// otherwise (`ccalloc replay --max-events`): what a file can make the loader hold is bounded
+/// by this, not by how well it compresses (100 M CSV lines gzip to under 3 MB; one memoized
+/// pickle entry referenced 50 M times, to under 100 KB). A real trace holds far fewer: the
+/// largest shipped one (benches/traces/llm_serve_contbatch) about 490,000. An event costs
+/// 32 bytes here, a pickle entry about twice that while decoding.
+pub const DEFAULT_MAX_EVENTS: u64 = 20_000_000;
+
+/// A file with more events than the most read: names the limit and how to raise it.
+fn too_many_events(path: &Path, max_events: u64, found: &str) -> Error {
+    bad(
+        path,
+        format!(
+            "{found}: more than {max_events} events, the most read from one file \
+             (raise it with ccalloc replay --max-events N)"
+        ),
+    )
+}
+
 /// Input echoed in an error message: its first 80 characters, quoted.
 fn clip(text: &str) -> String {
     const MAX: usize = 80;
@@ -97,23 +116,40 @@ fn clip_message(message: &str) -> String {
 }
 
 /// Reads one file: a CSV trace (plain or .gz) or a PyTorch snapshot pickle (one trace per
-/// device that has events).
+/// device that has events), of at most `DEFAULT_MAX_EVENTS` events.
 pub fn load(path: &Path) -> Result<Vec<Trace>> {
+    load_at_most(path, DEFAULT_MAX_EVENTS)
+}
+
+/// `load`, refusing a file of more than `max_events` events (all its traces together).
+pub fn load_at_most(path: &Path, max_events: u64) -> Result<Vec<Trace>> {
     let file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
-    load_from(path, file, &Limits::default())
+    load_from_at_most(path, file, &Limits::default(), max_events)
 }
 
 /// Reads a trace from `input` (named `path` in messages and the trace's name), within
-/// `limits`. What it is (gzip, pickle, CSV) is decided by its first bytes.
+/// `limits`, of at most `DEFAULT_MAX_EVENTS` events. What it is (gzip, pickle, CSV) is
+/// decided by its first bytes.
 pub fn load_from(path: &Path, input: impl Read, limits: &Limits) -> Result<Vec<Trace>> {
+    load_from_at_most(path, input, limits, DEFAULT_MAX_EVENTS)
+}
+
+/// `load_from`, refusing input of more than `max_events` events (all its traces together)
+/// before it holds them.
+pub fn load_from_at_most(
+    path: &Path,
+    input: impl Read,
+    limits: &Limits,
+    max_events: u64,
+) -> Result<Vec<Trace>> {
     let (head, input) = peek(input).map_err(|e| bad(path, e))?;
     if head.starts_with(&[0x1f, 0x8b]) {
         // Every member: `cat a.gz b.gz`, pigz and bgzip write several.
         let plain = Gunzip(flate2::read::MultiGzDecoder::new(input));
         let (head, plain) = peek(plain).map_err(|e| bad(path, e))?;
-        return load_plain(path, &head, plain, limits);
+        return load_plain(path, &head, plain, limits, max_events);
     }
-    load_plain(path, &head, input, limits)
+    load_plain(path, &head, input, limits, max_events)
 }
 
 /// The first two bytes of `input` (fewer if it is shorter) and `input` read from its start.
@@ -134,7 +170,13 @@ impl<R: Read> Read for Gunzip<R> {
     }
 }
 
-fn load_plain(path: &Path, head: &[u8], input: impl Read, limits: &Limits) -> Result<Vec<Trace>> {
+fn load_plain(
+    path: &Path,
+    head: &[u8],
+    input: impl Read,
+    limits: &Limits,
+    max_events: u64,
+) -> Result<Vec<Trace>> {
     let name = trace_name(path);
     // Protocol 2 and later open with PROTO; a CSV trace opens with its header.
     if head.first() == Some(&0x80) {
@@ -152,9 +194,10 @@ fn load_plain(path: &Path, head: &[u8], input: impl Read, limits: &Limits) -> Re
                 ),
             ));
         }
-        return load_pickle(path, &name, &raw, limits);
+        return load_pickle(path, &name, &raw, limits, max_events);
     }
-    Ok(vec![load_csv(path, name, BufReader::new(input), limits)?])
+    let input = BufReader::new(input);
+    Ok(vec![load_csv(path, name, input, limits, max_events)?])
 }
 
 fn trace_name(path: &Path) -> String {
@@ -193,7 +236,13 @@ fn next_line(
     Ok(Some(true))
 }
 
-fn load_csv(path: &Path, name: String, mut input: impl BufRead, limits: &Limits) -> Result<Trace> {
+fn load_csv(
+    path: &Path,
+    name: String,
+    mut input: impl BufRead,
+    limits: &Limits,
+    max_events: u64,
+) -> Result<Trace> {
     const HEADER: &str = "action,addr,size,stream";
     let mut events = Vec::new();
     let mut raw = Vec::new();
@@ -253,12 +302,21 @@ fn load_csv(path: &Path, name: String, mut input: impl BufRead, limits: &Limits)
                 format!("line {number}: unknown action {}", clip(fields[0])),
             ));
         };
-        events.push(Event {
+        let event = Event {
             action,
             addr: parse(1, true)?,
             size: parse(2, false)?,
             stream: parse(3, true)?,
-        });
+        };
+        if events.len() as u64 >= max_events {
+            return Err(too_many_events(path, max_events, &format!("line {number}")));
+        }
+        if events.len() == events.capacity() {
+            // Doubling, but never past the most that may be held.
+            let room = usize::try_from(max_events).unwrap_or(usize::MAX) - events.len();
+            events.reserve_exact(events.len().max(1024).min(room));
+        }
+        events.push(event);
     }
     Ok(Trace { name, events })
 }
@@ -267,7 +325,13 @@ fn load_csv(path: &Path, name: String, mut input: impl BufRead, limits: &Limits)
 /// it cannot overflow a thread's stack.
 const MAX_PICKLE_DEPTH: usize = 64;
 
-fn load_pickle(path: &Path, name: &str, raw: &[u8], limits: &Limits) -> Result<Vec<Trace>> {
+fn load_pickle(
+    path: &Path,
+    name: &str,
+    raw: &[u8],
+    limits: &Limits,
+    max_events: u64,
+) -> Result<Vec<Trace>> {
     // The decoder builds and drops values recursively, and copies a memoized value at each
     // reference to it: a small file of nested lists would overflow the stack and abort, one
     // of many references would take time and memory far beyond its size. Measured first,
@@ -292,13 +356,38 @@ fn load_pickle(path: &Path, name: &str, raw: &[u8], limits: &Limits) -> Result<V
             ),
         ));
     }
+    // The elements allowed above still let one memoized entry, referenced every few bytes,
+    // decode to an entry per reference, each kept: the entries of the lists under the key
+    // device_traces are counted before decoding too, memo references in full.
+    if shape.trace_entries > max_events {
+        return Err(too_many_events(
+            path,
+            max_events,
+            &format!(
+                "device_traces hold {} entries, memo references counted in full",
+                shape.trace_entries
+            ),
+        ));
+    }
     let options = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .replace_recursive_structures();
     // Decoded into only what the replay reads: what else the snapshot holds (frames,
-    // segments) is visited a value at a time and dropped, memo references included.
-    let top: super::snapshot::Top = serde_pickle::from_slice(raw, options)
-        .map_err(|e| bad(path, clip_message(&format!("pickle: {e}"))))?;
+    // segments) is visited a value at a time and dropped, memo references included. The
+    // entries kept are also counted as they are decoded (the scan above knows the key
+    // device_traces only as picklers write it, not spelled with escapes).
+    let budget = super::snapshot::EntryBudget::new(max_events);
+    let mut decoder = serde_pickle::Deserializer::new(std::io::Cursor::new(raw), options);
+    let top =
+        serde::de::DeserializeSeed::deserialize(super::snapshot::TopSeed(&budget), &mut decoder)
+            .and_then(|top| decoder.end().map(|()| top));
+    let top = match top {
+        Ok(top) => top,
+        Err(_) if budget.exceeded() => {
+            return Err(too_many_events(path, max_events, "device_traces"));
+        }
+        Err(e) => return Err(bad(path, clip_message(&format!("pickle: {e}")))),
+    };
     let super::snapshot::Top::Snapshot(devices) = top else {
         return Err(bad(path, "not a memory snapshot (expected a dict)"));
     };
@@ -311,7 +400,7 @@ fn load_pickle(path: &Path, name: &str, raw: &[u8], limits: &Limits) -> Result<V
         let Some(entries) = entries else { continue };
         let mut events = Vec::with_capacity(entries.len());
         for (index, e) in entries.into_iter().enumerate() {
-            let Some(action) = e.action.as_deref().and_then(action_of) else {
+            let Some(action) = e.action else {
                 continue;
             };
             let (Some(addr), Some(size)) = (e.addr, e.size) else {
@@ -366,4 +455,72 @@ pub fn live_at_start(trace: &Trace) -> Vec<(u64, u64, u64)> {
         }
     }
     found
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// {KEY: [[e, e, e]]} for one memoized entry e (alloc of 512 bytes at 1).
+    fn snapshot(key_line: &[u8]) -> Vec<u8> {
+        let mut raw = b"\x80\x02}(V".to_vec();
+        raw.extend(key_line);
+        raw.extend(b"\n]](}(X\x06\x00\x00\x00actionX\x05\x00\x00\x00allocX\x04\x00\x00\x00");
+        raw.extend(b"addrK\x01X\x04\x00\x00\x00sizeM\x00\x02uq\x01h\x01h\x01eau.");
+        raw
+    }
+
+    fn load(raw: &[u8], max_events: u64) -> Result<Vec<Trace>> {
+        load_from_at_most(Path::new("t.pickle"), raw, &Limits::default(), max_events)
+    }
+
+    #[test]
+    fn entries_past_the_most_read_are_refused_while_decoding_too() {
+        // Spelled with an escape, the key is not one the scan counts entries under; the
+        // decoder still keeps no more than the most read.
+        let raw = snapshot(br"device\u005ftraces");
+        assert_eq!(
+            super::super::pickle_depth::scan(&raw)
+                .unwrap()
+                .trace_entries,
+            0
+        );
+        let err = load(&raw, 2).unwrap_err();
+        assert!(
+            err.message
+                .contains("t.pickle: device_traces: more than 2 events"),
+            "{}",
+            err.message
+        );
+        assert!(err.message.contains("--max-events"), "{}", err.message);
+        let traces = load(&raw, 3).unwrap();
+        assert_eq!(traces[0].events.len(), 3);
+        assert_eq!(traces[0].events[2].size, 512);
+        // As picklers write it, the scan refuses it before decoding.
+        let err = load(&snapshot(b"device_traces"), 2).unwrap_err();
+        assert!(
+            err.message.contains("device_traces hold 3 entries"),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn csv_events_past_the_most_read_are_refused_at_their_line() {
+        let csv =
+            "action,addr,size,stream\nalloc,1,512,0\nsnapshot,0,0,0\nfree_completed,1,512,0\n";
+        let load =
+            |max| load_from_at_most(Path::new("t.csv"), csv.as_bytes(), &Limits::default(), max);
+        assert_eq!(
+            load(2).unwrap()[0].events.len(),
+            2,
+            "a snapshot line is no event"
+        );
+        let err = load(1).unwrap_err();
+        assert!(
+            err.message.contains("t.csv: line 4: more than 1 events"),
+            "{}",
+            err.message
+        );
+    }
 }
