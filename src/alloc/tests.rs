@@ -597,6 +597,46 @@ fn private_pools_stay_on_plain_segments_under_vmm() {
 }
 
 #[test]
+fn a_graph_pools_free_memory_does_not_make_paged_growth_move() {
+    // A CUDA graph pool keeps 100 MiB on a plain segment that no move can reach. Paged
+    // memory within its own live high-water mark plus the slack must then grow as it would
+    // without the pool, not move pages at every growth (torch.compile's CUDA graph trees).
+    let (sim, a) = paged(1 << 30, "");
+    a.begin_allocate_to_pool((9, 9), Box::new(|_| true))
+        .unwrap();
+    let graph = a.malloc(100 * MIB, S0).unwrap();
+    a.end_allocate_to_pool((9, 9)).unwrap();
+    a.free(graph).unwrap();
+    let hole = a.malloc(6 * MIB, S0).unwrap();
+    let keep = a.malloc(4 * MIB, S0).unwrap();
+    a.free(hole).unwrap();
+    let before = stats(&a).paging;
+    let unmaps = sim.counters(0).unmaps;
+    // 10 MiB fits neither the 6 MiB hole nor its pages: new pages at the end, 20 MiB paged
+    // for 14 live, within the slack's 4-page floor.
+    let grown = a.malloc(10 * MIB, S0).unwrap();
+    let after = stats(&a).paging;
+    assert_eq!(after.growths, before.growths + 1);
+    assert_eq!(
+        (
+            after.moving_growths - before.moving_growths,
+            sim.counters(0).unmaps - unmaps
+        ),
+        (0, 0),
+        "the hole's pages stayed where they were"
+    );
+    assert_eq!(
+        stats(&a).reserved_bytes.all().current as u64,
+        120 * MIB,
+        "the pool's 100 MiB and 20 MiB paged"
+    );
+    for p in [keep, grown] {
+        a.free(p).unwrap();
+    }
+    a.release_pool((9, 9)).unwrap();
+}
+
+#[test]
 fn pages_move_without_any_wait_once_their_fence_has_completed() {
     let (sim, a) = paged(1 << 30, "");
     let hole = a.malloc(40 * MIB, S0).unwrap();

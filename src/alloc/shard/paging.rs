@@ -135,8 +135,13 @@ impl Shard {
             started,
             busy_probe: self.busy_probe(st, stream),
         };
+        // The bound is on memory that moves can act on. Free memory in plain segments (a
+        // CUDA graph pool's, kept for its replays) stays reserved whatever pages move:
+        // counted against the bound, it would hold the paged memory under its own live
+        // high-water mark once it exceeds the slack, and every later growth would move
+        // pages, each cycle undoing the last.
         let soft = if may_move {
-            high + slack
+            high + slack + st.plain_free_bytes()
         } else {
             st.stats_mut().paging.growths_past_slack += 1;
             st.moves_mut().note_refused();

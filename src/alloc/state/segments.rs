@@ -343,6 +343,27 @@ impl State {
         self.paging.live_high_water
     }
 
+    /// Bytes of free blocks in plain segments (CUDA graph pools' private memory, and
+    /// segments made where paging could not serve): reserved memory that no page move can
+    /// reach. Walks the plain segments' blocks, so only growth (the slow path) asks.
+    pub fn plain_free_bytes(&self) -> u64 {
+        let mut free = 0;
+        for segment in self.book.segments.values() {
+            let mut next = Some(segment.first);
+            while let Some(id) = next {
+                let block = self.book.blocks.get(id);
+                if block.paged() {
+                    break;
+                }
+                if block.state() == BlockState::Free {
+                    free += block.size();
+                }
+                next = block.next();
+            }
+        }
+        free
+    }
+
     /// Chunks wholly under free paged blocks (`plan::reclaim_candidates`); marks clean the
     /// (stream, pool)s found without any, and counts the work.
     pub fn reclaim_candidates(&mut self, also: Range<DevicePtr>) -> Vec<Victim> {
