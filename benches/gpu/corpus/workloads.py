@@ -1,6 +1,6 @@
-"""The corpus's own GPU workloads (issue 17): twenty-six real training and inference shapes,
-the last twelve held out (six added after the paging policy's constants were set, four more in
-session 31, two in session 32).
+"""The corpus's own GPU workloads (issue 17): thirty-one real training and inference shapes,
+the last seventeen held out (six added after the paging policy's constants were set, four more
+in session 31, two in session 32, five in session 35).
 
 Each workload is a function ``f(c: Ctx) -> loop``: it builds its model (random init, from a
 config: nothing is downloaded) and returns ``loop``, a callable that runs the steady-state part
@@ -1364,6 +1364,177 @@ def compiled_gpt_train(c: Ctx):
                 logits = step_fn(x[:, :-1])
                 loss = F.cross_entropy(logits.float().view(-1, vocab), x[:, 1:].reshape(-1))
             optimize(loss, opt)
+
+    return loop
+
+
+# ---------------------------------------------------------------------------------------------
+# Held out in session 35: written before any of them ran under any allocator.
+
+
+@workload("generation, beam search (HF generate, 4 beams)", "~1-3 GiB", 30)
+def beam_search_generate(c: Ctx):
+    """A GPT-2-shaped decoder (d=1024, 16 layers, fp16, random init) through Hugging Face
+    ``generate`` with beam search: 4 beams over batches of 1-8 prompts of 16-192 tokens, 24-48
+    new tokens. Every step reorders the beams, so each layer's key/value cache is gathered into
+    new tensors at every token, and the cache's rows multiply by the beams."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(**c.pick(dict(n_embd=1024, n_layer=16, n_head=16),
+                              dict(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=128,
+                                   bos_token_id=1, eos_token_id=2)))
+    with torch.device(c.dev):
+        m = GPT2LMHeadModel(cfg)
+    m = m.to(c.half).eval()
+
+    def loop():
+        rng = c.seed(40)
+        for _ in range(c.pick(3, 1)):
+            b = rng.choice(c.pick([1, 2, 4, 8], [1, 2]))
+            prompt = rng.randint(*c.pick((16, 192), (4, 16)))
+            new = rng.choice(c.pick([24, 32, 48], [4]))
+            x = torch.randint(3, cfg.vocab_size, (b, prompt), device=c.dev)
+            with torch.no_grad():
+                m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
+                           num_beams=4, do_sample=False, early_stopping=False, pad_token_id=0)
+
+    return loop
+
+
+@workload("generation, assisted (speculative) decoding with a draft model", "~1 GiB", 30)
+def assisted_generate(c: Ctx):
+    """Speculative decoding through Hugging Face ``generate(assistant_model=...)``: a draft
+    decoder (d=512, 4 layers) proposes 5 tokens, the target (d=1024, 16 layers; both fp16,
+    random init, one vocabulary) checks them in one pass and the rejected ones are cropped
+    from both key/value caches. One prompt at a time (16-512 tokens), 32-64 new tokens: two
+    caches that grow and shrink by different steps."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tiny = dict(vocab_size=256, n_positions=640, bos_token_id=1, eos_token_id=2)
+    big = c.pick(dict(n_embd=1024, n_layer=16, n_head=16), dict(n_layer=2, n_embd=64, n_head=2, **tiny))
+    small = c.pick(dict(n_embd=512, n_layer=4, n_head=8), dict(n_layer=1, n_embd=32, n_head=2, **tiny))
+    with torch.device(c.dev):
+        m, draft = GPT2LMHeadModel(GPT2Config(**big)), GPT2LMHeadModel(GPT2Config(**small))
+    m, draft = m.to(c.half).eval(), draft.to(c.half).eval()
+    draft.generation_config.num_assistant_tokens = 5
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    vocab = m.config.vocab_size
+
+    def loop():
+        rng = c.seed(41)
+        for _ in range(c.pick(3, 1)):
+            x = torch.randint(3, vocab, (1, rng.randint(*c.pick((16, 512), (4, 16)))), device=c.dev)
+            new = rng.choice(c.pick([32, 48, 64], [4]))
+            with torch.no_grad():
+                m.generate(x, attention_mask=torch.ones_like(x), assistant_model=draft, max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    return loop
+
+
+@workload("contrastive image-text training (CLIP), variable text length", "~10 GiB", 25)
+def clip_contrastive_train(c: Ctx):
+    """CLIP-style training: a ViT-S/16 image tower (torchvision, 224 px) and a 6-layer text
+    transformer (d=512, 8 heads) over captions of 8-77 tokens (padded to the batch's longest),
+    both projected to 512, trained with the symmetric contrastive loss over the batch's
+    256 x 256 similarity matrix under bf16 autocast, AdamW. Two towers whose activations are
+    held together for one backward, one of them changing shape every step."""
+    from torchvision.models import VisionTransformer
+
+    side, batch, vocab, width = c.pick((224, 256, 49408, 512), (32, 4, 256, 32))
+    with torch.device(c.dev):
+        image = VisionTransformer(image_size=side, patch_size=16, num_layers=c.pick(12, 1), num_heads=c.pick(6, 2),
+                                  hidden_dim=c.pick(384, 32), mlp_dim=c.pick(1536, 64), num_classes=width)
+        tok, pos = nn.Embedding(vocab, width), nn.Parameter(torch.zeros(77, width))
+        layer = nn.TransformerEncoderLayer(width, c.pick(8, 2), 4 * width, batch_first=True, norm_first=True)
+        text = nn.TransformerEncoder(layer, c.pick(6, 1), enable_nested_tensor=False)
+        proj, scale = nn.Linear(width, width, bias=False), nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+    params = [*image.parameters(), *tok.parameters(), pos, *text.parameters(), *proj.parameters(), scale]
+    opt = c.adamw(params)
+
+    def loop():
+        rng = c.seed(42)
+        for _ in range(c.pick(6, 2)):
+            n = rng.randint(8, 77)
+            ids = torch.randint(0, vocab, (batch, n), device=c.dev)
+            x = torch.randn(batch, 3, side, side, device=c.dev)
+            with c.autocast():
+                img = F.normalize(image(x).float(), dim=-1)
+                t = text(tok(ids) + pos[:n])
+                txt = F.normalize(proj(t[:, -1]).float(), dim=-1)
+                logits = scale.exp() * img @ txt.t()
+                labels = torch.arange(batch, device=c.dev)
+                loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+            optimize(loss, opt)
+
+    return loop
+
+
+@workload("training with periodic evaluation at a larger batch (ResNet-50)", "~8 GiB", 25)
+def train_with_eval(c: Ctx):
+    """ResNet-50 (torchvision, random init, channels-last, bf16 autocast, SGD with momentum)
+    trained on batches of 64 images of 192 px, with an evaluation pass after every third step:
+    batch 256 at 224 px under ``no_grad``, top-1 back to the host. Two phases whose tensors
+    differ in size and lifetime, alternating within each loop, as a validation run does."""
+    import torchvision
+
+    with torch.device(c.dev):
+        m = torchvision.models.resnet50(weights=None)
+    if c.cuda:
+        m = m.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    train_b, train_side, eval_b, eval_side = c.pick((64, 192, 256, 224), (2, 32, 4, 48))
+    fmt = torch.channels_last if c.cuda else torch.contiguous_format
+
+    def loop():
+        c.seed(43)
+        for step in range(c.pick(6, 3)):
+            m.train()
+            x = torch.randn(train_b, 3, train_side, train_side, device=c.dev).to(memory_format=fmt)
+            y = torch.randint(0, 1000, (train_b,), device=c.dev)
+            with c.autocast():
+                loss = F.cross_entropy(m(x).float(), y)
+            optimize(loss, opt)
+            if step % 3 == 2:
+                m.eval()
+                with torch.no_grad(), c.autocast():
+                    x = torch.randn(eval_b, 3, eval_side, eval_side, device=c.dev).to(memory_format=fmt)
+                    m(x).float().argmax(-1).cpu()
+
+    return loop
+
+
+@workload("inference compiled with CUDA graphs (torch.compile reduce-overhead)", "~1 GiB", 90)
+def compiled_cudagraph_infer(c: Ctx):
+    """A 6-layer transformer encoder (d=1024, 16 heads, fp16) compiled with
+    ``torch.compile(mode="reduce-overhead")``: Inductor's code replayed through CUDA graph
+    trees, whose private memory pool PyTorch manages through the allocator's graph-pool calls.
+    Requests of 1-32 sequences of 128 tokens are padded to buckets of 1, 4, 8 and 32 (one
+    static graph each); each output is copied to the host before the next replay reuses its
+    memory. Every 8th request runs eagerly at 256 tokens, outside the graphs. The compile and
+    the graphs' recording happen in the warm-up loop (on the CPU smoke run the model stays
+    eager)."""
+    d, heads, layers, n = c.pick((1024, 16, 6, 128), (32, 2, 1, 8))
+    with torch.device(c.dev):
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, batch_first=True, norm_first=True)
+        m = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+    m = m.to(c.half).eval()
+    step = torch.compile(m, mode="reduce-overhead", dynamic=False) if c.cuda else m
+    c.info["compiled"] = str(c.cuda)
+    buckets = c.pick([1, 4, 8, 32], [1, 2])
+
+    def loop():
+        rng = c.seed(44)
+        with torch.no_grad():
+            for i in range(c.pick(200, 6)):
+                if i % 8 == 7:
+                    x = torch.randn(rng.randint(1, max(buckets)), 2 * n, d, device=c.dev, dtype=c.half)
+                    m(x).float().mean(-1).cpu()
+                    continue
+                k = rng.randint(1, max(buckets))
+                b = min(x for x in buckets if x >= k)
+                x = torch.randn(b, n, d, device=c.dev, dtype=c.half)
+                step(x)[:k].float().mean(-1).cpu()
 
     return loop
 
