@@ -358,8 +358,8 @@ fn memo_bomb(references: &[usize]) -> Vec<u8> {
 /// One memoized entry referenced far more times than `--max-events` (4 M references, 12 MB
 /// of pickle, 12 KB gzip'd) is refused before it is decoded, within 512 MiB of address
 /// space, where decoding it failed to allocate before the limit (about 140 bytes a
-/// reference). Entries are counted over every device, memo references in full; as many as
-/// the limit allows replay.
+/// reference). Entries and each device's list are counted over every device, memo
+/// references in full; as many as the limit allows replay.
 #[test]
 fn a_memoized_entry_referenced_past_max_events_is_refused_before_decoding() {
     let bomb = scratch("memo_bomb.pickle.gz");
@@ -373,7 +373,7 @@ fn a_memoized_entry_referenced_past_max_events_is_refused_before_decoding() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("device_traces hold 4000000 entries, memo references counted in full: more than 1000 events"),
+        stderr.contains("device_traces hold 4000001 lists and entries, memo references counted in full: more than 1000 events"),
         "{stderr}"
     );
     assert!(stderr.contains("--max-events N"), "{stderr}");
@@ -390,12 +390,12 @@ fn a_memoized_entry_referenced_past_max_events_is_refused_before_decoding() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
-        stderr.contains("device_traces hold 1200 entries"),
+        stderr.contains("device_traces hold 1203 lists and entries"),
         "{stderr}"
     );
 
     let fits = scratch("memo_fits.pickle.gz");
-    std::fs::write(&fits, gzip(&memo_bomb(&[500, 500]))).unwrap();
+    std::fs::write(&fits, gzip(&memo_bomb(&[499, 499]))).unwrap();
     let out = ccalloc_in_512mib(&[
         "replay".as_ref(),
         "--max-events".as_ref(),

@@ -75,9 +75,10 @@ pub(super) struct Shape {
     /// The elements (containers and scalars, memo references counted in full) of the value
     /// the pickle decodes to, saturating.
     pub elements: u64,
-    /// The items of the containers held by a container set under the key `device_traces`
-    /// (a snapshot's entries, of every device), memo references counted in full, saturating.
-    /// Only the key as picklers write it counts (one text opcode, no escapes).
+    /// The containers held by a container set under the key `device_traces` (a snapshot's
+    /// per-device lists) and their items (the entries), memo references counted in full,
+    /// saturating: what the replay keeps, one per list or entry. Only the key as picklers
+    /// write it counts (one text opcode, no escapes).
     pub trace_entries: u64,
 }
 
@@ -122,12 +123,21 @@ impl Graph {
         }
     }
 
-    /// The items of every container that a `device_traces` container holds, per reference.
+    /// The containers a `device_traces` container holds and their items, per reference (a
+    /// device's list is kept as an entry is: millions of empty lists must count too).
+    /// Each distinct container's total is summed once and weighed by how often it was set:
+    /// one container of many children set many times (a few KB of memo references) must not
+    /// cost their product here, before any limit can refuse the file.
     fn trace_entries(&self) -> u64 {
-        let held = self.device_traces.iter();
-        let traces = held.flat_map(|&id| self.children[id as usize].iter());
-        traces.fold(0u64, |sum, &trace| {
-            sum.saturating_add(self.items[trace as usize])
+        let mut settings: HashMap<u32, u64> = HashMap::new();
+        for &id in &self.device_traces {
+            *settings.entry(id).or_default() += 1;
+        }
+        settings.into_iter().fold(0u64, |sum, (id, times)| {
+            let per_setting = self.children[id as usize].iter().fold(0u64, |n, &trace| {
+                n.saturating_add(1 + self.items[trace as usize])
+            });
+            sum.saturating_add(per_setting.saturating_mul(times))
         })
     }
 
@@ -499,15 +509,36 @@ mod tests {
     }
 
     #[test]
+    fn a_container_set_under_device_traces_many_times_is_counted_in_linear_time() {
+        // {'device_traces': L} set a million times by SETITEMS, L holding a million
+        // references to one list: a 6 MB pickle whose count is their product. Counted per
+        // (child, setting) pair this took minutes; per distinct container, milliseconds.
+        let (children, settings) = (1_000_000usize, 1_000_000usize);
+        let mut raw = b"\x80\x02}q\x00]q\x01(]q\x02".to_vec();
+        raw.extend(b"h\x02".repeat(children - 1));
+        raw.extend(b"e0X\x0d\x00\x00\x00device_tracesq\x030(");
+        raw.extend(b"h\x03h\x01".repeat(settings));
+        raw.extend(b"u.");
+        let started = std::time::Instant::now();
+        let shape = scan(&raw).unwrap();
+        assert_eq!(
+            shape.trace_entries, 1_000_000_000_000,
+            "empty lists, each kept"
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    }
+
+    #[test]
     fn trace_entries_count_the_device_traces_items_per_reference() {
-        // {'device_traces': [L, L]}, L = [e, e, e] for one memoized dict e: 6 entries, set
+        // {'device_traces': [L, L]}, L = [e, e, e] for one memoized dict e: 2 lists of 3
+        // entries, each kept (8), set
         // by SETITEMS, SETITEM or DICT, the key in any text opcode that carries it as is.
         for raw in [
             &b"\x80\x02}(X\x0d\x00\x00\x00device_traces](}q\x01h\x01h\x01lq\x02ah\x02au."[..],
             b"\x80\x04}\x8c\x0ddevice_traces](}q\x01h\x01h\x01lq\x02ah\x02as.",
             b"\x80\x02(Vdevice_traces\n](}q\x01h\x01h\x01lq\x02ah\x02ad.",
         ] {
-            assert_eq!(scan(raw).map(|s| s.trace_entries), Ok(6));
+            assert_eq!(scan(raw).map(|s| s.trace_entries), Ok(8));
         }
         // Another key's lists are not entries.
         let raw = b"\x80\x02}(X\x0d\x00\x00\x00device_tracez](}q\x01h\x01h\x01lq\x02ah\x02au.";

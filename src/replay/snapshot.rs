@@ -173,6 +173,10 @@ impl<'de> Visitor<'de> for DevicesVisitor<'_> {
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Devices, A::Error> {
         let mut devices = Vec::new();
         while let Some(Entries(entries)) = seq.next_element_seed(EntriesSeed(self.0))? {
+            // A device's list is kept as an entry is (millions of empty ones cost memory).
+            if !self.0.take() {
+                return Err(de::Error::custom("more trace entries than the most read"));
+            }
             devices.push(entries);
         }
         Ok(Devices(Some(devices)))

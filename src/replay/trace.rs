@@ -364,7 +364,7 @@ fn load_pickle(
             path,
             max_events,
             &format!(
-                "device_traces hold {} entries, memo references counted in full",
+                "device_traces hold {} lists and entries, memo references counted in full",
                 shape.trace_entries
             ),
         ));
@@ -475,6 +475,26 @@ mod tests {
     }
 
     #[test]
+    fn empty_device_lists_count_against_the_most_read() {
+        // {'device_traces': [[], [], ...]}: one memoized empty list referenced 10,000 times
+        // (20 KB). Each is kept as a device's trace, so each counts as an event would.
+        let n = 10_000;
+        let mut raw = b"\x80\x02}(X\x0d\x00\x00\x00device_traces](]q\x01".to_vec();
+        raw.extend(b"h\x01".repeat(n - 1));
+        raw.extend(b"eu.");
+        let err = load(&raw, 1000).unwrap_err();
+        assert!(
+            err.message
+                .contains("device_traces hold 10000 lists and entries"),
+            "{}",
+            err.message
+        );
+        // Within the limit it is read, and refused only for holding no events.
+        let err = load(&raw, n as u64).unwrap_err();
+        assert!(!err.message.contains("--max-events"), "{}", err.message);
+    }
+
+    #[test]
     fn entries_past_the_most_read_are_refused_while_decoding_too() {
         // Spelled with an escape, the key is not one the scan counts entries under; the
         // decoder still keeps no more than the most read.
@@ -493,13 +513,15 @@ mod tests {
             err.message
         );
         assert!(err.message.contains("--max-events"), "{}", err.message);
-        let traces = load(&raw, 3).unwrap();
+        // Three entries and their device's list.
+        let traces = load(&raw, 4).unwrap();
         assert_eq!(traces[0].events.len(), 3);
         assert_eq!(traces[0].events[2].size, 512);
         // As picklers write it, the scan refuses it before decoding.
         let err = load(&snapshot(b"device_traces"), 2).unwrap_err();
         assert!(
-            err.message.contains("device_traces hold 3 entries"),
+            err.message
+                .contains("device_traces hold 4 lists and entries"),
             "{}",
             err.message
         );
