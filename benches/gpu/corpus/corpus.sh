@@ -12,7 +12,7 @@
 #   bash benches/gpu/corpus/corpus.sh list            the workloads, families, footprints
 #
 # Settings (environment):
-#   WORKLOADS    names (default: all: the corpus's 23 (workloads.py) and the 4 shared ones)
+#   WORKLOADS    names (default: all: the corpus's 31 (workloads.py) and the 4 shared ones)
 #   ALLOCATORS   default "native expandable ccalloc"; ccalloc@CONF runs ccalloc with CCALLOC_CONF
 #   ROUNDS       default 3. Round r runs each workload's allocators back to back, the list
 #                rotated by r-1 (A B C, B C A, C A B), so no allocator always runs first.
