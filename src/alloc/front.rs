@@ -609,6 +609,12 @@ struct Local {
 
 impl Drop for Local {
     fn drop(&mut self) {
+        // In a child forked while another thread of the parent held this front's lock, the
+        // lock stays held for good: orphaning would spin at the child's exit. The child can
+        // make no ccalloc call (`runtime::check_not_forked`), so nothing reads the front.
+        if crate::runtime::is_forked_child() {
+            return;
+        }
         self.fronts.orphan(&self.cell);
     }
 }
