@@ -26,6 +26,7 @@ import ctypes
 import enum
 import operator
 import struct
+import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from . import _call, _device_index, _lib, _pointer, _size, _stream_handle
@@ -304,8 +305,11 @@ class HostBuffer:
 
     ``numpy.asarray(buf)`` views it (``__array_interface__``; the array keeps the buffer
     alive); managed memory is also ``__cuda_array_interface__`` (CuPy, Numba). ``close()``
-    frees it (arrays viewing it must not be used afterwards); so does the last reference
-    going away. ``record_stream(stream)`` marks it used by work queued on ``stream``.
+    frees it (arrays viewing it must not be used afterwards; while a view from
+    ``memoryview()`` is alive it refuses, as ``mmap.close()`` does); so does the last
+    reference going away.
+    ``record_stream(stream)`` marks it used by work queued on ``stream``. A buffer owns its
+    block: it cannot be copied or pickled (copy its contents instead).
     """
 
     def __init__(
@@ -321,6 +325,7 @@ class HostBuffer:
             count *= d
         self.nbytes = count * self.itemsize
         self.ptr = 0
+        self._views: list = []
         # Empty arrays still get a (smallest) block: every buffer has an address.
         size = max(self.nbytes, 1)
         self.ptr = host_malloc(size) if kind == "pinned" else managed_malloc(size)
@@ -334,7 +339,17 @@ class HostBuffer:
             raise ValueError("the buffer is closed")
 
     def close(self) -> None:
-        """Frees the memory (once; later calls do nothing)."""
+        """Frees the memory (once; later calls do nothing). Raises ``BufferError``, freeing
+        nothing, while a view ``memoryview()`` made (or one taken from it) is alive: a view
+        cannot be revoked, and one used after the free would write into freed memory.
+        ``view.release()`` (or dropping it) ends a view."""
+        alive = sum(1 for ref in getattr(self, "_views", ()) if ref() is not None)
+        if alive:
+            raise BufferError(
+                f"cannot close a HostBuffer while {alive} of its memoryviews (or views taken "
+                "from them) are alive: release them (view.release()) or drop them first"
+            )
+        self._views = []
         ptr, self.ptr = self.ptr, 0
         if ptr:
             (host_free if self.kind == "pinned" else managed_free)(ptr)
@@ -366,7 +381,25 @@ class HostBuffer:
         # and the view (cast included) holds the array, so the block is freed only once
         # neither the buffer nor any view is referenced (as ccalloc.torch.pinned_tensor does).
         raw._ccalloc_owner = self  # type: ignore[attr-defined]
+        # Every view of this memory, and any taken from them, holds `raw`: while it lives,
+        # close() refuses (weakly held here, or the buffer would keep itself alive).
+        self._views = [r for r in self._views if r() is not None] + [weakref.ref(raw)]
         return memoryview(raw).cast("B")
+
+    def __copy__(self) -> "HostBuffer":
+        raise TypeError(
+            "a HostBuffer owns its memory block and cannot be copied (two owners would free "
+            "it twice); copy its contents into a new buffer instead"
+        )
+
+    def __deepcopy__(self, memo: Any) -> "HostBuffer":
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a HostBuffer cannot be pickled: its memory block belongs to this process; "
+            "pickle its contents (bytes(buf.memoryview())) instead"
+        )
 
     def _interface(self, version: int) -> Dict[str, Any]:
         self._check_open()

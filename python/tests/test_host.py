@@ -148,6 +148,44 @@ def test_memoryview_keeps_its_buffer_alive():
     assert ccalloc.host_memory_stats()["active_requests.current"] == 0
 
 
+def test_close_refuses_while_a_view_is_alive():
+    """A view cannot be revoked, and one used after the free wrote into freed (after
+    host_empty_cache, unmapped) memory: close() raises BufferError and frees nothing while
+    a view, or one taken from it, lives, as mmap.close() does."""
+    buf = ccalloc.pinned_empty(8 * MiB, "uint8")
+    view = buf.memoryview()
+    view[0] = 7
+    taken = memoryview(view)[:16]
+    with pytest.raises(BufferError):
+        buf.close()
+    view.release()
+    with pytest.raises(BufferError):
+        buf.close()  # `taken` still views the memory
+    assert not buf.closed and taken[0] == 7
+    taken.release()
+    buf.close()
+    ccalloc.host_empty_cache()
+    assert buf.closed
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 0
+    with pytest.raises(ValueError):
+        view[0] = 1
+
+
+def test_a_buffer_cannot_be_copied_or_pickled():
+    """Two owners of one block would free it twice (a copy's collection freed the block
+    under the original, which then freed the next buffer's)."""
+    import copy
+    import pickle
+
+    buf = ccalloc.pinned_empty(1024, "uint8")
+    for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError):
+            duplicate(buf)
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 1
+    buf.close()
+    assert ccalloc.host_memory_stats()["active_requests.current"] == 0
+
+
 def test_numpy_views_pinned_memory():
     numpy = pytest.importorskip("numpy")
     buf = ccalloc.pinned_empty((4, 4), numpy.float64)
