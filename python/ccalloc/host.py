@@ -230,7 +230,16 @@ def advise(
     :class:`Advice` or its name (``"set_read_mostly"``, ...); ``device`` is the one the
     advice names (``-1`` / ``"cpu"``: the host)."""
     if isinstance(advice, str):
-        advice = Advice[advice.upper()]
+        try:
+            advice = Advice[advice.upper()]
+        except KeyError:
+            names = ", ".join(a.name.lower() for a in Advice)
+            raise ValueError(f"unknown advice {advice!r}: expected one of {names}") from None
+    else:
+        try:
+            advice = Advice(operator.index(advice))
+        except ValueError:
+            raise ValueError(f"unknown advice {advice!r}: expected 1-6 or an Advice") from None
     ptr, whole = _address(ptr_or_buffer)
     if size is None:
         if whole is None:

@@ -17,11 +17,12 @@ and carry PyTorch's frames.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import pickle
 from typing import Any, Dict, List, Optional, Union
 
-from . import _call, _lib
+from . import _call, _device_index, _lib
 
 __all__ = ["_record_memory_history", "_snapshot", "_dump_snapshot", "is_recording"]
 
@@ -55,8 +56,12 @@ def _record_memory_history(
     if enabled not in (None, "state", "all"):
         raise ValueError(f"enabled={enabled!r}: expected None, 'state' or 'all'")
     on = enabled is not None
+    entries = operator.index(max_entries)  # an int: "10" or 1.5 is a TypeError
+    if entries < 0:
+        raise ValueError(f"max_entries must be >= 0, got {entries}")
     _lib.load()
-    _call("ccalloc_record_history", on, max(int(max_entries), 0), not on or clear_history)
+    # PyTorch's callers pass sys.maxsize for "no limit": anything past size_t means that too.
+    _call("ccalloc_record_history", on, min(entries, (1 << 64) - 1), not on or clear_history)
 
 
 def is_recording() -> bool:
@@ -68,7 +73,7 @@ def _snapshot(device: Optional[int] = None) -> Dict[str, Any]:
     """The snapshot as a dict in ``torch.cuda.memory._snapshot()``'s format."""
     lib = _lib.load()
     handle = ctypes.c_void_p()
-    device_index = -1 if device is None else int(device)
+    device_index = -1 if device is None else _device_index(device)
     _call("ccalloc_snapshot_take", device_index, True, ctypes.byref(handle))
     try:
         n_segments, n_trace = ctypes.c_size_t(), ctypes.c_size_t()
@@ -136,8 +141,11 @@ def _snapshot(device: Optional[int] = None) -> Dict[str, Any]:
 def _dump_snapshot(filename: Union[str, "os.PathLike[str]"] = "dump_snapshot.pickle") -> None:
     """Writes the snapshot to ``filename`` as a pickle (the C library writes it, as
     ``ccalloc_dump_snapshot`` does for C and C++ hosts)."""
+    path = os.fsencode(filename)
+    if b"\0" in path:
+        raise ValueError(f"filename {filename!r} contains a NUL byte")
     _lib.load()
-    _call("ccalloc_dump_snapshot", os.fsencode(filename))
+    _call("ccalloc_dump_snapshot", path)
 
 
 def _load(filename: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:

@@ -252,3 +252,16 @@ def test_pinned_tensor_keeps_its_block_while_the_tensor_lives(monkeypatch):
     # Freed, but reusable only once stream 9's work is done: emptying the cache waits for it.
     ccalloc.host_empty_cache()
     assert ccalloc.host_memory_stats()["active_requests.current"] == 0
+
+
+def test_unknown_advice_is_a_value_error():
+    """A misspelled name was a KeyError, and an int past 32 bits was cut to another advice."""
+    buf = ccalloc.managed_empty(MiB, "uint8")
+    try:
+        for bad in ("bogus", 2**32 + 1, -1, 0, 7):
+            with pytest.raises(ValueError):
+                ccalloc.advise(buf, bad, device=0)
+        with pytest.raises(TypeError):
+            ccalloc.advise(buf, 1.5, device=0)
+    finally:
+        buf.close()

@@ -125,3 +125,26 @@ def test_bad_arguments_are_clear_errors():
         memory._snapshot(device=99)
     with pytest.raises(ccalloc.CcallocError, match="cannot write the snapshot"):
         memory._dump_snapshot("/nonexistent-dir/x.pickle")
+
+
+def test_bad_arguments_are_refused_not_misread(tmp_path):
+    """Arguments that were silently cut or wrapped (found by an adversarial test): a device
+    index past 32 bits read as device 0, max_entries=2**64 as 0, a NUL in a filename
+    truncating the path."""
+    import pytest
+
+    for device in (2**40, 2**31, True, 1.5, "cpu"):
+        with pytest.raises((ValueError, TypeError, ccalloc.CcallocError)):
+            memory._snapshot(device)
+    assert memory._snapshot("cuda:0")["device_traces"] is not None
+    for bad, error in ((-1, ValueError), ("10", TypeError), (1.5, TypeError)):
+        with pytest.raises(error):
+            memory._record_memory_history(max_entries=bad)
+    memory._record_memory_history(max_entries=2**64 + 3)  # no limit, as sys.maxsize
+    try:
+        assert memory.is_recording()
+    finally:
+        memory._record_memory_history(enabled=None)
+    with pytest.raises(ValueError):
+        memory._dump_snapshot(str(tmp_path / "x\0y"))
+    assert not (tmp_path / "x").exists()
