@@ -528,7 +528,8 @@ ccalloc_status ccalloc_history_oldest_seq(uint64_t *out_seq);
 // Adds `observer`, called with every segment event (actions 3 to 6) whether or not the
 // history is recorded: a segment's free or unmap comes before the memory goes, its
 // allocation or map once it is usable. It runs under the device's lock and must not call
-// ccalloc. Observers stay for the life of the process (PyTorch's trace trackers).
+// ccalloc (such a call fails with `CCALLOC_INVALID_ARGUMENT`). Observers stay for the life
+// of the process (PyTorch's trace trackers).
 ccalloc_status ccalloc_add_segment_observer(ccalloc_trace_observer observer, void *ctx);
 
 // Takes a snapshot of `device` (-1: every device): its segments with their blocks and,

@@ -223,6 +223,7 @@ pub(crate) fn record(action: Action, device: i32, addr: u64, size: u64, stream: 
         };
         // Poisoned: no observer is called (see `with_recorder`).
         if let Ok(observers) = lock(&OBSERVERS, "the segment observers") {
+            let _refuse_calls = crate::runtime::ObserverScope::enter();
             for observer in observers.iter() {
                 observer(&entry);
             }

@@ -695,6 +695,10 @@ struct ThreadCalls {
     /// The slot `HAZARD` owns, once registered; `None` before that and once it is given
     /// back (`ThreadHazard::drop`).
     slot: Cell<Option<&'static HazardSlot>>,
+    /// Whether this thread is running a segment observer (`ObserverScope`), which runs with
+    /// ccalloc's locks held: a call from it is refused (`guard`), since it would wait for
+    /// a lock its own thread holds.
+    in_observer: Cell<bool>,
 }
 
 thread_local! {
@@ -702,8 +706,30 @@ thread_local! {
         ThreadCalls {
             depth: Cell::new(0),
             slot: Cell::new(None),
+            in_observer: Cell::new(false),
         }
     };
+}
+
+/// Marks the calling thread as running segment observers until dropped.
+pub(crate) struct ObserverScope(bool);
+
+impl ObserverScope {
+    pub(crate) fn enter() -> Self {
+        Self(CALLS.with(|c| c.in_observer.replace(true)))
+    }
+}
+
+impl Drop for ObserverScope {
+    fn drop(&mut self) {
+        let _ = CALLS.try_with(|c| c.in_observer.set(self.0));
+    }
+}
+
+/// Whether the calling thread is inside a segment observer (`ObserverScope`).
+#[inline]
+pub(crate) fn in_observer() -> bool {
+    CALLS.with(|c| c.in_observer.get())
 }
 
 /// This thread's hazard slot, registered on first use; `None` once the thread's storage is

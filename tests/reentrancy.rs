@@ -7,7 +7,9 @@
 
 use ccalloc::capi::ccalloc_status::*;
 use ccalloc::capi::*;
-use ccalloc::capi::{ccalloc_pool_id, ccalloc_stats, ccalloc_status, cudaStream_t};
+use ccalloc::capi::{
+    ccalloc_pool_id, ccalloc_stats, ccalloc_status, ccalloc_trace_entry, cudaStream_t,
+};
 use std::ffi::{c_void, CStr};
 use std::sync::mpsc;
 use std::sync::Mutex;
@@ -109,4 +111,56 @@ fn a_filter_calling_back_into_ccalloc_neither_deadlocks_nor_allocates() {
     });
     assert_eq!(status, CCALLOC_OK);
     assert_eq!(ccalloc_free(ptr as *mut c_void, 0), CCALLOC_OK);
+}
+
+/// What the segment observer saw when it called back in.
+static OBSERVED: Mutex<Vec<(ccalloc_status, ccalloc_status, String)>> = Mutex::new(Vec::new());
+
+unsafe extern "C" fn calling_observer(_ctx: *mut c_void, _entry: *const ccalloc_trace_entry) {
+    let mut stats = std::mem::MaybeUninit::<ccalloc_stats>::zeroed();
+    let stats_status = ccalloc_get_stats(0, stats.as_mut_ptr());
+    let mut p = std::ptr::null_mut();
+    let malloc = ccalloc_malloc(MIB, 0, std::ptr::null_mut(), &mut p);
+    let message = unsafe { CStr::from_ptr(ccalloc_last_error()) }
+        .to_string_lossy()
+        .into_owned();
+    OBSERVED
+        .lock()
+        .unwrap()
+        .push((stats_status, malloc, message));
+}
+
+/// A segment observer runs with ccalloc's locks held (its contract: it must not call
+/// ccalloc). One that does anyway, as a Python callback reading `memory_allocated()` might,
+/// hung on its first event; its calls are now refused with a message, and the call that
+/// made the event completes.
+#[test]
+fn a_segment_observer_calling_back_into_ccalloc_is_refused_not_deadlocked() {
+    std::env::set_var("CCALLOC_BACKEND", "sim");
+    std::env::set_var("CCALLOC_SIM_CAPACITY", "4GiB");
+    assert_eq!(ccalloc_init(), CCALLOC_OK);
+    assert_eq!(
+        ccalloc_add_segment_observer(Some(calling_observer), std::ptr::null_mut()),
+        CCALLOC_OK
+    );
+    let (status, ptr) = bounded("malloc with a re-entrant segment observer", || {
+        let mut p = std::ptr::null_mut();
+        // Larger than anything cached: new pages, so segment events.
+        let s = ccalloc_malloc(64 * MIB, 0, std::ptr::null_mut(), &mut p);
+        (s, p as usize)
+    });
+    assert_eq!(status, CCALLOC_OK);
+    let seen = OBSERVED.lock().unwrap().clone();
+    assert!(!seen.is_empty(), "the observer ran");
+    for (stats, malloc, message) in &seen {
+        assert_eq!(
+            (*stats, *malloc),
+            (CCALLOC_INVALID_ARGUMENT, CCALLOC_INVALID_ARGUMENT)
+        );
+        assert!(message.contains("segment observer"), "{message}");
+    }
+    assert_eq!(ccalloc_free(ptr as *mut c_void, 0), CCALLOC_OK);
+    // Outside the observer, this thread's calls work as usual.
+    let mut stats = std::mem::MaybeUninit::<ccalloc_stats>::zeroed();
+    assert_eq!(ccalloc_get_stats(0, stats.as_mut_ptr()), CCALLOC_OK);
 }

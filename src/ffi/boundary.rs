@@ -55,6 +55,9 @@ pub(crate) fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status 
     if crate::runtime::is_forked_child() {
         return forked();
     }
+    if crate::runtime::in_observer() {
+        return from_observer();
+    }
     let _scope = crate::runtime::CallScope::enter();
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => ccalloc_status::CCALLOC_OK,
@@ -68,6 +71,21 @@ pub(crate) fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status 
             true,
         ),
     }
+}
+
+/// `guard`'s answer to a call from a segment observer (`ccalloc_add_segment_observer`),
+/// which runs with ccalloc's locks held: the call would wait for its own thread.
+#[cold]
+#[inline(never)]
+fn from_observer() -> ccalloc_status {
+    record_failure(
+        ccalloc_status::CCALLOC_INVALID_ARGUMENT,
+        "ccalloc was called from a segment observer, which runs with ccalloc's locks held: \
+         the call would wait for its own thread. Observers must not call ccalloc; record the \
+         event and act on it after the observer returns"
+            .into(),
+        false,
+    )
 }
 
 /// `guard`'s answer in a forked child.

@@ -179,7 +179,8 @@ fn entry_of(e: &history::Entry) -> ccalloc_trace_entry {
 /// Adds `observer`, called with every segment event (actions 3 to 6) whether or not the
 /// history is recorded: a segment's free or unmap comes before the memory goes, its
 /// allocation or map once it is usable. It runs under the device's lock and must not call
-/// ccalloc. Observers stay for the life of the process (PyTorch's trace trackers).
+/// ccalloc (such a call fails with `CCALLOC_INVALID_ARGUMENT`). Observers stay for the life
+/// of the process (PyTorch's trace trackers).
 #[no_mangle]
 pub extern "C" fn ccalloc_add_segment_observer(
     observer: ccalloc_trace_observer,
