@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import operator
 import os
 import sys
 import threading
@@ -652,7 +653,10 @@ def last_error() -> str:
 
 def status_name(status: int) -> str:
     """``ccalloc_status_name()``, e.g. ``"CCALLOC_OUT_OF_MEMORY"``."""
-    return _decode(load().ccalloc_status_name(int(status)))
+    status = operator.index(status)
+    if not 0 <= status < 1 << 32:
+        raise ValueError(f"status {status} is not a ccalloc_status (an unsigned 32-bit value)")
+    return _decode(load().ccalloc_status_name(status))
 
 
 def check(status: int) -> None:

@@ -290,7 +290,15 @@ def _typestr(dtype: Any) -> Tuple[str, int]:
                 f"dtype must be a name such as 'float32' or a NumPy dtype, not {dtype!r}"
             )
         typestr = _TYPESTRS.get(name, name)
-    if len(typestr) < 3 or typestr[0] not in "<>|=" or not typestr[2:].isdigit():
+    # NumPy's array-interface kinds (b bool, i/u int, f float, c complex, V raw bytes...),
+    # with a positive item size.
+    if (
+        len(typestr) < 3
+        or typestr[0] not in "<>|="
+        or typestr[1] not in "biufcmMOSUV"
+        or not typestr[2:].isdigit()
+        or int(typestr[2:]) == 0
+    ):
         raise ValueError(f"unknown dtype {dtype!r}")
     if struct.pack("=H", 1) != struct.pack("<H", 1) and typestr[0] == "<":
         raise ValueError("big-endian hosts are not supported")

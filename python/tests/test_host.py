@@ -126,6 +126,9 @@ def test_buffers_expose_array_interfaces_and_free_themselves():
     m.close()  # once only
     with pytest.raises(ValueError):
         ccalloc.pinned_empty((2,), "nonsense")
+    for typestr in ("<x4", "<f0", "|b0"):  # no such kind; a zero-sized item
+        with pytest.raises(ValueError):
+            ccalloc.pinned_empty((2,), typestr)
 
 
 def test_memoryview_keeps_its_buffer_alive():

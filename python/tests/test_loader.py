@@ -332,6 +332,9 @@ def test_status_enum_matches_header_and_library():
     for status in ccalloc.Status:
         assert _lib.status_name(status) == status.c_name
     assert _lib.status_name(999) == "CCALLOC_UNKNOWN_STATUS"
+    for wrapped in (2**32 + 3, -1):  # were cut to 32 bits: 2**32 + 3 read as SHUT_DOWN
+        with pytest.raises(ValueError):
+            _lib.status_name(wrapped)
 
 
 def test_every_status_has_an_error_class():
