@@ -26,6 +26,7 @@ const LIMITS: trace::Limits = trace::Limits {
     max_pickle_bytes: 1 << 20,
     pickle_elements_per_byte: 16,
     pickle_elements_floor: 10_000,
+    max_events: trace::DEFAULT_MAX_EVENTS,
 };
 
 const CSV: &str = "action,addr,size,stream\n\

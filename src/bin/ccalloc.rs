@@ -103,9 +103,13 @@ fn main() -> ExitCode {
                 check_unmaps,
                 ..ReplayOptions::default()
             };
+            let limits = trace::Limits {
+                max_events,
+                ..trace::Limits::default()
+            };
             let mut reports = Vec::new();
             for file in &files {
-                let traces = match trace::load_at_most(file, max_events) {
+                let traces = match trace::load_within(file, &limits) {
                     Ok(t) => t,
                     Err(e) => {
                         eprintln!("error: {e}");

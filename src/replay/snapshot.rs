@@ -85,16 +85,17 @@ impl EntryBudget {
         self.exceeded.get()
     }
 
-    /// Takes one entry: false (and noted) once none is left.
-    fn take(&self) -> bool {
+    /// Takes one entry (a device's list counts as one too): an error, and noted, once none
+    /// is left.
+    fn take<E: de::Error>(&self) -> Result<(), E> {
         match self.left.get() {
             0 => {
                 self.exceeded.set(true);
-                false
+                Err(E::custom("more trace entries than the most read"))
             }
             left => {
                 self.left.set(left - 1);
-                true
+                Ok(())
             }
         }
     }
@@ -174,9 +175,7 @@ impl<'de> Visitor<'de> for DevicesVisitor<'_> {
         let mut devices = Vec::new();
         while let Some(Entries(entries)) = seq.next_element_seed(EntriesSeed(self.0))? {
             // A device's list is kept as an entry is (millions of empty ones cost memory).
-            if !self.0.take() {
-                return Err(de::Error::custom("more trace entries than the most read"));
-            }
+            self.0.take()?;
             devices.push(entries);
         }
         Ok(Devices(Some(devices)))
@@ -200,9 +199,7 @@ impl<'de> Visitor<'de> for EntriesVisitor<'_> {
         while let Some(entry) = seq.next_element::<Entry>()? {
             // Checked as each is kept: a memoized entry referenced many times is decoded
             // (and would be kept) once per reference.
-            if !self.0.take() {
-                return Err(de::Error::custom("more trace entries than the most read"));
-            }
+            self.0.take()?;
             entries.push(entry);
         }
         Ok(Entries(Some(entries)))

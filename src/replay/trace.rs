@@ -65,6 +65,9 @@ pub struct Limits {
     /// to a few elements per byte.
     pub pickle_elements_per_byte: u64,
     pub pickle_elements_floor: u64,
+    /// Events read from one file, all its traces together (`ccalloc replay --max-events`;
+    /// `DEFAULT_MAX_EVENTS`).
+    pub max_events: u64,
 }
 
 impl Default for Limits {
@@ -74,6 +77,7 @@ impl Default for Limits {
             max_pickle_bytes: 1 << 30,
             pickle_elements_per_byte: 16,
             pickle_elements_floor: 1 << 22,
+            max_events: DEFAULT_MAX_EVENTS,
         }
     }
 }
@@ -116,40 +120,28 @@ fn clip_message(message: &str) -> String {
 }
 
 /// Reads one file: a CSV trace (plain or .gz) or a PyTorch snapshot pickle (one trace per
-/// device that has events), of at most `DEFAULT_MAX_EVENTS` events.
+/// device that has events), within the default `Limits`.
 pub fn load(path: &Path) -> Result<Vec<Trace>> {
-    load_at_most(path, DEFAULT_MAX_EVENTS)
+    load_within(path, &Limits::default())
 }
 
-/// `load`, refusing a file of more than `max_events` events (all its traces together).
-pub fn load_at_most(path: &Path, max_events: u64) -> Result<Vec<Trace>> {
+/// `load`, within `limits`.
+pub fn load_within(path: &Path, limits: &Limits) -> Result<Vec<Trace>> {
     let file = std::fs::File::open(path).map_err(|e| bad(path, e))?;
-    load_from_at_most(path, file, &Limits::default(), max_events)
+    load_from(path, file, limits)
 }
 
 /// Reads a trace from `input` (named `path` in messages and the trace's name), within
-/// `limits`, of at most `DEFAULT_MAX_EVENTS` events. What it is (gzip, pickle, CSV) is
-/// decided by its first bytes.
+/// `limits`. What it is (gzip, pickle, CSV) is decided by its first bytes.
 pub fn load_from(path: &Path, input: impl Read, limits: &Limits) -> Result<Vec<Trace>> {
-    load_from_at_most(path, input, limits, DEFAULT_MAX_EVENTS)
-}
-
-/// `load_from`, refusing input of more than `max_events` events (all its traces together)
-/// before it holds them.
-pub fn load_from_at_most(
-    path: &Path,
-    input: impl Read,
-    limits: &Limits,
-    max_events: u64,
-) -> Result<Vec<Trace>> {
     let (head, input) = peek(input).map_err(|e| bad(path, e))?;
     if head.starts_with(&[0x1f, 0x8b]) {
         // Every member: `cat a.gz b.gz`, pigz and bgzip write several.
         let plain = Gunzip(flate2::read::MultiGzDecoder::new(input));
         let (head, plain) = peek(plain).map_err(|e| bad(path, e))?;
-        return load_plain(path, &head, plain, limits, max_events);
+        return load_plain(path, &head, plain, limits);
     }
-    load_plain(path, &head, input, limits, max_events)
+    load_plain(path, &head, input, limits)
 }
 
 /// The first two bytes of `input` (fewer if it is shorter) and `input` read from its start.
@@ -170,13 +162,7 @@ impl<R: Read> Read for Gunzip<R> {
     }
 }
 
-fn load_plain(
-    path: &Path,
-    head: &[u8],
-    input: impl Read,
-    limits: &Limits,
-    max_events: u64,
-) -> Result<Vec<Trace>> {
+fn load_plain(path: &Path, head: &[u8], input: impl Read, limits: &Limits) -> Result<Vec<Trace>> {
     let name = trace_name(path);
     // Protocol 2 and later open with PROTO; a CSV trace opens with its header.
     if head.first() == Some(&0x80) {
@@ -194,10 +180,9 @@ fn load_plain(
                 ),
             ));
         }
-        return load_pickle(path, &name, &raw, limits, max_events);
+        return load_pickle(path, &name, &raw, limits);
     }
-    let input = BufReader::new(input);
-    Ok(vec![load_csv(path, name, input, limits, max_events)?])
+    Ok(vec![load_csv(path, name, BufReader::new(input), limits)?])
 }
 
 fn trace_name(path: &Path) -> String {
@@ -236,13 +221,8 @@ fn next_line(
     Ok(Some(true))
 }
 
-fn load_csv(
-    path: &Path,
-    name: String,
-    mut input: impl BufRead,
-    limits: &Limits,
-    max_events: u64,
-) -> Result<Trace> {
+fn load_csv(path: &Path, name: String, mut input: impl BufRead, limits: &Limits) -> Result<Trace> {
+    let max_events = limits.max_events;
     const HEADER: &str = "action,addr,size,stream";
     let mut events = Vec::new();
     let mut raw = Vec::new();
@@ -325,13 +305,8 @@ fn load_csv(
 /// it cannot overflow a thread's stack.
 const MAX_PICKLE_DEPTH: usize = 64;
 
-fn load_pickle(
-    path: &Path,
-    name: &str,
-    raw: &[u8],
-    limits: &Limits,
-    max_events: u64,
-) -> Result<Vec<Trace>> {
+fn load_pickle(path: &Path, name: &str, raw: &[u8], limits: &Limits) -> Result<Vec<Trace>> {
+    let max_events = limits.max_events;
     // The decoder builds and drops values recursively, and copies a memoized value at each
     // reference to it: a small file of nested lists would overflow the stack and abort, one
     // of many references would take time and memory far beyond its size. Measured first,
@@ -471,7 +446,11 @@ mod tests {
     }
 
     fn load(raw: &[u8], max_events: u64) -> Result<Vec<Trace>> {
-        load_from_at_most(Path::new("t.pickle"), raw, &Limits::default(), max_events)
+        let limits = Limits {
+            max_events,
+            ..Limits::default()
+        };
+        load_from(Path::new("t.pickle"), raw, &limits)
     }
 
     #[test]
@@ -531,8 +510,13 @@ mod tests {
     fn csv_events_past_the_most_read_are_refused_at_their_line() {
         let csv =
             "action,addr,size,stream\nalloc,1,512,0\nsnapshot,0,0,0\nfree_completed,1,512,0\n";
-        let load =
-            |max| load_from_at_most(Path::new("t.csv"), csv.as_bytes(), &Limits::default(), max);
+        let load = |max_events| {
+            let limits = Limits {
+                max_events,
+                ..Limits::default()
+            };
+            load_from(Path::new("t.csv"), csv.as_bytes(), &limits)
+        };
         assert_eq!(
             load(2).unwrap()[0].events.len(),
             2,
