@@ -726,12 +726,6 @@ impl Drop for ObserverScope {
     }
 }
 
-/// Whether the calling thread is inside a segment observer (`ObserverScope`).
-#[inline]
-pub(crate) fn in_observer() -> bool {
-    CALLS.with(|c| c.in_observer.get())
-}
-
 /// This thread's hazard slot, registered on first use; `None` once the thread's storage is
 /// gone (a call from a thread-local destructor).
 fn own_slot() -> Option<Result<&'static HazardSlot>> {
@@ -780,10 +774,17 @@ pub(crate) fn is_forked_child() -> bool {
 pub(crate) struct CallScope(());
 
 impl CallScope {
+    /// `None` (nothing counted) inside a segment observer (`ObserverScope`), where a call
+    /// must be refused: read with the depth, in the one thread-local access a call makes.
     #[inline]
-    pub(crate) fn enter() -> Self {
-        CALLS.with(|c| c.depth.set(c.depth.get() + 1));
-        Self(())
+    pub(crate) fn enter() -> Option<Self> {
+        CALLS.with(|c| {
+            if c.in_observer.get() {
+                return None;
+            }
+            c.depth.set(c.depth.get() + 1);
+            Some(Self(()))
+        })
     }
 }
 

@@ -55,10 +55,9 @@ pub(crate) fn guard(body: impl FnOnce() -> Result<(), Error>) -> ccalloc_status 
     if crate::runtime::is_forked_child() {
         return forked();
     }
-    if crate::runtime::in_observer() {
+    let Some(_scope) = crate::runtime::CallScope::enter() else {
         return from_observer();
-    }
-    let _scope = crate::runtime::CallScope::enter();
+    };
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => ccalloc_status::CCALLOC_OK,
         Ok(Err(error)) => record_failure(error.kind.status(), error.message, false),
