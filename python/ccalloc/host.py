@@ -390,8 +390,9 @@ class HostBuffer:
         record(self.ptr, stream, device)
 
     def memoryview(self) -> memoryview:
-        """The bytes, as a writable ``memoryview`` (valid until ``close()``; it keeps the
-        buffer alive, so dropping every other reference does not free the memory under it)."""
+        """The bytes, as a writable ``memoryview``. It keeps the buffer alive, so dropping
+        every other reference does not free the memory under it, and ``close()`` refuses
+        while it (or a view taken from it) is alive."""
         self._check_open()
         raw = (ctypes.c_char * self.nbytes).from_address(self.ptr)
         # from_address holds no reference to the memory's owner: the array holds the buffer,
